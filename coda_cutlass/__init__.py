@@ -1,0 +1,33 @@
+"""coda-cutlass: fused GEMM + epilogue kernels for Hopper, compiled from small Python programs.
+
+    import torch, coda_cutlass as cc
+
+    @cc.epilogue
+    def residual_norm_stats(acc, resid: cc.Tile, g: cc.PerCol):
+        x = acc + resid
+        return {"D": x, "h": x * g, "sumsq": cc.row_sum(x * x)}
+
+    k = cc.compile_epilogue(residual_norm_stats, dtype=torch.bfloat16)
+    out = k(A, W, resid=R, g=gamma)          # dict of outputs
+"""
+
+__version__ = "0.1.0"
+
+from .config import KernelConfig
+from .errors import (BuildError, CallError, CodaError, ConfigError, DeviceError, EpilogueError,
+                     ToolchainError)
+from .frontend.operands import PerCol, PerRow, Scalar, Tile
+from .frontend.primitives import (abs, accumulate, cast, col_max, col_min, col_sum, exp, gelu, log,
+                                  maximum, minimum, pow, reciprocal, relu, row_max, row_min, row_sum,
+                                  rsqrt, sigmoid, silu, sqrt, square, tanh, total_sum, where)
+from .frontend.trace import EpilogueProgram, epilogue
+from .api import compile_epilogue, compile_many, emit, reference
+
+__all__ = [
+    "__version__", "epilogue", "EpilogueProgram", "compile_epilogue", "compile_many", "emit", "reference",
+    "Tile", "PerRow", "PerCol", "Scalar", "KernelConfig",
+    "abs", "accumulate", "cast", "col_max", "col_min", "col_sum", "exp", "gelu", "log", "maximum",
+    "minimum", "pow", "reciprocal", "relu", "row_max", "row_min", "row_sum", "rsqrt", "sigmoid", "silu",
+    "sqrt", "square", "tanh", "total_sum", "where",
+    "CodaError", "EpilogueError", "ConfigError", "CallError", "BuildError", "ToolchainError", "DeviceError",
+]

@@ -1,0 +1,121 @@
+"""Public entry points: compile_epilogue, compile_many, emit, reference."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .build.builder import build
+from .build.progress import say
+from .config import KernelConfig
+from .dtypes import BF16, as_dtype, as_operand_dtype
+from .interpret import PRECISIONS, interpret
+from .pipeline import Options, lower_program, typed_ir
+from .runtime.kernel import CompiledEpilogue
+
+
+def _options(dtype: Any, weight_layout: str, config: KernelConfig | None, input_dtypes: Mapping[str, Any] | None,
+             output_dtypes: Mapping[str, Any] | None, constants: Mapping[str, float] | None) -> Options:
+    return Options.make(dtype, weight_layout, config, input_dtypes, output_dtypes, constants)
+
+
+def emit(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
+         config: KernelConfig | None = None, input_dtypes: Mapping[str, Any] | None = None,
+         output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None) -> str:
+    """The generated `.cu` for a program, as text. Traces, validates and renders; runs no compiler."""
+    return lower_program(program, _options(dtype, weight_layout, config, input_dtypes, output_dtypes,
+                                           constants)).source
+
+
+def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
+                     config: KernelConfig | None = None, input_dtypes: Mapping[str, Any] | None = None,
+                     output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
+                     partial_reductions: bool = False, cache_dir: str | Path | None = None,
+                     verbose: bool | None = None, force_rebuild: bool = False) -> CompiledEpilogue:
+    """Compile an epilogue program into a fused GEMM + epilogue kernel (or fetch it from the cache).
+
+    Args:
+        program: a function decorated with ``@cc.epilogue``.
+        dtype: GEMM operand dtype, ``torch.bfloat16`` or ``torch.float16``; accumulation is fp32.
+        weight_layout: ``"nk"``: W is (N, K) as in ``nn.Linear`` (acc = A @ W.T); ``"kn"``: W is (K, N).
+        config: mainloop configuration (tile, cluster, schedule); default 128x256x64, cluster 2x1.
+        input_dtypes: dtype per operand name (default: ``dtype``; scalars are fp32).
+        output_dtypes: dtype per output name (default: ``dtype`` for tiles, fp32 for reductions).
+        constants: values for the program's constant parameters.
+        partial_reductions: return reductions as raw per-tile fp32 partials (rows: (ceil(N/tile_n), M);
+            columns: (ceil(M/tile_m), N)) for a consumer to finish, instead of finished vectors.
+        cache_dir: kernel cache directory (default ``$CODA_CUTLASS_CACHE_DIR`` or ~/.cache/coda-cutlass).
+        verbose: progress output on stderr (default on; ``CODA_CUTLASS_QUIET=1`` turns it off).
+        force_rebuild: ignore prebuilt and cached kernels.
+
+    Works without a GPU: the kernel is built and can be inspected; calling it needs an sm_90 GPU.
+    """
+    opts = _options(dtype, weight_layout, config, input_dtypes, output_dtypes, constants)
+    lowered = lower_program(program, opts)
+    result = build(lowered.source, lowered.program.name, cache_dir=cache_dir, verbose=verbose, force=force_rebuild)
+    return CompiledEpilogue(lowered, result, partial_reductions=partial_reductions)
+
+
+def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: int | None = None,
+                 verbose: bool | None = None, **kwargs: Any) -> list[CompiledEpilogue]:
+    """Compile several kernels in parallel (nvcc runs concurrently; results in input order).
+
+    Each item is a program, or a ``(program, options_dict)`` pair overriding the shared keyword
+    options. ``jobs`` defaults to the number of CPU cores (nvcc uses one core per kernel).
+    """
+    items: list[tuple[Any, dict[str, Any]]] = []
+    for item in programs:
+        if isinstance(item, tuple):
+            prog, extra = item
+            items.append((prog, {"dtype": dtype, **kwargs, **extra}))
+        else:
+            items.append((item, {"dtype": dtype, **kwargs}))
+    # Lower everything first so program errors surface before any compiler runs.
+    partial = [opts.pop("partial_reductions", False) for _, opts in items]
+    force = [opts.pop("force_rebuild", False) for _, opts in items]
+    cache_dir = [opts.pop("cache_dir", None) for _, opts in items]
+    lowered = [lower_program(p, _options(opts.pop("dtype"), opts.pop("weight_layout", "nk"), opts.pop("config", None),
+                                         opts.pop("input_dtypes", None), opts.pop("output_dtypes", None),
+                                         opts.pop("constants", None))) for p, opts in items]
+    for (p, opts) in items:
+        if opts:
+            raise TypeError(f"compile_many: unknown options {sorted(opts)}")
+    jobs = jobs or os.cpu_count() or 2
+    total = len(lowered)
+    start = time.monotonic()
+    done = [0]
+
+    def one(i: int) -> CompiledEpilogue:
+        lo = lowered[i]
+        res = build(lo.source, lo.program.name, cache_dir=cache_dir[i], verbose=False, force=force[i])
+        done[0] += 1
+        say(f"[{done[0]}/{total}] {lo.program.name}: {res.origin}"
+            + (f" in {res.seconds:.0f} s" if res.origin == "built" else ""), verbose)
+        return CompiledEpilogue(lo, res, partial_reductions=partial[i])
+
+    say(f"building {total} kernels with up to {jobs} parallel nvcc jobs", verbose)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        out = list(pool.map(one, range(total)))
+    say(f"{total} kernels ready in {time.monotonic() - start:.0f} s", verbose)
+    return out
+
+
+def reference(program: Any, A: torch.Tensor, W: torch.Tensor, *, dtype: Any = None, weight_layout: str = "nk",
+              precision: str = "kernel", input_dtypes: Mapping[str, Any] | None = None,
+              output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
+              **operands: Any) -> dict[str, torch.Tensor]:
+    """Evaluate a program with the torch reference interpreter (CPU or GPU), returning the same dict
+    a compiled kernel returns. ``precision``: ``"kernel"`` (the kernel's rounding points), ``"fp32"``
+    (no rounding) or ``"lowp"`` (every op rounded to the operand dtype, like eager torch)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if dtype is None:
+        dtype = A.dtype if A.dtype in (torch.bfloat16, torch.float16) else BF16
+    opts = _options(as_operand_dtype(as_dtype(dtype)), weight_layout, None, input_dtypes, output_dtypes, constants)
+    ir = typed_ir(program, opts)
+    return interpret(ir, A, W, operands, weight_layout=weight_layout, precision=precision)

@@ -1,0 +1,119 @@
+"""Kernel configurations: the mainloop/epilogue choices that are baked into a build, and the runtime
+knobs (raster order, swizzle) that are not.
+
+Measured on the H200 (GPU.md): 128x256x64 cooperative with a 2x1 or 1x2 cluster lands within a
+few percent of cuBLAS on Llama shapes; the untuned 128x128 1x1 is 1.17-1.40x with an EVT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from .errors import ConfigError
+
+SCHEDULES = ("cooperative", "pingpong")
+RASTERS = ("heuristic", "m", "n")
+SWIZZLES = (1, 2, 4, 8)
+SCHEDULERS = ("persistent", "streamk")
+
+# C++ names of the schedules
+KERNEL_SCHEDULE = {
+    "cooperative": "cutlass::gemm::KernelTmaWarpSpecializedCooperative",
+    "pingpong": "cutlass::gemm::KernelTmaWarpSpecializedPingpong",
+}
+EPILOGUE_SCHEDULE = {
+    "cooperative": "cutlass::epilogue::TmaWarpSpecializedCooperative",
+    "pingpong": "cutlass::epilogue::TmaWarpSpecialized",
+}
+TILE_SCHEDULER = {
+    "persistent": "cutlass::gemm::PersistentScheduler",
+    "streamk": "cutlass::gemm::StreamKScheduler",
+}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Build-time configuration. ``raster`` and ``swizzle`` are runtime defaults (no rebuild)."""
+
+    tile_m: int = 128
+    tile_n: int = 256
+    tile_k: int = 64
+    cluster_m: int = 2
+    cluster_n: int = 1
+    schedule: str = "cooperative"
+    scheduler: str = "persistent"
+    epilogue_tile: tuple[int, int] | None = None    # None: CUTLASS's EpilogueTileAuto
+    raster: str = "heuristic"
+    swizzle: int = 1
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        return (self.tile_m, self.tile_n)
+
+    @property
+    def build_key(self) -> dict[str, Any]:
+        """The fields that change the generated code."""
+        d = asdict(self)
+        d.pop("raster")
+        d.pop("swizzle")
+        return d
+
+    def name(self) -> str:
+        epi = "" if self.epilogue_tile is None else f"_e{self.epilogue_tile[0]}x{self.epilogue_tile[1]}"
+        sched = "" if self.scheduler == "persistent" else f"_{self.scheduler}"
+        return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}_c{self.cluster_m}x{self.cluster_n}_"
+                f"{self.schedule}{sched}{epi}")
+
+    def with_runtime(self, raster: str | None = None, swizzle: int | None = None) -> "KernelConfig":
+        return replace(self, raster=raster or self.raster, swizzle=swizzle or self.swizzle)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KernelConfig":
+        d = dict(d)
+        if d.get("epilogue_tile") is not None:
+            d["epilogue_tile"] = tuple(d["epilogue_tile"])
+        return cls(**d)
+
+
+def check_config(c: KernelConfig) -> None:
+    """Reject configurations CUTLASS's sm90 builders cannot instantiate, before compiling anything."""
+    def bad(msg: str) -> ConfigError:
+        return ConfigError(f"kernel config {c.tile_m}x{c.tile_n}x{c.tile_k} c{c.cluster_m}x{c.cluster_n} "
+                           f"{c.schedule}: {msg}")
+    if c.schedule not in SCHEDULES:
+        raise bad(f"schedule must be one of {SCHEDULES}")
+    if c.scheduler not in SCHEDULERS:
+        raise bad(f"scheduler must be one of {SCHEDULERS}")
+    if c.raster not in RASTERS:
+        raise bad(f"raster must be one of {RASTERS}")
+    if c.swizzle not in SWIZZLES:
+        raise bad(f"swizzle must be one of {SWIZZLES}")
+    min_m = 128 if c.schedule == "cooperative" else 64
+    if c.tile_m not in (64, 128, 256) or c.tile_m < min_m:
+        raise bad(f"tile_m must be in (64, 128, 256) and >= {min_m} for the {c.schedule} schedule")
+    if c.tile_n not in (64, 128, 192, 256):
+        raise bad("tile_n must be one of 64, 128, 192, 256")
+    if c.tile_k not in (32, 64, 128):
+        raise bad("tile_k must be one of 32, 64, 128")
+    if c.cluster_m * c.cluster_n > 4 or c.cluster_m not in (1, 2, 4) or c.cluster_n not in (1, 2, 4):
+        raise bad("cluster must be 1x1, 1x2, 2x1, 2x2, 1x4 or 4x1")
+    if c.scheduler == "streamk" and c.schedule != "cooperative":
+        raise bad("the stream-K scheduler needs the cooperative schedule")
+    if c.epilogue_tile is not None:
+        em, en = c.epilogue_tile
+        if c.tile_m % em or c.tile_n % en or em % 64 or en % 16:
+            raise bad("epilogue_tile must divide the CTA tile (M a multiple of 64, N of 16)")
+    # Shared memory: the mainloop needs at least 2 stages of A and B tiles next to the epilogue.
+    stage_bytes = (c.tile_m + c.tile_n) * c.tile_k * 2
+    if 2 * stage_bytes > 200 * 1024:
+        raise bad(f"two mainloop stages need {2 * stage_bytes // 1024} KiB of shared memory (max ~227 KiB "
+                  "with the epilogue)")
+
+
+DEFAULT = KernelConfig()
+# Known-good fallback that leaves the most shared memory to the epilogue.
+SMALL = KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=1)

@@ -1,0 +1,57 @@
+"""The element types the compiler knows, and their names in torch and in CUTLASS C++."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str          # short name used in the IR: "bf16", "f16", "f32"
+    torch: torch.dtype
+    cpp: str           # CUTLASS element type
+    bits: int
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+BF16 = DType("bf16", torch.bfloat16, "cutlass::bfloat16_t", 16)
+F16 = DType("f16", torch.float16, "cutlass::half_t", 16)
+F32 = DType("f32", torch.float32, "float", 32)
+
+ALL: tuple[DType, ...] = (BF16, F16, F32)
+OPERAND_DTYPES: tuple[DType, ...] = (BF16, F16)   # GEMM A/W operands
+
+_BY_NAME = {d.name: d for d in ALL}
+_BY_TORCH = {d.torch: d for d in ALL}
+_ALIASES = {"bfloat16": BF16, "float16": F16, "half": F16, "float32": F32, "float": F32, "fp32": F32,
+            "fp16": F16}
+
+
+def as_dtype(value: object, *, what: str = "dtype") -> DType:
+    """Accepts a DType, a torch.dtype or a name ("bf16", "bfloat16", ...)."""
+    if isinstance(value, DType):
+        return value
+    if isinstance(value, torch.dtype):
+        if value in _BY_TORCH:
+            return _BY_TORCH[value]
+    elif isinstance(value, str):
+        key = value.lower()
+        if key in _BY_NAME:
+            return _BY_NAME[key]
+        if key in _ALIASES:
+            return _ALIASES[key]
+    supported = ", ".join(str(d.torch) for d in ALL)
+    raise ConfigError(f"{what} {value!r} is not supported; use one of {supported}")
+
+
+def as_operand_dtype(value: object) -> DType:
+    d = as_dtype(value, what="GEMM operand dtype")
+    if d not in OPERAND_DTYPES:
+        raise ConfigError(f"GEMM operand dtype {d.torch} is not supported; use torch.bfloat16 or torch.float16")
+    return d

@@ -1,0 +1,61 @@
+"""Errors raised at the library's boundary.
+
+Every rejection says what is wrong and where: the epilogue program and IR node for program errors,
+the argument for call errors, the generated `.cu` and the nvcc log for build failures.
+"""
+
+from __future__ import annotations
+
+
+class CodaError(Exception):
+    """Base class of every error coda-cutlass raises on purpose."""
+
+
+class EpilogueError(CodaError):
+    """An epilogue program cannot be compiled: unsupported op, bad output, misuse of a value."""
+
+    def __init__(self, reason: str, *, program: str | None = None, node: str | None = None):
+        self.reason = reason
+        self.program = program
+        self.node = node
+        where = []
+        if program:
+            where.append(f"epilogue '{program}'")
+        if node:
+            where.append(f"node {node}")
+        prefix = ", ".join(where)
+        super().__init__(f"{prefix}: {reason}" if prefix else reason)
+
+
+class ConfigError(CodaError):
+    """A kernel configuration (tile, cluster, schedule, dtypes, layouts) is not supported."""
+
+
+class CallError(CodaError, ValueError):
+    """A compiled kernel was called with arguments it cannot run on (checked before any launch)."""
+
+
+class ToolchainError(CodaError):
+    """nvcc or the CUTLASS headers are missing or unusable."""
+
+
+class BuildError(CodaError):
+    """nvcc failed. Carries the paths of the generated source and of the compiler log."""
+
+    def __init__(self, message: str, *, source_path: str | None = None, log_path: str | None = None,
+                 log_tail: str = ""):
+        self.source_path = source_path
+        self.log_path = log_path
+        self.log_tail = log_tail
+        parts = [message]
+        if source_path:
+            parts.append(f"  source: {source_path}")
+        if log_path:
+            parts.append(f"  nvcc log: {log_path}")
+        if log_tail:
+            parts.append("  last lines of the log:\n" + "\n".join("    " + l for l in log_tail.splitlines()))
+        super().__init__("\n".join(parts))
+
+
+class DeviceError(CodaError, RuntimeError):
+    """No usable GPU (none present, not sm_90), or the kernel reported a launch failure."""

@@ -1,0 +1,1 @@
+"""Tracing Python epilogue functions into the IR."""

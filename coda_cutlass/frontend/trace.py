@@ -1,0 +1,195 @@
+"""``@cc.epilogue`` and tracing: run the user's function on symbolic values and record the IR.
+
+The first parameter is the GEMM accumulator. Every other parameter is an operand, annotated with
+``cc.Tile``, ``cc.PerRow``, ``cc.PerCol`` or ``cc.Scalar``; a parameter annotated ``float``/``int``
+(or left unannotated with a numeric default) is a compile-time constant, overridable with
+``compile_epilogue(..., constants={...})``.
+
+The function returns a dict of named outputs (or a single value, meaning ``{"D": value}``):
+elementwise values become M x N tile outputs, ``cc.row_sum(...)`` and friends become reductions,
+and ``cc.accumulate(v)`` makes the output an in/out tensor updated ``out += v``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import keyword
+from dataclasses import replace
+from typing import Any, Callable, Mapping
+
+from ..errors import EpilogueError
+from ..ir.nodes import Kind, Node, Operand, Program, make_attrs, renumber
+from ..ir.printer import format_program
+from .operands import OperandSpec, resolve_spec
+from .values import Accumulate, ReductionResult, Tracer, Value, apply
+
+_MISSING = inspect.Parameter.empty
+# Keyword names the compiled kernel's call already uses.
+RESERVED_NAMES = frozenset({"A", "W", "raster", "swizzle", "out"})
+
+
+class EpilogueProgram:
+    """A traced-on-demand epilogue program; see ``cc.epilogue``."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None = None):
+        self.fn = fn
+        self.name = name or fn.__name__
+        self.source = _source_location(fn)
+        self.specs, self.constants = _parse_signature(fn, self.name)
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+
+    def trace(self, constants: Mapping[str, float] | None = None) -> Program:
+        return trace(self, constants)
+
+    @property
+    def ir(self) -> Program:
+        return self.trace()
+
+    def __repr__(self) -> str:
+        return f"<cc.epilogue {self.name} from {self.source}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            f"epilogue program '{self.name}' is not called directly: compile it with "
+            "cc.compile_epilogue(program) and call the kernel, or run cc.reference(program, A, W, ...)")
+
+
+def epilogue(fn: Callable[..., Any] | None = None, *, name: str | None = None) -> Any:
+    """Decorator turning ``def f(acc, x: cc.Tile, ...)`` into an epilogue program."""
+    if fn is None:
+        return lambda f: EpilogueProgram(f, name)
+    return EpilogueProgram(fn, name)
+
+
+def as_program(program: Any) -> EpilogueProgram:
+    if isinstance(program, EpilogueProgram):
+        return program
+    if callable(program):
+        return EpilogueProgram(program)
+    raise EpilogueError(f"expected an epilogue program (a function decorated with @cc.epilogue), "
+                        f"got {type(program).__name__}")
+
+
+def _source_location(fn: Callable[..., Any]) -> str:
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else "?"
+
+
+def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, OperandSpec], dict[str, float]]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise EpilogueError(f"cannot read the signature: {e}", program=name) from None
+    try:
+        annotations = inspect.get_annotations(fn, eval_str=True)
+    except Exception as e:  # noqa: BLE001 - any failure to evaluate string annotations
+        raise EpilogueError(f"cannot evaluate the parameter annotations: {e}", program=name) from None
+    params = list(sig.parameters.values())
+    if not params:
+        raise EpilogueError("the first parameter must be the accumulator, e.g. def f(acc, ...)", program=name)
+    specs: dict[str, OperandSpec] = {}
+    constants: dict[str, float] = {}
+    for i, p in enumerate(params):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise EpilogueError(f"parameter '{p.name}': *args and **kwargs are not supported", program=name)
+        if i == 0:
+            continue
+        if p.name in RESERVED_NAMES:
+            raise EpilogueError(f"parameter '{p.name}': the names {', '.join(sorted(RESERVED_NAMES))} are "
+                                "reserved by the kernel call k(A, W, ...); rename it", program=name)
+        ann = annotations.get(p.name, _MISSING)
+        spec = resolve_spec(ann)
+        if spec is not None:
+            specs[p.name] = spec
+            continue
+        is_number_default = isinstance(p.default, (int, float)) and not isinstance(p.default, bool)
+        if ann in (float, int) or (ann is _MISSING and is_number_default):
+            if not is_number_default:
+                raise EpilogueError(f"constant parameter '{p.name}' needs a numeric default value", program=name)
+            constants[p.name] = float(p.default)
+            continue
+        raise EpilogueError(
+            f"parameter '{p.name}' needs an operand annotation: cc.Tile (M x N), cc.PerRow (M), "
+            f"cc.PerCol (N) or cc.Scalar (a runtime number); or a float default for a constant"
+            + ("" if ann is _MISSING else f" (got {ann!r})"), program=name)
+    return specs, constants
+
+
+def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None) -> Program:
+    """Run the program's function on symbolic values and return the (untyped) IR."""
+    consts = dict(program.constants)
+    for k, v in (constants or {}).items():
+        if k not in consts:
+            raise EpilogueError(f"constants: '{k}' is not a constant parameter (constant parameters: "
+                                f"{', '.join(consts) or 'none'})", program=program.name)
+        consts[k] = float(v)
+
+    tracer = Tracer(program.name)
+    acc = Value(tracer, tracer.emit("acc", (), Kind.TILE))
+    operands: list[Operand] = []
+    kwargs: dict[str, Any] = {}
+    for pname, spec in program.specs.items():
+        operands.append(Operand(pname, spec.kind, spec.dtype))
+        op = "scalar" if spec.kind == Kind.SCALAR else "load"
+        kwargs[pname] = Value(tracer, tracer.emit(op, (), spec.kind, operand=pname))
+    kwargs.update(consts)
+
+    sig_names = list(inspect.signature(program.fn).parameters)
+    result = program.fn(acc, **{k: kwargs[k] for k in sig_names[1:]})
+
+    if isinstance(result, (Value, Accumulate)):
+        result = {"D": result}
+    if isinstance(result, ReductionResult):
+        raise tracer.error("a bare reduction was returned; name it: return {'name': cc.row_sum(...)}")
+    if not isinstance(result, dict):
+        raise tracer.error(f"the program must return a dict of named outputs (or one value for 'D'), "
+                           f"got {type(result).__name__}")
+    if not result:
+        raise tracer.error("the program returned no outputs")
+
+    outputs: list[str] = []
+    names_used = set(program.specs)
+    for name, value in result.items():
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise tracer.error(f"output name {name!r} must be a Python identifier")
+        if name in RESERVED_NAMES:
+            raise tracer.error(f"output name '{name}' is reserved by the kernel call k(A, W, ...); rename it")
+        if name in names_used:
+            raise tracer.error(f"output '{name}' has the same name as an operand; pick another name "
+                               "(accumulated outputs are passed by their output name)")
+        outputs.append(name)
+        _record_output(tracer, name, value, operands)
+
+    nodes = [n for n in tracer.nodes if not (n.op == "reduce" and not n.attr("name"))]
+    prog = Program(name=program.name, operands=tuple(operands), nodes=renumber(nodes),
+                   outputs=tuple(outputs), source=program.source)
+    return prog
+
+
+def _record_output(tracer: Tracer, name: str, value: Any, operands: list[Operand]) -> None:
+    if isinstance(value, ReductionResult):
+        if value.tracer is not tracer:
+            raise tracer.error(f"output '{name}': a reduction from another trace")
+        node = tracer.nodes[value.id]
+        if node.attr("name"):   # the same reduction returned twice: record a second sink
+            tracer.emit("reduce", node.inputs, node.kind, fn=node.attr("fn"), axis=node.attr("axis"), name=name)
+        else:
+            attrs = dict(node.attrs)
+            attrs["name"] = name
+            tracer.nodes[value.id] = replace(node, attrs=make_attrs(**attrs))
+        return
+    accumulate = isinstance(value, Accumulate)
+    if accumulate:
+        target = Value(tracer, tracer.emit("load", (), Kind.TILE, operand=name))
+        operands.append(Operand(name, Kind.TILE, None))
+        value = apply("add", target, value.value)
+    v = tracer.lift(value, f"output '{name}'")
+    tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=accumulate)
+
+
+def describe(program: EpilogueProgram) -> str:
+    return format_program(program.trace())
+
+
+__all__ = ["EpilogueProgram", "epilogue", "trace", "as_program", "describe", "Node"]

@@ -1,0 +1,253 @@
+"""Symbolic values: what an epilogue function computes with while it is traced.
+
+Operators on ``Value`` record IR nodes in the active ``Tracer``. Python numbers mixed in become
+constants. Anything the IR cannot express raises ``EpilogueError`` at the line that used it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from ..errors import EpilogueError
+from ..ir.nodes import Kind, Node, make_attrs
+from ..ir.ops import OPS
+
+Number = (int, float)
+
+
+class Tracer:
+    """Collects the nodes of one program while its Python function runs."""
+
+    def __init__(self, program: str):
+        self.program = program
+        self.nodes: list[Node] = []
+        self._consts: dict[float, int] = {}
+
+    def error(self, reason: str, node: str | None = None) -> EpilogueError:
+        return EpilogueError(reason, program=self.program, node=node)
+
+    def emit(self, op: str, inputs: tuple[int, ...], kind: Kind, **attrs: Any) -> int:
+        nid = len(self.nodes)
+        self.nodes.append(Node(id=nid, op=op, inputs=inputs, attrs=make_attrs(**attrs), kind=kind))
+        return nid
+
+    def const(self, value: float) -> "Value":
+        key = float(value)
+        if key not in self._consts or math.isnan(key):
+            self._consts[key] = self.emit("const", (), Kind.SCALAR, value=key)
+        return Value(self, self._consts[key])
+
+    def lift(self, x: Any, what: str) -> "Value":
+        if isinstance(x, Value):
+            if x.tracer is not self:
+                raise self.error(f"{what}: a value from another epilogue trace was mixed in")
+            return x
+        if isinstance(x, bool):
+            return self.const(1.0 if x else 0.0)
+        if isinstance(x, Number):
+            return self.const(float(x))
+        if isinstance(x, ReductionResult):
+            raise self.error(x.misuse_message(what), node=x.label)
+        if isinstance(x, Accumulate):
+            raise self.error(f"{what}: cc.accumulate(...) may only appear as a value of the returned dict")
+        if isinstance(x, torch.Tensor):
+            raise self.error(
+                f"{what}: a torch.Tensor was captured inside the epilogue; pass tensors as operands "
+                "(cc.Tile, cc.PerRow, cc.PerCol) and numbers as Python constants or cc.Scalar")
+        raise self.error(f"{what}: cannot use a {type(x).__name__} in an epilogue program")
+
+
+def find_tracer(args: tuple[Any, ...]) -> Tracer | None:
+    for a in args:
+        if isinstance(a, Value):
+            return a.tracer
+        if isinstance(a, ReductionResult):
+            raise a.tracer.error(a.misuse_message("this operation"), node=a.label)
+    return None
+
+
+def apply(op: str, *args: Any, **attrs: Any) -> Any:
+    """Record ``op(*args)``; with only Python numbers as arguments, evaluate it in fp32 right away."""
+    tracer = find_tracer(args)
+    opdef = OPS[op]
+    if len(args) != opdef.arity:
+        raise EpilogueError(f"{op} takes {opdef.arity} arguments, got {len(args)}")
+    if tracer is None:
+        for a in args:
+            if not isinstance(a, Number):
+                raise EpilogueError(f"{op}: cannot use a {type(a).__name__} in an epilogue program")
+        ts = [torch.tensor(float(a), dtype=torch.float32) for a in args]
+        return float(opdef.ref(*ts))
+    values = [tracer.lift(a, f"argument {i} of {op}") for i, a in enumerate(args)]
+    kind = Kind.SCALAR
+    for v in values:
+        kind = kind.join(v.kind)
+    return Value(tracer, tracer.emit(op, tuple(v.id for v in values), kind, **attrs))
+
+
+def _unsupported(symbol: str) -> Callable[..., Any]:
+    def method(self: "Value", *args: Any) -> Any:
+        raise self.tracer.error(f"operator {symbol} is not supported in epilogue programs", node=self.label)
+    return method
+
+
+class Value:
+    """A symbolic fp32 value over the output tile (or a broadcast vector/scalar)."""
+
+    __slots__ = ("tracer", "id")
+
+    def __init__(self, tracer: Tracer, nid: int):
+        self.tracer = tracer
+        self.id = nid
+
+    @property
+    def kind(self) -> Kind:
+        return self.tracer.nodes[self.id].kind
+
+    @property
+    def label(self) -> str:
+        return self.tracer.nodes[self.id].label
+
+    def __repr__(self) -> str:
+        return f"<traced {self.kind.value} value %{self.id}>"
+
+    __hash__ = object.__hash__
+
+    # arithmetic
+    def __add__(self, o: Any) -> "Value": return apply("add", self, o)
+    def __radd__(self, o: Any) -> "Value": return apply("add", o, self)
+    def __sub__(self, o: Any) -> "Value": return apply("sub", self, o)
+    def __rsub__(self, o: Any) -> "Value": return apply("sub", o, self)
+    def __mul__(self, o: Any) -> "Value": return apply("mul", self, o)
+    def __rmul__(self, o: Any) -> "Value": return apply("mul", o, self)
+    def __truediv__(self, o: Any) -> "Value": return apply("div", self, o)
+    def __rtruediv__(self, o: Any) -> "Value": return apply("div", o, self)
+    def __neg__(self) -> "Value": return apply("neg", self)
+    def __pos__(self) -> "Value": return self
+    def __abs__(self) -> "Value": return apply("abs", self)
+
+    def __pow__(self, exponent: Any) -> "Value":
+        return power(self, exponent)
+
+    def __rpow__(self, base: Any) -> "Value":
+        if not isinstance(base, Number) or isinstance(base, bool) or base <= 0:
+            raise self.tracer.error("c ** x is supported only for a positive Python number c", node=self.label)
+        return apply("exp", apply("mul", self, math.log(base)))
+
+    # comparisons give 1.0 / 0.0, for cc.where
+    def __lt__(self, o: Any) -> "Value": return apply("lt", self, o)
+    def __le__(self, o: Any) -> "Value": return apply("le", self, o)
+    def __gt__(self, o: Any) -> "Value": return apply("gt", self, o)
+    def __ge__(self, o: Any) -> "Value": return apply("ge", self, o)
+    def __eq__(self, o: Any) -> "Value": return apply("eq", self, o)  # type: ignore[override]
+    def __ne__(self, o: Any) -> "Value": return apply("ne", self, o)  # type: ignore[override]
+
+    # Python control flow and conversions cannot see traced values
+    def __bool__(self) -> bool:
+        raise self.tracer.error(
+            "a traced value has no Python truth value (if/while/and/or/not on it); "
+            "the epilogue runs on the GPU, so use cc.where(cond, a, b) instead", node=self.label)
+
+    def _no_number(self, *_: Any) -> Any:
+        raise self.tracer.error(
+            "a traced value cannot be converted to a Python number (math.* functions, float(), int()); "
+            "use the cc.* functions, e.g. cc.exp(x)", node=self.label)
+
+    __float__ = __int__ = __index__ = __complex__ = _no_number
+
+    def __len__(self) -> int:
+        raise self.tracer.error("a traced value has no length; it stands for one element of the tile",
+                                node=self.label)
+
+    def __iter__(self) -> Any:
+        raise self.tracer.error("a traced value cannot be iterated or unpacked", node=self.label)
+
+    def __getitem__(self, _: Any) -> Any:
+        raise self.tracer.error("indexing is not supported: the program is written for one element of the "
+                                "tile", node=self.label)
+
+    __matmul__ = __rmatmul__ = _unsupported("@")
+    __floordiv__ = __rfloordiv__ = _unsupported("//")
+    __mod__ = __rmod__ = _unsupported("%")
+    __and__ = __rand__ = _unsupported("&")
+    __or__ = __ror__ = _unsupported("|")
+    __xor__ = __rxor__ = _unsupported("^")
+    __lshift__ = __rlshift__ = _unsupported("<<")
+    __rshift__ = __rrshift__ = _unsupported(">>")
+    __invert__ = _unsupported("~")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from .torch_functions import dispatch_torch_function
+        return dispatch_torch_function(func, args, kwargs or {})
+
+
+def power(x: Any, exponent: Any) -> Any:
+    """``x ** c`` for a Python number ``c``; common exponents become cheaper ops."""
+    if isinstance(exponent, Value) or isinstance(exponent, ReductionResult):
+        tracer = exponent.tracer
+        raise tracer.error("pow: the exponent must be a Python number (pow by a constant)")
+    if not isinstance(exponent, Number):
+        raise EpilogueError(f"pow: exponent must be a number, got {type(exponent).__name__}")
+    c = float(exponent)
+    if c == 1.0:
+        return x
+    if c == 2.0:
+        return apply("square", x)
+    if c == 0.5:
+        return apply("sqrt", x)
+    if c == -0.5:
+        return apply("rsqrt", x)
+    if c == -1.0:
+        return apply("reciprocal", x)
+    return apply("pow", x, c)
+
+
+class ReductionResult:
+    """The result of a cross-tile reduction: only finished after the kernel, so it can only be returned."""
+
+    __slots__ = ("tracer", "id", "desc")
+
+    def __init__(self, tracer: Tracer, nid: int, desc: str):
+        self.tracer = tracer
+        self.id = nid
+        self.desc = desc
+
+    @property
+    def label(self) -> str:
+        return f"%{self.id} ({self.desc})"
+
+    def misuse_message(self, what: str) -> str:
+        return (f"{what} uses the result of {self.desc}, a reduction across the whole tile grid that is "
+                "only finished after the kernel; it cannot be used later in the same epilogue. Return it "
+                "as an output and pass it to the next kernel (e.g. as a cc.PerRow operand)")
+
+    def _misuse(self, *_: Any) -> Any:
+        raise self.tracer.error(self.misuse_message("an expression"), node=self.label)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _misuse
+    __truediv__ = __rtruediv__ = __pow__ = __rpow__ = __neg__ = __abs__ = _misuse
+    __lt__ = __le__ = __gt__ = __ge__ = _misuse
+    __bool__ = __float__ = __int__ = _misuse
+
+    def __repr__(self) -> str:
+        return f"<reduction {self.desc}>"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        for a in list(args) + list((kwargs or {}).values()):
+            if isinstance(a, ReductionResult):
+                a._misuse()
+        raise EpilogueError("unexpected torch function on a reduction result")
+
+
+class Accumulate:
+    """``cc.accumulate(v)`` in the returned dict: the output tensor is passed in and updated in place."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value

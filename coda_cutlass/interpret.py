@@ -1,0 +1,153 @@
+"""The torch reference interpreter of the IR: the oracle every kernel is tested against.
+
+Three precisions:
+
+- ``"kernel"``: what the fused kernel computes, up to fp32 summation order: the accumulator and all
+  math in fp32, operands read exactly, ``cast`` rounds, tile outputs rounded once to their dtype,
+  and values flowing past an output store keep their fp32 value (as CUTLASS's stores pass through).
+- ``"fp32"``: the same math with nothing rounded except explicit casts (give it fp32 copies of the
+  inputs for the exact reference).
+- ``"lowp"``: what eager torch does at the operand precision: the GEMM result and every op result
+  rounded to the GEMM dtype. The error of this against ``"fp32"`` sets the test tolerance.
+
+Runs wherever the tensors are (CPU or GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .dtypes import F32, DType, as_dtype
+from .errors import CallError
+from .ir.nodes import Kind, Node, Program
+from .ir.ops import OPS
+
+PRECISIONS = ("kernel", "fp32", "lowp")
+
+_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+
+
+def gemm_fp32(A: torch.Tensor, W: torch.Tensor, weight_layout: str) -> torch.Tensor:
+    Wt = W.float().t() if weight_layout == "nk" else W.float()
+    return A.float() @ Wt
+
+
+def gemm_lowp(A: torch.Tensor, W: torch.Tensor, weight_layout: str, dtype: DType) -> torch.Tensor:
+    a = A.to(dtype.torch)
+    w = W.to(dtype.torch)
+    wt = w.t() if weight_layout == "nk" else w
+    if a.device.type == "cpu":   # CPU matmul in bf16 is slow and not what a GPU does; round fp32 instead
+        return (a.float() @ wt.float()).to(dtype.torch).float()
+    return (a @ wt).float()
+
+
+def _reduce(x: torch.Tensor, fn: str, dim: int | None) -> torch.Tensor:
+    if dim is None:
+        return x.sum() if fn == "sum" else (x.amax() if fn == "max" else x.amin())
+    if fn == "sum":
+        return x.sum(dim)
+    return x.amax(dim) if fn == "max" else x.amin(dim)
+
+
+def partial_reduce(x: torch.Tensor, fn: str, axis: str, tile: tuple[int, int]) -> torch.Tensor:
+    """Per-tile partials as the kernel writes them: row reductions give (ceil(N/tn), M), column
+    reductions (ceil(M/tm), N); a total sum gives the row partials."""
+    M, N = x.shape
+    tm, tn = tile
+    ident = _IDENTITY[fn]
+    if axis in ("row", "all"):
+        nt = -(-N // tn)
+        pad = torch.full((M, nt * tn), ident, dtype=x.dtype, device=x.device)
+        pad[:, :N] = x
+        return _reduce(pad.view(M, nt, tn), fn, 2).t().contiguous()
+    mt = -(-M // tm)
+    pad = torch.full((mt * tm, N), ident, dtype=x.dtype, device=x.device)
+    pad[:M] = x
+    return _reduce(pad.view(mt, tm, N), fn, 1)
+
+
+def finish_partials(partials: torch.Tensor, fn: str, axis: str) -> torch.Tensor:
+    """Finish per-tile partials (layout of ``partial_reduce``) into the reduction's result."""
+    if axis == "all":
+        return partials.sum()
+    return _reduce(partials, fn, 0)
+
+
+def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapping[str, Any], *,
+              weight_layout: str = "nk", precision: str = "kernel",
+              partial_tile: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """Evaluate a typed program. Returns a dict output name -> tensor, like the compiled kernel.
+
+    With ``partial_tile=(tm, tn)``, reductions are returned as per-tile partials (see
+    ``partial_reduce``) instead of finished values.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if weight_layout not in ("nk", "kn"):
+        raise ValueError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
+    gemm_dtype = as_dtype(program.meta.get("gemm_dtype", "bf16"))
+    M = A.shape[0]
+    N = W.shape[0] if weight_layout == "nk" else W.shape[1]
+    dev = A.device
+
+    def lowp(x: torch.Tensor) -> torch.Tensor:
+        return x.to(gemm_dtype.torch).float() if precision == "lowp" else x
+
+    def operand(name: str, kind: Kind) -> torch.Tensor:
+        if name not in operands:
+            raise CallError(f"reference: missing operand '{name}'")
+        v = operands[name]
+        if kind == Kind.SCALAR:
+            return torch.tensor(float(v), dtype=torch.float32, device=dev)
+        t = torch.as_tensor(v).to(device=dev, dtype=torch.float32)
+        if kind == Kind.ROW:
+            return t.reshape(M, 1)
+        if kind == Kind.COL:
+            return t.reshape(1, N)
+        return t
+
+    vals: dict[int, torch.Tensor] = {}
+    outs: dict[str, torch.Tensor] = {}
+    for n in program.nodes:
+        if n.op == "acc":
+            vals[n.id] = gemm_lowp(A, W, weight_layout, gemm_dtype) if precision == "lowp" \
+                else gemm_fp32(A, W, weight_layout)
+        elif n.op in ("load", "scalar"):
+            vals[n.id] = operand(n.attr("operand"), n.kind)
+        elif n.op == "const":
+            vals[n.id] = torch.tensor(n.attr("value"), dtype=torch.float32, device=dev)
+        elif n.op == "cast":
+            vals[n.id] = vals[n.inputs[0]].to(as_dtype(n.attr("dtype")).torch).float()
+        elif n.op in OPS:
+            vals[n.id] = lowp(OPS[n.op].ref(*(vals[i] for i in n.inputs)))
+        elif n.op == "store":
+            v = vals[n.inputs[0]].expand(M, N)
+            outs[n.attr("name")] = v.clone() if precision == "fp32" else v.to(_dtype(n).torch)
+        elif n.op == "reduce":
+            outs[n.attr("name")] = _reduction(n, vals[n.inputs[0]].expand(M, N), precision, partial_tile,
+                                              gemm_dtype)
+        else:
+            raise ValueError(f"interpreter: unknown op {n.op}")
+    return {name: outs[name] for name in program.outputs}
+
+
+def _dtype(n: Node) -> DType:
+    return n.dtype if n.dtype is not None else F32
+
+
+def _reduction(n: Node, x: torch.Tensor, precision: str, partial_tile: tuple[int, int] | None,
+               gemm_dtype: DType) -> torch.Tensor:
+    fn, axis = n.attr("fn"), n.attr("axis")
+    out_dtype = as_dtype(n.attr("out_dtype", "f32"))
+    x = x.float()
+    if partial_tile is not None:
+        return partial_reduce(x, fn, axis, partial_tile)
+    dim = {"row": 1, "col": 0, "all": None}[axis]
+    r = _reduce(x, fn, dim)
+    if precision == "fp32":
+        return r
+    if precision == "lowp":   # eager torch at the operand precision returns the reduction rounded
+        r = r.to(gemm_dtype.torch).float()
+    return r.to(out_dtype.torch)

@@ -1,0 +1,136 @@
+"""The typed IR: a DAG of nodes in topological order, plain frozen dataclasses.
+
+A value's *kind* says how it is indexed over the GEMM output tile (M x N):
+
+- ``SCALAR``  one value for the whole tile (a runtime scalar or a Python constant)
+- ``ROW``     one value per row m (a length-M vector, broadcast along N)
+- ``COL``     one value per column n (a length-N vector, broadcast along M)
+- ``TILE``    one value per element (m, n)
+
+Node ops:
+
+- ``acc``                       the fp32 GEMM accumulator
+- ``load``    attrs operand     a tensor operand (TILE, ROW or COL)
+- ``scalar``  attrs operand     a runtime scalar operand
+- ``const``   attrs value       a Python constant
+- compute ops (see ``ops.py``)  elementwise math in fp32; ``cast`` rounds to ``attrs dtype``
+- ``store``   attrs name, accumulate    a tile output (sink)
+- ``reduce``  attrs name, fn, axis      a reduction output (sink); fn in sum/max/min, axis in row/col/all
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
+
+from ..dtypes import DType
+
+
+class Kind(enum.Enum):
+    SCALAR = "scalar"
+    ROW = "row"
+    COL = "col"
+    TILE = "tile"
+
+    def join(self, other: "Kind") -> "Kind":
+        """The kind of an elementwise result of two values (broadcasting)."""
+        if self == other:
+            return self
+        if self == Kind.SCALAR:
+            return other
+        if other == Kind.SCALAR:
+            return self
+        return Kind.TILE   # ROW x COL, or anything with TILE
+
+
+SINK_OPS = frozenset({"store", "reduce"})
+LEAF_OPS = frozenset({"acc", "load", "scalar", "const"})
+REDUCE_FNS = ("sum", "max", "min")
+REDUCE_AXES = ("row", "col", "all")
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    op: str
+    inputs: tuple[int, ...] = ()
+    attrs: tuple[tuple[str, Any], ...] = ()
+    kind: Kind = Kind.TILE
+    dtype: DType | None = None   # set by the binding pass: the value's storage/rounding type
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == name:
+                return v
+        return default
+
+    @property
+    def is_sink(self) -> bool:
+        return self.op in SINK_OPS
+
+    @property
+    def label(self) -> str:
+        """How errors and comments name this node: ``%3 (mul)``."""
+        return f"%{self.id} ({self.op})"
+
+
+def make_attrs(**kwargs: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(kwargs.items()))
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A named argument of the epilogue program (besides the accumulator)."""
+    name: str
+    kind: Kind
+    dtype: DType | None = None     # None: bound to the GEMM operand dtype (tensors) / f32 (scalars)
+
+
+@dataclass(frozen=True)
+class Program:
+    """An epilogue program. ``nodes`` are in topological order and ``nodes[i].id == i``."""
+    name: str
+    operands: tuple[Operand, ...]
+    nodes: tuple[Node, ...]
+    outputs: tuple[str, ...]           # output names in the order the program returned them
+    source: str = ""                   # where the program was defined (file:line), for messages
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def node(self, i: int) -> Node:
+        return self.nodes[i]
+
+    def users(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {n.id: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                out[i].append(n.id)
+        return out
+
+    def sinks(self) -> list[Node]:
+        return [n for n in self.nodes if n.is_sink]
+
+    def sink(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.is_sink and n.attr("name") == name:
+                return n
+        raise KeyError(name)
+
+    def operand(self, name: str) -> Operand:
+        for o in self.operands:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+    def with_nodes(self, nodes: Iterable[Node]) -> "Program":
+        return replace(self, nodes=renumber(list(nodes)))
+
+
+def renumber(nodes: list[Node]) -> tuple[Node, ...]:
+    """Re-index nodes 0..n-1 in the given (topological) order, remapping inputs."""
+    remap: dict[int, int] = {}
+    out: list[Node] = []
+    for new_id, n in enumerate(nodes):
+        remap[n.id] = new_id
+        out.append(replace(n, id=new_id, inputs=tuple(remap[i] for i in n.inputs)))
+    return tuple(out)

@@ -1,0 +1,80 @@
+"""The elementwise op table: one entry per compute op, the single source of truth for tracing,
+the reference interpreter and lowering.
+
+Each op computes in fp32. ``functor`` names the C++ functor in ``templates/coda/functors.hpp``;
+``ref`` is the torch implementation on fp32 tensors that the interpreter runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    arity: int
+    functor: str
+    ref: Callable[..., Tensor]
+    doc: str
+
+
+def _cmp(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+    return lambda a, b: fn(a, b).to(torch.float32)
+
+
+_SQRT_HALF = 1.0 / math.sqrt(2.0)
+
+_OPS: list[OpDef] = [
+    OpDef("add", 2, "add", torch.add, "a + b"),
+    OpDef("sub", 2, "sub", torch.sub, "a - b"),
+    OpDef("mul", 2, "mul", torch.mul, "a * b"),
+    OpDef("div", 2, "div", torch.div, "a / b (IEEE division)"),
+    OpDef("neg", 1, "neg", torch.neg, "-a"),
+    OpDef("abs", 1, "abs", torch.abs, "|a|"),
+    OpDef("maximum", 2, "maximum", torch.maximum, "max(a, b), NaN-propagating"),
+    OpDef("minimum", 2, "minimum", torch.minimum, "min(a, b), NaN-propagating"),
+    OpDef("exp", 1, "exp", torch.exp, "e^a"),
+    OpDef("log", 1, "log", torch.log, "natural log"),
+    OpDef("sqrt", 1, "sqrt", torch.sqrt, "square root"),
+    OpDef("rsqrt", 1, "rsqrt", torch.rsqrt, "1 / sqrt(a)"),
+    OpDef("reciprocal", 1, "reciprocal", torch.reciprocal, "1 / a"),
+    OpDef("tanh", 1, "tanh", torch.tanh, "hyperbolic tangent"),
+    OpDef("sigmoid", 1, "sigmoid", torch.sigmoid, "1 / (1 + e^-a)"),
+    OpDef("silu", 1, "silu", F.silu, "a * sigmoid(a)"),
+    OpDef("gelu", 1, "gelu_erf", F.gelu, "GELU, exact (erf) form"),
+    OpDef("gelu_tanh", 1, "gelu_tanh", lambda a: F.gelu(a, approximate="tanh"), "GELU, tanh approximation"),
+    OpDef("relu", 1, "relu", torch.relu, "max(a, 0)"),
+    OpDef("square", 1, "square", torch.square, "a * a"),
+    OpDef("pow", 2, "pow", torch.pow, "a ** b (b is a constant)"),
+    OpDef("lt", 2, "lt", _cmp(torch.lt), "1.0 if a < b else 0.0"),
+    OpDef("le", 2, "le", _cmp(torch.le), "1.0 if a <= b else 0.0"),
+    OpDef("gt", 2, "gt", _cmp(torch.gt), "1.0 if a > b else 0.0"),
+    OpDef("ge", 2, "ge", _cmp(torch.ge), "1.0 if a >= b else 0.0"),
+    OpDef("eq", 2, "eq", _cmp(torch.eq), "1.0 if a == b else 0.0"),
+    OpDef("ne", 2, "ne", _cmp(torch.ne), "1.0 if a != b else 0.0"),
+    OpDef("where", 3, "select", lambda c, a, b: torch.where(c != 0, a, b), "a if c != 0 else b"),
+    # cast rounds to attrs['dtype'] and back to fp32; its functor is the identity, the rounding
+    # comes from the visitor node's output element type.
+    OpDef("cast", 1, "identity", lambda a: a, "round to a dtype"),
+]
+
+OPS: dict[str, OpDef] = {op.name: op for op in _OPS}
+
+UNARY = tuple(op.name for op in _OPS if op.arity == 1 and op.name != "cast")
+BINARY = tuple(op.name for op in _OPS if op.arity == 2)
+
+
+def opdef(name: str) -> OpDef:
+    return OPS[name]
+
+
+def is_compute(name: str) -> bool:
+    return name in OPS

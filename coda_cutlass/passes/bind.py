@@ -1,0 +1,74 @@
+"""Type binding: give every operand, node and output its element type.
+
+Rules (they mirror what the kernel does):
+- tensor operands default to the GEMM operand dtype, runtime scalars are fp32;
+- the accumulator and all compute nodes are fp32; ``cast`` rounds to its dtype (its value is then
+  used as fp32 again);
+- tile outputs default to the GEMM operand dtype; reductions are fp32 partials, finished to fp32
+  unless another dtype is asked for; an accumulated output has the dtype of the tensor it updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping
+
+from ..dtypes import F32, DType, as_dtype
+from ..errors import EpilogueError
+from ..ir.nodes import Kind, Node, Operand, Program, make_attrs
+
+
+def bind_types(program: Program, dtype: DType, operand_dtypes: Mapping[str, Any] | None = None,
+               output_dtypes: Mapping[str, Any] | None = None) -> Program:
+    operand_dtypes = dict(operand_dtypes or {})
+    output_dtypes = dict(output_dtypes or {})
+    op_names = {o.name for o in program.operands}
+    inout = {n.attr("name") for n in program.nodes if n.op == "store" and n.attr("accumulate")}
+    for k in operand_dtypes:
+        if k not in op_names or k in inout:
+            raise EpilogueError(f"input_dtypes names '{k}', which is not an operand", program=program.name)
+    for k in output_dtypes:
+        if k not in program.outputs:
+            raise EpilogueError(f"output_dtypes names '{k}', which is not an output (outputs: "
+                                f"{', '.join(program.outputs)})", program=program.name)
+
+    def out_dtype(name: str, default: DType) -> DType:
+        if name in output_dtypes:
+            return as_dtype(output_dtypes[name], what=f"dtype of output '{name}'")
+        return default
+
+    operands: list[Operand] = []
+    for o in program.operands:
+        if o.name in inout:
+            d = out_dtype(o.name, dtype)
+        elif o.name in operand_dtypes:
+            d = as_dtype(operand_dtypes[o.name], what=f"dtype of operand '{o.name}'")
+        elif o.dtype is not None:
+            d = o.dtype
+        else:
+            d = F32 if o.kind == Kind.SCALAR else dtype
+        if o.kind == Kind.SCALAR and d != F32:
+            raise EpilogueError(f"scalar operand '{o.name}' is fp32; other dtypes are not supported",
+                                program=program.name)
+        operands.append(replace(o, dtype=d))
+    by_name = {o.name: o for o in operands}
+
+    nodes: list[Node] = []
+    for n in program.nodes:
+        if n.op in ("load", "scalar"):
+            d = by_name[n.attr("operand")].dtype
+        elif n.op == "cast":
+            d = as_dtype(n.attr("dtype"))
+        elif n.op == "store":
+            d = out_dtype(n.attr("name"), dtype)
+        elif n.op == "reduce":
+            attrs = dict(n.attrs)
+            attrs["out_dtype"] = out_dtype(n.attr("name"), F32).name
+            n = replace(n, attrs=make_attrs(**attrs))
+            d = F32
+        else:
+            d = F32
+        nodes.append(replace(n, dtype=d))
+    meta = dict(program.meta)
+    meta["gemm_dtype"] = dtype.name
+    return replace(program, operands=tuple(operands), nodes=tuple(nodes), meta=meta)

@@ -1,0 +1,29 @@
+"""Common-subexpression elimination: identical nodes (same op, inputs, attributes) become one."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..ir.nodes import Node, Program
+
+
+def eliminate_common_subexpressions(program: Program) -> Program:
+    canon: dict[int, int] = {}
+    seen: dict[tuple, int] = {}
+    kept: list[Node] = []
+    for n in program.nodes:
+        inputs = tuple(canon[i] for i in n.inputs)
+        n = replace(n, inputs=inputs)
+        key = (n.op, inputs, n.attrs, n.kind, n.dtype)
+        if not n.is_sink and key in seen and not _is_nan_const(n):
+            canon[n.id] = seen[key]
+            continue
+        seen.setdefault(key, n.id)
+        canon[n.id] = n.id
+        kept.append(n)
+    return program.with_nodes(kept)
+
+
+def _is_nan_const(n: Node) -> bool:
+    v = n.attr("value")
+    return n.op == "const" and v != v

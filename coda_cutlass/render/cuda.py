@@ -1,0 +1,100 @@
+"""Jinja rendering of a lowered EVT graph into a `.cu` translation unit.
+
+The templates hold the C++ shape; this module only fills in names and types. User strings (program,
+operand and output names) reach the C++ only through the ``comment`` and ``c_string`` filters.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+
+import jinja2
+
+from .. import __version__
+from ..config import EPILOGUE_SCHEDULE, KERNEL_SCHEDULE, TILE_SCHEDULER
+from ..dtypes import F32
+from ..ir.nodes import Kind
+from ..ir.printer import node_line
+from ..lower.evt import ABI_VERSION, EvtGraph, TensorSlot
+from ..paths import templates_dir
+
+_UNSAFE_COMMENT = re.compile(r"[^\x20-\x7e]|\*/|\\")
+
+
+def comment(text: object) -> str:
+    """Make text safe inside a // comment: printable ASCII, no line breaks or continuations."""
+    return _UNSAFE_COMMENT.sub("?", str(text))
+
+
+def c_string(text: object) -> str:
+    """Escape text for a C string literal (the JSON description is ASCII already)."""
+    s = str(text).encode("ascii", "backslashreplace").decode("ascii")
+    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("?", "\\?")
+
+
+@lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["comment"] = comment
+    env.filters["c_string"] = c_string
+    return env
+
+
+def slot_doc(t: TensorSlot) -> str:
+    shape = {Kind.TILE: "[M, N]", Kind.ROW: "[M]", Kind.COL: "[N]"}[t.kind]
+    if t.role == "partials":
+        what = f"{t.reduce_axis}_{t.reduce_fn}" if t.reduce_axis != "all" else "total_sum"
+        layout = ("[ceil(N / tile_n), round_up(M, tile_m)]" if t.kind == Kind.ROW
+                  else "[ceil(M / tile_m), round_up(N, tile_n)]")
+        return f"fp32 partials of {what}, {layout}"
+    role = {"input": "input", "output": "output", "inout": "accumulated output (read, then written)"}[t.role]
+    return f"{role} {t.dtype.name} {shape}"
+
+
+def slot_check(t: TensorSlot) -> str:
+    if t.role == "partials":
+        return "coda::SlotKind::Partials, 4"
+    kind = "Tile" if t.kind == Kind.TILE else "Vector"
+    return f"coda::SlotKind::{kind}, {t.dtype.bits // 8}"
+
+
+def render_kernel(graph: EvtGraph) -> str:
+    cfg = graph.config
+    if cfg.epilogue_tile is None:
+        epilogue_tile = "cutlass::epilogue::collective::EpilogueTileAuto"
+    else:
+        epilogue_tile = f"Shape<_{cfg.epilogue_tile[0]}, _{cfg.epilogue_tile[1]}>"
+    aux_stores = [n for n in graph.nodes if n.kind == "aux_store"]
+    smem_element = aux_stores[0].params["element"].cpp if aux_stores else graph.dtype.cpp
+    align_c = 128 // (graph.element_c.bits if graph.element_c else graph.dtype.bits)
+    align_d = 128 // (graph.element_d.bits if graph.element_d else graph.dtype.bits)
+    template = environment().get_template("kernel.cu.j2")
+    return template.render(
+        name=graph.program.name,
+        version=__version__,
+        graph=graph,
+        cfg=cfg,
+        dtype=graph.dtype,
+        weight_layout=graph.weight_layout,
+        ir_lines=[node_line(n) for n in graph.program.nodes],
+        kernel_schedule=KERNEL_SCHEDULE[cfg.schedule],
+        epilogue_schedule=EPILOGUE_SCHEDULE[cfg.schedule],
+        tile_scheduler=TILE_SCHEDULER[cfg.scheduler],
+        epilogue_tile=epilogue_tile,
+        node_names=[f"Node{n.index}" for n in graph.nodes],
+        smem_element=smem_element,
+        align_c=align_c,
+        align_d=align_d,
+        description=json.dumps(graph.describe(), sort_keys=True),
+        abi_version=ABI_VERSION,
+        slot_doc=slot_doc,
+        slot_check=slot_check,
+        F32=F32,
+    )

@@ -1,0 +1,1 @@
+"""Loading built kernels and calling them from PyTorch."""

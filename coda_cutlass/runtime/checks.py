@@ -1,0 +1,142 @@
+"""Argument checks run before every launch. Each failure names the argument and what is wrong.
+
+TMA (the Hopper tensor memory accelerator) reads and writes M x N tiles, A and W: their base
+pointers must be 16-byte aligned, their innermost stride 1, and their row strides a multiple of
+16 bytes (8 elements for 16-bit types). Vectors are read element by element.
+"""
+
+from __future__ import annotations
+
+from numbers import Real
+from typing import Any
+
+import torch
+
+from ..dtypes import DType
+from ..errors import CallError
+
+
+def _is_tensor(name: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise CallError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise CallError(f"{name}: is on {t.device}, but A is on {device}; all tensors must be on the same GPU")
+
+
+def _dtype(name: str, t: torch.Tensor, dtype: DType) -> None:
+    if t.dtype != dtype.torch:
+        raise CallError(f"{name}: dtype is {t.dtype}, the kernel was compiled for {dtype.torch}"
+                        " (recompile with input_dtypes/output_dtypes, or convert the tensor)")
+
+
+def check_tma_matrix(name: str, t: torch.Tensor, rows: int, cols: int, elem_bytes: int) -> int:
+    """Checks a row-major matrix read or written by TMA; returns its row stride in elements."""
+    if t.dim() != 2 or tuple(t.shape) != (rows, cols):
+        raise CallError(f"{name}: shape is {tuple(t.shape)}, expected ({rows}, {cols})")
+    if cols > 1 and t.stride(1) != 1:
+        raise CallError(f"{name}: must be row-major with unit column stride, got strides {t.stride()}; "
+                        "call .contiguous()")
+    ld = t.stride(0) if rows > 1 else max(cols, t.stride(0))
+    if ld < cols:
+        raise CallError(f"{name}: row stride {t.stride(0)} is smaller than the row length {cols} "
+                        "(overlapping rows)")
+    if (ld * elem_bytes) % 16 != 0:
+        raise CallError(f"{name}: row stride of {ld} elements is not a multiple of 16 bytes, which TMA needs "
+                        f"(use a multiple of {16 // elem_bytes} elements, e.g. by padding the last dimension)")
+    if t.data_ptr() % 16 != 0:
+        raise CallError(f"{name}: data pointer is not 16-byte aligned (a view at an element offset?); "
+                        "TMA needs aligned tiles: call .clone() or start the view at an aligned offset")
+    return ld
+
+
+def check_gemm(A: Any, W: Any, dtype: DType, weight_layout: str) -> tuple[int, int, int, int, int]:
+    """Returns (M, N, K, lda, ldw)."""
+    A = _is_tensor("A", A)
+    W = _is_tensor("W", W)
+    if not A.is_cuda:
+        raise CallError(f"A: is on {A.device}; the kernel runs on a CUDA GPU")
+    _device("W", W, A.device)
+    _dtype("A", A, dtype)
+    _dtype("W", W, dtype)
+    if A.dim() != 2:
+        raise CallError(f"A: expected a 2-D (M, K) tensor, got shape {tuple(A.shape)}")
+    if W.dim() != 2:
+        raise CallError(f"W: expected a 2-D tensor, got shape {tuple(W.shape)}")
+    M, K = A.shape
+    if weight_layout == "nk":
+        N, Kw = W.shape
+        layout = "(N, K) as in nn.Linear"
+    else:
+        Kw, N = W.shape
+        layout = "(K, N)"
+    if Kw != K:
+        raise CallError(f"W: shape {tuple(W.shape)} does not match A {tuple(A.shape)}: W is laid out {layout}, "
+                        f"so its K is {Kw} but A's K is {K}")
+    if K == 0:
+        raise CallError("K is 0: the accumulator would be all zeros; not supported (pass K > 0)")
+    for name, n in (("K", K), ("N", N)):
+        if n % 8 != 0:
+            raise CallError(f"{name} = {n} is not a multiple of 8: TMA needs 16-byte aligned rows for "
+                            f"{dtype.torch} (pad {name} to a multiple of 8)")
+    elem = dtype.bits // 8
+    lda = check_tma_matrix("A", A, M, K, elem) if M > 0 else K
+    w_rows, w_cols = (N, K) if weight_layout == "nk" else (K, N)
+    ldw = check_tma_matrix("W", W, w_rows, w_cols, elem) if N > 0 else w_cols
+    return M, N, K, lda, ldw
+
+
+def check_tile(name: str, t: Any, M: int, N: int, dtype: DType, device: torch.device) -> int:
+    t = _is_tensor(name, t)
+    _device(name, t, device)
+    _dtype(name, t, dtype)
+    if M == 0 or N == 0:
+        if tuple(t.shape) != (M, N):
+            raise CallError(f"{name}: shape is {tuple(t.shape)}, expected ({M}, {N})")
+        return N
+    return check_tma_matrix(name, t, M, N, dtype.bits // 8)
+
+
+def check_vector(name: str, t: Any, length: int, what: str, dtype: DType, device: torch.device) -> None:
+    t = _is_tensor(name, t)
+    _device(name, t, device)
+    _dtype(name, t, dtype)
+    if t.dim() != 1 or t.shape[0] != length:
+        raise CallError(f"{name}: shape is {tuple(t.shape)}, expected ({length},): one value per {what}")
+    if length > 1 and t.stride(0) != 1:
+        raise CallError(f"{name}: must be contiguous (stride 1), got stride {t.stride(0)}; call .contiguous()")
+
+
+def check_scalar(name: str, v: Any) -> float:
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise CallError(f"{name}: a runtime scalar must be a Python number or a 1-element tensor")
+        if v.is_cuda:
+            raise CallError(f"{name}: a CUDA tensor as a scalar would need a device sync; pass a Python number")
+        return float(v.item())
+    if isinstance(v, bool) or not isinstance(v, Real):
+        raise CallError(f"{name}: expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+def check_no_overlap(written: dict[str, torch.Tensor], read: dict[str, torch.Tensor]) -> None:
+    """An accumulated (read-then-written) tensor must not share memory with any other argument:
+    tiles are read and written asynchronously by different CTAs."""
+    items = list(written.items())
+    for i, (wn, wt) in enumerate(items):
+        w0, w1 = _extent(wt)
+        others = [(n, t) for n, t in read.items() if n != wn] + items[i + 1:]
+        for on, ot in others:
+            o0, o1 = _extent(ot)
+            if w0 < o1 and o0 < w1:
+                raise CallError(f"{wn}: is updated in place and overlaps the memory of {on}; pass a separate tensor")

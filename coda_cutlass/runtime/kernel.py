@@ -1,0 +1,270 @@
+"""``CompiledEpilogue``: a built kernel, callable from PyTorch.
+
+``k(A, W, **operands)`` checks every argument, allocates the outputs, launches the fused GEMM
+once on the current stream, finishes the reductions (one small torch reduction each, deterministic)
+and returns a dict of outputs. Accumulated outputs are passed in by name and updated in place.
+Under ``torch.compile`` the same call goes through a registered ``torch.library`` custom op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..build.builder import BuildResult
+from ..dtypes import F32, as_dtype
+from ..errors import CallError, DeviceError
+from ..interpret import finish_partials, interpret
+from ..ir.nodes import Kind
+from ..ir.printer import format_program
+from ..lower.evt import TensorSlot
+from ..pipeline import Lowered
+from . import checks
+from .library import KernelLibrary, load
+
+_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+_RASTER = {"heuristic": 0, "m": 1, "n": 2}
+_CHECKED_DEVICES: set[int] = set()
+
+
+def ensure_gpu(device: torch.device | None, what: str) -> None:
+    if not torch.cuda.is_available():
+        raise DeviceError(f"{what}: no CUDA GPU is available. The kernel is built and can be inspected "
+                          "(.source, .path) or shipped, but running it needs a Hopper GPU (sm_90: H100/H200)")
+    if device is None or device.type != "cuda":
+        return  # the argument checks report the wrong device
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _CHECKED_DEVICES:
+        return
+    cap = torch.cuda.get_device_capability(index)
+    if cap != (9, 0):
+        raise DeviceError(f"{what}: kernels are built for sm_90a (Hopper: H100/H200), but cuda:{index} is "
+                          f"{torch.cuda.get_device_name(index)} with compute capability {cap[0]}.{cap[1]}")
+    _CHECKED_DEVICES.add(index)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# CODA_CUTLASS_POISON=1 fills every buffer the runtime allocates with NaN before the launch, so an
+# element the kernel fails to write shows up (used by the GPU tests).
+POISON = os.environ.get("CODA_CUTLASS_POISON", "") not in ("", "0")
+
+
+def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: bool) -> torch.Tensor:
+    if poison:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class CompiledEpilogue:
+    """A fused GEMM + epilogue kernel. Attributes to inspect: ``source`` (the generated CUDA),
+    ``ir`` (the typed IR), ``path`` (the .so), ``config``, ``key``."""
+
+    def __init__(self, lowered: Lowered, build: BuildResult, partial_reductions: bool = False):
+        self.program = lowered.program
+        self.name = lowered.program.name
+        self.ir = lowered.ir
+        self.graph = lowered.graph
+        self.source = lowered.source
+        self.options = lowered.options
+        self.config = lowered.options.config
+        self.dtype = lowered.options.dtype
+        self.weight_layout = lowered.options.weight_layout
+        self.path: Path = build.path
+        self.key = build.key
+        self.source_key = build.source_key
+        self.origin = build.origin
+        self.build_seconds = build.seconds
+        self.partial_reductions = partial_reductions
+        self.outputs = self.ir.outputs
+        self.inout = tuple(n.attr("name") for n in self.ir.nodes if n.op == "store" and n.attr("accumulate"))
+        self.operands = tuple(o for o in self.ir.operands if o.name not in self.inout)
+        self._slots_by_name = {t.name: t for t in self.graph.tensors}
+        self._reductions = {n.attr("name"): n for n in self.ir.nodes if n.op == "reduce"}
+
+    # ------------------------------------------------------------------ inspection
+    def __repr__(self) -> str:
+        args = ", ".join(["A", "W"] + [o.name for o in self.operands] + list(self.inout))
+        return (f"<CompiledEpilogue {self.name}({args}) -> ({', '.join(self.outputs)}) "
+                f"{self.dtype.name} W={self.weight_layout} {self.config.name()} [{self.origin}] {self.path}>")
+
+    def describe(self) -> str:
+        return format_program(self.ir)
+
+    @cached_property
+    def library(self) -> KernelLibrary:
+        lib = load(self.path)
+        expected = self.graph.describe()
+        if lib.description != expected:
+            raise CallError(f"kernel library {self.path} does not match the program it was loaded for "
+                            "(a stale or foreign prebuilt kernel?)")
+        return lib
+
+    # ------------------------------------------------------------------ calling
+    def __call__(self, A: torch.Tensor, W: torch.Tensor, *, raster: str | None = None, swizzle: int | None = None,
+                 out: dict[str, torch.Tensor] | None = None, **operands: Any) -> dict[str, torch.Tensor]:
+        """Run the fused kernel: ``k(A, W, name=tensor, ...)`` -> dict of outputs.
+
+        ``out`` may give preallocated (M, N) tensors (or row-major views) for tile outputs.
+        ``raster`` ("heuristic", "m", "n") and ``swizzle`` (1, 2, 4, 8) override the config's
+        tile-scheduler order for this call."""
+        if torch.compiler.is_compiling():
+            from .torch_op import call_op
+            if out is not None:
+                raise CallError("out= is not supported under torch.compile")
+            return call_op(self, A, W, operands)
+        return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
+
+    def reference(self, A: torch.Tensor, W: torch.Tensor, *, precision: str = "kernel",
+                  **operands: Any) -> dict[str, torch.Tensor]:
+        """The torch interpreter's result for the same call (same output dict; nothing is mutated)."""
+        tile = self.config.tile if self.partial_reductions else None
+        return interpret(self.ir, A, W, operands, weight_layout=self.weight_layout, precision=precision,
+                         partial_tile=tile)
+
+    def _check_names(self, operands: dict[str, Any]) -> None:
+        expected = [o.name for o in self.operands] + list(self.inout)
+        missing = [n for n in expected if n not in operands]
+        extra = [n for n in operands if n not in expected]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {', '.join(missing)}")
+            if extra:
+                parts.append(f"unexpected {', '.join(extra)}")
+            raise CallError(f"{self.name}: {'; '.join(parts)}. The call is "
+                            f"k(A, W, {', '.join(n + '=...' for n in expected)})")
+
+    def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *, raster: str | None = None,
+            swizzle: int | None = None, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        ensure_gpu(A.device if isinstance(A, torch.Tensor) else None, self.name)
+        M, N, K, lda, ldw = checks.check_gemm(A, W, self.dtype, self.weight_layout)
+        self._check_names(operands)
+        out = dict(out or {})
+        tile_outputs = [t.name for t in self.graph.tensors if t.role == "output"]
+        for name in out:
+            if name not in tile_outputs:
+                raise CallError(f"out: '{name}' is not a tile output of {self.name} (tile outputs: "
+                                f"{', '.join(tile_outputs) or 'none'})")
+        poison = POISON
+        device = A.device
+        scalars = [checks.check_scalar(o.name, operands[o.name]) for o in self.operands if o.kind == Kind.SCALAR]
+        for o in self.operands:     # operands the program does not use are still checked
+            if o.kind != Kind.SCALAR and o.name not in self._slots_by_name:
+                self._check_tensor(o.name, o.kind, operands[o.name], o.dtype, M, N, device)
+
+        slots = self.graph.tensors
+        ptrs = [0] * len(slots)
+        lds = [0] * len(slots)
+        results: dict[str, torch.Tensor] = {}
+        partials: dict[str, torch.Tensor] = {}
+        read: dict[str, torch.Tensor] = {"A": A, "W": W}
+        written: dict[str, torch.Tensor] = {}
+        for s in slots:
+            if s.role in ("input", "inout"):
+                t = operands[s.name]
+                lds[s.index] = self._check_tensor(s.name, s.kind, t, s.dtype, M, N, device)
+                (written if s.role == "inout" else read)[s.name] = t
+                if s.role == "inout":
+                    results[s.name] = t
+            elif s.role == "output":
+                if s.name in out:
+                    t = out[s.name]
+                    lds[s.index] = checks.check_tile(f"out['{s.name}']", t, M, N, s.dtype, device)
+                    written[s.name] = t
+                else:
+                    t = _new((M, N), s.dtype.torch, device, poison)
+                    lds[s.index] = N
+                results[s.name] = t
+            else:
+                t = partials[s.name] = self._partial_buffer(s, M, N, device, poison)
+            ptrs[s.index] = t.data_ptr()
+        checks.check_no_overlap(written, read)
+
+        if M == 0 or N == 0:
+            results.update(self._empty_reductions(M, N, device))
+            return {name: results[name] for name in self.outputs}
+
+        lib = self.library
+        ws_bytes = lib.workspace_size(M, N, K)
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device) if ws_bytes else None
+        cfg = self.config
+        raster_i = _RASTER[raster or cfg.raster] if (raster or cfg.raster) in _RASTER else None
+        if raster_i is None:
+            raise CallError(f"raster must be one of {tuple(_RASTER)}, got {raster!r}")
+        swz = swizzle or cfg.swizzle
+        if swz not in (1, 2, 4, 8):
+            raise CallError(f"swizzle must be 1, 2, 4 or 8, got {swizzle!r}")
+        n = max(len(slots), 1)
+        status = lib.run(
+            A.data_ptr(), lda, W.data_ptr(), ldw, M, N, K,
+            (ctypes.c_void_p * n)(*ptrs), (ctypes.c_int64 * n)(*lds),
+            (ctypes.c_float * max(len(scalars), 1))(*scalars),
+            raster_i, swz,
+            workspace.data_ptr() if workspace is not None else None, ws_bytes,
+            torch.cuda.current_stream(device).cuda_stream)
+        if status != 0:
+            raise (DeviceError if status >= 7 else CallError)(
+                f"{self.name}: the kernel refused the call before launch: {lib.status_string(status)} "
+                f"(M={M}, N={N}, K={K})")
+        for name, buf in partials.items():
+            results[name] = self._finish(name, buf, M, N)
+        return {name: results[name] for name in self.outputs}
+
+    def _check_tensor(self, name: str, kind: Kind, t: Any, dtype, M: int, N: int, device: torch.device) -> int:
+        if kind == Kind.TILE:
+            return checks.check_tile(name, t, M, N, dtype, device)
+        if kind == Kind.ROW:
+            checks.check_vector(name, t, M, "row (length M)", dtype, device)
+        else:
+            checks.check_vector(name, t, N, "column (length N)", dtype, device)
+        return 0
+
+    def _partial_buffer(self, s: TensorSlot, M: int, N: int, device: torch.device, poison: bool) -> torch.Tensor:
+        tm, tn = self.config.tile
+        if s.reduce_axis == "col":
+            shape = (_ceil_div(M, tm), _ceil_div(max(N, 1), tn) * tn)
+        else:
+            shape = (_ceil_div(N, tn), _ceil_div(max(M, 1), tm) * tm)
+        return _new(shape, torch.float32, device, poison)
+
+    def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
+        node = self._reductions[name]
+        fn, axis = node.attr("fn"), node.attr("axis")
+        view = buf[:, :N] if axis == "col" else buf[:, :M]
+        if self.partial_reductions:
+            return view
+        return finish_partials(view, fn, axis).to(as_dtype(node.attr("out_dtype", "f32")).torch)
+
+    def _empty_reductions(self, M: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Reductions over an empty M or N: the identity of the reduction (no launch)."""
+        tm, tn = self.config.tile
+        out: dict[str, torch.Tensor] = {}
+        for name, node in self._reductions.items():
+            fn, axis = node.attr("fn"), node.attr("axis")
+            ident = _IDENTITY[fn]
+            if self.partial_reductions:
+                shape = (_ceil_div(M, tm), N) if axis == "col" else (_ceil_div(N, tn), M)
+                out[name] = torch.full(shape, ident, dtype=torch.float32, device=device)
+                continue
+            shape = {"row": (M,), "col": (N,), "all": ()}[axis]
+            dtype = as_dtype(node.attr("out_dtype", "f32")).torch
+            out[name] = torch.full(shape, ident, dtype=dtype, device=device)
+        return out
+
+    # ------------------------------------------------------------------ torch.library
+    @property
+    def op(self) -> Any:
+        """The registered torch custom op (for torch.compile and torch.library users)."""
+        from .torch_op import register
+        return register(self)
+
+
+__all__ = ["CompiledEpilogue", "ensure_gpu", "F32"]

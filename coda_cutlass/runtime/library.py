@@ -1,0 +1,70 @@
+"""ctypes binding of a kernel `.so` (the extern "C" ABI in templates/coda/host_abi.hpp)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..errors import BuildError
+from ..lower.evt import ABI_VERSION
+
+_LOCK = threading.Lock()
+_LOADED: dict[str, "KernelLibrary"] = {}
+
+
+class KernelLibrary:
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise BuildError(f"cannot load kernel library {path}: {e}") from None
+        lib.coda_abi_version.restype = ctypes.c_int
+        lib.coda_describe.restype = ctypes.c_char_p
+        lib.coda_status_string.restype = ctypes.c_char_p
+        lib.coda_status_string.argtypes = [ctypes.c_int]
+        lib.coda_workspace_size.restype = ctypes.c_int
+        lib.coda_workspace_size.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                            ctypes.POINTER(ctypes.c_size_t)]
+        lib.coda_run.restype = ctypes.c_int
+        lib.coda_run.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+        ]
+        self.lib = lib
+        self.run = lib.coda_run
+        abi = lib.coda_abi_version()
+        if abi != ABI_VERSION:
+            raise BuildError(f"kernel library {path} has ABI version {abi}, this coda-cutlass expects "
+                             f"{ABI_VERSION}; rebuild it")
+        self.description: dict[str, Any] = json.loads(lib.coda_describe().decode())
+        self._workspace: dict[tuple[int, int, int], int] = {}
+
+    def status_string(self, status: int) -> str:
+        return self.lib.coda_status_string(status).decode()
+
+    def workspace_size(self, M: int, N: int, K: int) -> int:
+        key = (M, N, K)
+        size = self._workspace.get(key)
+        if size is None:
+            out = ctypes.c_size_t(0)
+            status = self.lib.coda_workspace_size(M, N, K, ctypes.byref(out))
+            if status != 0:
+                raise RuntimeError(f"coda_workspace_size failed: {self.status_string(status)}")
+            size = self._workspace[key] = int(out.value)
+        return size
+
+
+def load(path: Path | str) -> KernelLibrary:
+    """Load once per process per path."""
+    key = str(Path(path).resolve())
+    with _LOCK:
+        lib = _LOADED.get(key)
+        if lib is None:
+            lib = _LOADED[key] = KernelLibrary(Path(key))
+        return lib
