@@ -13,6 +13,7 @@ import torch
 from .build.builder import build
 from .build.progress import say
 from .config import KernelConfig
+from .errors import BuildError
 from .dtypes import BF16, as_dtype, as_operand_dtype
 from .interpret import PRECISIONS, interpret
 from .pipeline import Options, lower_program, typed_ir
@@ -90,9 +91,14 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     start = time.monotonic()
     done = [0]
 
-    def one(i: int) -> CompiledEpilogue:
+    def one(i: int) -> CompiledEpilogue | BuildError:
         lo = lowered[i]
-        res = build(lo.source, lo.program.name, cache_dir=cache_dir[i], verbose=False, force=force[i])
+        try:
+            res = build(lo.source, lo.program.name, cache_dir=cache_dir[i], verbose=False, force=force[i])
+        except BuildError as e:
+            done[0] += 1
+            say(f"[{done[0]}/{total}] {lo.program.name}: FAILED (log: {e.log_path})", verbose)
+            return e
         done[0] += 1
         say(f"[{done[0]}/{total}] {lo.program.name}: {res.origin}"
             + (f" in {res.seconds:.0f} s" if res.origin == "built" else ""), verbose)
@@ -101,8 +107,12 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     say(f"building {total} kernels with up to {jobs} parallel nvcc jobs", verbose)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         out = list(pool.map(one, range(total)))
-    say(f"{total} kernels ready in {time.monotonic() - start:.0f} s", verbose)
-    return out
+    failed = [(lowered[i].program.name, r) for i, r in enumerate(out) if isinstance(r, BuildError)]
+    say(f"{total - len(failed)} of {total} kernels ready in {time.monotonic() - start:.0f} s", verbose)
+    if failed:
+        names = "\n".join(f"  {name}: {e.source_path} (log {e.log_path})" for name, e in failed)
+        raise BuildError(f"{len(failed)} of {total} kernels failed to build (the others are cached):\n{names}")
+    return out  # type: ignore[return-value]
 
 
 def reference(program: Any, A: torch.Tensor, W: torch.Tensor, *, dtype: Any = None, weight_layout: str = "nk",

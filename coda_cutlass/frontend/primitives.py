@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..dtypes import as_dtype
-from ..errors import EpilogueError
+from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Kind
 from .values import Accumulate, ReductionResult, Value, apply, find_tracer, power
 
@@ -47,7 +47,10 @@ def where(cond: Any, a: Any, b: Any) -> Any:
 
 def cast(x: Any, dtype: Any) -> Any:
     """Round ``x`` to ``dtype`` here (e.g. to model a bf16 intermediate); computation continues in fp32."""
-    d = as_dtype(dtype, what="cast dtype")
+    try:
+        d = as_dtype(dtype, what="cast dtype")
+    except ConfigError as e:
+        raise EpilogueError(str(e)) from None
     if isinstance(x, (int, float)):
         import torch
         return float(torch.tensor(float(x), dtype=d.torch))  # a constant rounds right away

@@ -153,8 +153,9 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
     for name, value in result.items():
         if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
             raise tracer.error(f"output name {name!r} must be a Python identifier")
-        if name in RESERVED_NAMES:
-            raise tracer.error(f"output name '{name}' is reserved by the kernel call k(A, W, ...); rename it")
+        if name in RESERVED_NAMES and isinstance(value, Accumulate):
+            raise tracer.error(f"accumulated output '{name}' is passed to the kernel call k(A, W, ...) by name, "
+                               f"and '{name}' is reserved there; rename it")
         if name in names_used:
             raise tracer.error(f"output '{name}' has the same name as an operand; pick another name "
                                "(accumulated outputs are passed by their output name)")

@@ -97,6 +97,7 @@ class EvtGraph:
 
 
 ABI_VERSION = 1
+MIN_VISITOR_NODES = 5
 
 
 def collective_d_output(program: Program) -> Node | None:
@@ -168,6 +169,12 @@ def lower(program: Program, config: KernelConfig, dtype: DType, weight_layout: s
         v = _visitor_node(n, len(vnodes), children, slot_of, c_operand, scalars, program)
         index_of[n.id] = v.index
         vnodes.append(v)
+
+    # CUTLASS gives visitors of 2-4 nodes special base classes with a different Arguments layout
+    # (a 2-node visitor fails to compile, and the 2-4 node bases misplace reduction workspaces,
+    # CUTLASS_EVT.md section 6); 5 or more nodes use the generic tuple base. Pad with unused leaves.
+    while len(vnodes) < MIN_VISITOR_NODES - 1:
+        vnodes.append(VisitorNode(len(vnodes), "acc", (), "padding (unused): keeps the visitor at >= 5 nodes"))
 
     if d_node is not None:
         element_d: DType | None = d_node.dtype

@@ -1,0 +1,29 @@
+"""Exporting built kernels as prebuilt files (``<source_key>.so`` + ``<source_key>.json``), for a
+wheel's ``coda_cutlass/prebuilt`` folder or a directory on $CODA_CUTLASS_PREBUILT_PATH."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .cache import FILE_MODE, mkdirs, sha256_file
+
+if TYPE_CHECKING:
+    from ..runtime.kernel import CompiledEpilogue
+
+
+def export_prebuilt(kernel: "CompiledEpilogue", dest: Path | str) -> Path:
+    dest = Path(dest)
+    mkdirs(dest)
+    so = dest / f"{kernel.source_key}.so"
+    tmp = dest / f".{kernel.source_key}.so.tmp"
+    shutil.copyfile(kernel.path, tmp)
+    tmp.chmod(FILE_MODE)
+    tmp.replace(so)
+    meta = {"source_key": kernel.source_key, "name": kernel.name, "so_sha256": sha256_file(so),
+            "description": kernel.graph.describe()}
+    (dest / f"{kernel.source_key}.json").write_text(json.dumps(meta, indent=2))
+    (dest / f"{kernel.source_key}.json").chmod(FILE_MODE)
+    return so

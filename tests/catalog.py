@@ -1,0 +1,375 @@
+"""The test catalogue: epilogue programs covering every op, operand kind, output kind, both weight
+layouts and both operand dtypes, each with a hand-written torch version of the same math.
+
+Used by the CPU tests (interpreter vs hand-written torch, code generation) and by the GPU tests
+(compiled kernel vs interpreter under the 2x-error rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import coda_cutlass as cc
+
+T = torch.Tensor
+
+
+@dataclass
+class Case:
+    name: str
+    program: Any
+    inputs: Callable[[int, int, torch.dtype, torch.device, torch.Generator], dict[str, Any]]
+    expect: Callable[..., dict[str, T]]      # fp32 math: expect(acc, **operands as fp32) -> outputs
+    options: dict[str, Any] = field(default_factory=dict)
+    nvcc_ci: bool = False                    # one of the few kernels CI compiles with nvcc
+
+
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, g: torch.Generator,
+           scale: float = 1.0, offset: float = 0.0) -> T:
+    return (torch.randn(shape, generator=g, device="cpu") * scale + offset).to(device=device, dtype=dtype)
+
+
+def _rand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, g: torch.Generator,
+          lo: float, hi: float) -> T:
+    return (torch.rand(shape, generator=g, device="cpu") * (hi - lo) + lo).to(device=device, dtype=dtype)
+
+
+def tile(name: str, scale: float = 1.0, dtype: torch.dtype | None = None):
+    return lambda M, N, dt, dev, g: {name: _randn((M, N), dtype or dt, dev, g, scale)}
+
+
+def merge(*fns: Callable[..., dict[str, Any]]):
+    def make(M: int, N: int, dt: torch.dtype, dev: torch.device, g: torch.Generator) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fns:
+            out.update(f(M, N, dt, dev, g))
+        return out
+    return make
+
+
+def row(name: str, lo: float = 0.5, hi: float = 1.5, dtype: torch.dtype | None = None):
+    return lambda M, N, dt, dev, g: {name: _rand((M,), dtype or dt, dev, g, lo, hi)}
+
+
+def col(name: str, lo: float = -1.0, hi: float = 1.0, dtype: torch.dtype | None = None):
+    return lambda M, N, dt, dev, g: {name: _rand((N,), dtype or dt, dev, g, lo, hi)}
+
+
+def scalar(name: str, lo: float = 0.5, hi: float = 2.0):
+    return lambda M, N, dt, dev, g: {name: float(torch.rand((), generator=g) * (hi - lo) + lo)}
+
+
+def mask(name: str):
+    return lambda M, N, dt, dev, g: {name: torch.randint(0, 2, (M, N), generator=g).to(device=dev, dtype=dt)}
+
+
+def none(M: int, N: int, dt: torch.dtype, dev: torch.device, g: torch.Generator) -> dict[str, Any]:
+    return {}
+
+
+CASES: list[Case] = []
+
+
+def case(name: str, inputs: Callable[..., dict[str, Any]], expect: Callable[..., dict[str, T]],
+         nvcc_ci: bool = False, **options: Any):
+    def deco(fn: Callable[..., Any]) -> Any:
+        prog = cc.epilogue(fn, name=name)
+        CASES.append(Case(name, prog, inputs, expect, options, nvcc_ci))
+        return prog
+    return deco
+
+
+# ---------------------------------------------------------------------------------------------- basics
+@case("identity", none, lambda acc: {"D": acc})
+def _identity(acc):
+    return acc
+
+
+@case("residual_add", tile("resid"), lambda acc, resid: {"D": acc + resid})
+def _residual_add(acc, resid: cc.Tile):
+    return {"D": acc + resid}
+
+
+@case("residual_norm_stats", merge(tile("resid"), col("g")),
+      lambda acc, resid, g: {"D": acc + resid, "h": (acc + resid) * g, "sumsq": ((acc + resid) ** 2).sum(1)},
+      nvcc_ci=True)
+def _residual_norm_stats(acc, resid: cc.Tile, g: cc.PerCol):
+    x = acc + resid
+    return {"D": x, "h": x * g, "sumsq": cc.row_sum(x * x)}
+
+
+@case("bias_gelu", col("bias"), lambda acc, bias: {"D": F.gelu(acc + bias)})
+def _bias_gelu(acc, bias: cc.PerCol):
+    return cc.gelu(acc + bias)
+
+
+@case("bias_gelu_tanh", col("bias"), lambda acc, bias: {"D": F.gelu(acc + bias, approximate="tanh")})
+def _bias_gelu_tanh(acc, bias: cc.PerCol):
+    return torch.nn.functional.gelu(acc + bias, approximate="tanh")
+
+
+@case("rowscale_silu", row("r", dtype=torch.float32), lambda acc, r: {"D": F.silu(acc * r[:, None])})
+def _rowscale_silu(acc, r: cc.PerRow(torch.float32)):
+    return cc.silu(acc * r)
+
+
+@case("alpha_beta", merge(tile("C"), scalar("alpha"), scalar("beta")),
+      lambda acc, C, alpha, beta: {"D": alpha * acc + beta * C})
+def _alpha_beta(acc, C: cc.Tile, alpha: cc.Scalar, beta: cc.Scalar):
+    return alpha * acc + beta * C
+
+
+@case("relu_squared", none, lambda acc: {"D": torch.relu(acc) ** 2})
+def _relu_squared(acc):
+    return cc.relu(acc) ** 2
+
+
+@case("sigmoid_gate", tile("gate"), lambda acc, gate: {"D": torch.sigmoid(acc) * gate})
+def _sigmoid_gate(acc, gate: cc.Tile):
+    return cc.sigmoid(acc) * gate
+
+
+@case("tanh_softcap", none, lambda acc: {"D": 30.0 * torch.tanh(acc / 30.0)})
+def _tanh_softcap(acc, cap: float = 30.0):
+    return cap * cc.tanh(acc / cap)
+
+
+@case("softplus", none, lambda acc: {"D": torch.log(1.0 + torch.exp(acc * 0.05))})
+def _softplus(acc):
+    return cc.log(1.0 + cc.exp(acc * 0.05))
+
+
+@case("sqrt_rsqrt", none, lambda acc: {"D": torch.sqrt(acc.abs()) + torch.rsqrt(acc.abs() + 1.0)})
+def _sqrt_rsqrt(acc):
+    return cc.sqrt(abs(acc)) + cc.rsqrt(cc.abs(acc) + 1.0)
+
+
+@case("reciprocal", none, lambda acc: {"D": torch.reciprocal(1.0 + acc * acc)})
+def _reciprocal(acc):
+    return cc.reciprocal(1.0 + cc.square(acc))
+
+
+@case("pow_const", none, lambda acc: {"D": acc.abs() ** 1.5, "E": acc ** 3})
+def _pow_const(acc):
+    return {"D": abs(acc) ** 1.5, "E": cc.pow(acc, 3)}
+
+
+@case("clamp", col("lo", -2.0, -0.5), lambda acc, lo: {"D": torch.minimum(torch.maximum(acc, lo), 3.0 + lo * 0)})
+def _clamp(acc, lo: cc.PerCol):
+    return cc.minimum(cc.maximum(acc, lo), 3.0)
+
+
+@case("where_sign", tile("s"), lambda acc, s: {"D": torch.where(s > 0, acc, -acc)})
+def _where_sign(acc, s: cc.Tile):
+    return cc.where(s > 0, acc, -acc)
+
+
+@case("comparisons", merge(tile("x"), mask("m")),
+      lambda acc, x, m: {
+          "D": torch.where(x < -0.5, acc, 0.0) + torch.where(x <= 0.25, 1.0, 2.0) * (x >= 1.0).float()
+          + torch.where(m == 1, acc, 0.0) - torch.where(m != 0, 0.5, 0.0)})
+def _comparisons(acc, x: cc.Tile, m: cc.Tile):
+    return (cc.where(x < -0.5, acc, 0.0) + cc.where(x <= 0.25, 1.0, 2.0) * (x >= 1.0)
+            + cc.where(m == 1, acc, 0.0) - cc.where(m != 0, 0.5, 0.0))
+
+
+@case("cast_midway", none,
+      lambda acc: {"D": acc.to(torch.bfloat16).float() * 3.0 - acc.to(torch.float16).float()})
+def _cast_midway(acc):
+    return cc.cast(acc, torch.bfloat16) * 3.0 - cc.cast(acc, torch.float16)
+
+
+@case("neg_sub_div", merge(tile("t"), col("c", 1.0, 2.0)),
+      lambda acc, t, c: {"D": -(acc - t) / c - 1.0 / c})
+def _neg_sub_div(acc, t: cc.Tile, c: cc.PerCol):
+    return -(acc - t) / c - 1.0 / c
+
+
+# ---------------------------------------------------------------------------------------------- reductions
+@case("row_max_min", none, lambda acc: {"D": acc, "mx": acc.amax(1), "mn": acc.amin(1)})
+def _row_max_min(acc):
+    return {"D": acc, "mx": cc.row_max(acc), "mn": cc.row_min(acc)}
+
+
+@case("col_sum_dgamma", tile("x"), lambda acc, x: {"dgamma": (acc * x).sum(0), "D": acc})
+def _col_sum_dgamma(acc, x: cc.Tile):
+    return {"dgamma": cc.col_sum(acc * x), "D": acc}
+
+
+@case("col_max_min", none, lambda acc: {"D": acc * 2.0, "cmx": acc.amax(0), "cmn": acc.amin(0)})
+def _col_max_min(acc):
+    return {"D": acc * 2.0, "cmx": cc.col_max(acc), "cmn": cc.col_min(acc)}
+
+
+@case("total_sum", none, lambda acc: {"D": acc, "loss": (acc * acc).sum()})
+def _total_sum(acc):
+    return {"D": acc, "loss": cc.total_sum(acc * acc)}
+
+
+@case("many_reductions", tile("x"),
+      lambda acc, x: {"D": acc + x, "rs": (acc + x).sum(1), "rmx": acc.amax(1), "cs": (acc * x).sum(0),
+                      "cmn": x.amin(0) + 0 * acc.amin(0), "tot": (acc + x).sum()})
+def _many_reductions(acc, x: cc.Tile):
+    y = acc + x
+    return {"D": y, "rs": cc.row_sum(y), "rmx": cc.row_max(acc), "cs": cc.col_sum(acc * x),
+            "cmn": cc.col_min(x + 0.0 * acc), "tot": cc.total_sum(y)}
+
+
+@case("reductions_only", tile("x"), lambda acc, x: {"sumsq": ((acc + x) ** 2).sum(1), "cmax": acc.amax(0)})
+def _reductions_only(acc, x: cc.Tile):
+    y = acc + x
+    return {"sumsq": cc.row_sum(y * y), "cmax": cc.col_max(acc)}
+
+
+@case("lse_partials", none,
+      lambda acc: {"mx": acc.amax(1), "se": torch.exp(acc * 0.1 - 4.0).sum(1)})
+def _lse_partials(acc):
+    return {"mx": cc.row_max(acc), "se": cc.row_sum(cc.exp(acc * 0.1 - 4.0))}
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+@case("multi_output_dtypes", tile("r"),
+      lambda acc, r: {"D": acc + r, "h32": (acc + r) * 0.5, "h16": torch.relu(acc)},
+      output_dtypes={"h32": torch.float32, "h16": torch.float16})
+def _multi_output_dtypes(acc, r: cc.Tile):
+    x = acc + r
+    return {"D": x, "h32": x * 0.5, "h16": cc.relu(acc)}
+
+
+@case("aux_only_named", col("g"), lambda acc, g: {"h": acc * g, "h2": acc - g})
+def _aux_only_named(acc, g: cc.PerCol):
+    return {"h": acc * g, "h2": acc - g}
+
+
+@case("accumulate_D", merge(tile("D"), row("r")), lambda acc, D, r: {"D": D + acc * r[:, None]})
+def _accumulate_d(acc, r: cc.PerRow):
+    return {"D": cc.accumulate(acc * r)}
+
+
+@case("accumulate_named", merge(tile("dx"), tile("y")),
+      lambda acc, dx, y: {"out": acc * y, "dx": dx + acc})
+def _accumulate_named(acc, y: cc.Tile):
+    return {"out": acc * y, "dx": cc.accumulate(acc)}
+
+
+@case("fp32_tile_input", tile("resid", dtype=torch.float32), lambda acc, resid: {"D": acc + resid},
+      input_dtypes={"resid": torch.float32})
+def _fp32_tile_input(acc, resid: cc.Tile):
+    return acc + resid
+
+
+@case("mixed_operands", merge(tile("t"), row("r"), col("c"), scalar("s")),
+      lambda acc, t, r, c, s: {"D": (acc * s + r[:, None] + c) * t})
+def _mixed_operands(acc, t: cc.Tile, r: cc.PerRow, c: cc.PerCol, s: cc.Scalar):
+    return (acc * s + r + c) * t
+
+
+@case("swiglu_separate", tile("up"), lambda acc, up: {"D": F.silu(acc) * up})
+def _swiglu_separate(acc, up: cc.Tile):
+    return torch.nn.functional.silu(acc) * up
+
+
+# The RMSNorm backward dX epilogue of TRANSFORMER_MATH.md: acc = delta.
+@case("norm_backward",
+      merge(tile("x"), row("r", 0.5, 1.5, torch.float32), row("c", -0.5, 0.5, torch.float32), col("g", 0.5, 1.5),
+            tile("dres")),
+      lambda acc, x, r, c, g, dres: {
+          "dres": dres + (acc * g - x * r[:, None] * c[:, None]) * r[:, None],
+          "y": x * r[:, None] * g,
+          "dgamma": (acc * x * r[:, None]).sum(0)},
+      input_dtypes={"r": torch.float32, "c": torch.float32})
+def _norm_backward(acc, x: cc.Tile, r: cc.PerRow, c: cc.PerRow, g: cc.PerCol):
+    xhat = x * r
+    return {"dres": cc.accumulate((acc * g - xhat * c) * r), "y": xhat * g, "dgamma": cc.col_sum(acc * xhat)}
+
+
+# ---------------------------------------------------------------------------------------------- layouts, dtypes
+@case("kn_residual", tile("resid"), lambda acc, resid: {"D": acc + resid}, weight_layout="kn")
+def _kn_residual(acc, resid: cc.Tile):
+    return acc + resid
+
+
+@case("fp16_bias_relu", col("bias"), lambda acc, bias: {"D": torch.relu(acc + bias), "s": (acc + bias).sum(1)},
+      dtype=torch.float16)
+def _fp16_bias_relu(acc, bias: cc.PerCol):
+    return {"D": cc.relu(acc + bias), "s": cc.row_sum(acc + bias)}
+
+
+@case("every_op", merge(tile("t"), row("r"), col("c", 1.0, 2.0), scalar("s")),
+      lambda acc, t, r, c, s: {
+          "D": (torch.exp(acc * 0.01) + torch.log(acc.abs() + 1.0) + torch.sqrt(acc.abs()) + torch.rsqrt(acc.abs() + 1.0)
+                + torch.reciprocal(c) + torch.tanh(acc) + torch.sigmoid(acc) + F.silu(acc) + F.gelu(acc)
+                + F.gelu(acc, approximate="tanh") + torch.relu(-acc) + torch.square(t) + (acc.abs() + 1.0) ** 0.7
+                + torch.maximum(acc, t) - torch.minimum(acc, t) + acc / c - r[:, None] * s
+                + torch.where(t > 0, 1.0, 0.0) + torch.where(t < 0, 1.0, 0.0) + torch.where(t >= 0.5, 1.0, 0.0)
+                + torch.where(t <= -0.5, 1.0, 0.0) + torch.where(t == 0, 1.0, 0.0) + torch.where(t != 0, 1.0, 0.0)
+                + acc.to(torch.bfloat16).float()),
+          "rs": acc.sum(1), "rmx": acc.amax(1), "rmn": acc.amin(1),
+          "cs": acc.sum(0), "cmx": acc.amax(0), "cmn": acc.amin(0), "tot": acc.sum()},
+      nvcc_ci=True)
+def _every_op(acc, t: cc.Tile, r: cc.PerRow, c: cc.PerCol, s: cc.Scalar):
+    y = (cc.exp(acc * 0.01) + cc.log(abs(acc) + 1.0) + cc.sqrt(abs(acc)) + cc.rsqrt(abs(acc) + 1.0)
+         + cc.reciprocal(c) + cc.tanh(acc) + cc.sigmoid(acc) + cc.silu(acc) + cc.gelu(acc)
+         + cc.gelu(acc, approximate="tanh") + cc.relu(-acc) + cc.square(t) + (abs(acc) + 1.0) ** 0.7
+         + cc.maximum(acc, t) - cc.minimum(acc, t) + acc / c - r * s
+         + (t > 0) + (t < 0) + (t >= 0.5) + (t <= -0.5) + (t == 0) + (t != 0)
+         + cc.cast(acc, torch.bfloat16))
+    return {"D": y, "rs": cc.row_sum(acc), "rmx": cc.row_max(acc), "rmn": cc.row_min(acc),
+            "cs": cc.col_sum(acc), "cmx": cc.col_max(acc), "cmn": cc.col_min(acc), "tot": cc.total_sum(acc)}
+
+
+# A CI compile that covers the kn layout, accumulation into a named output, scalars and no "D".
+@case("kn_accumulate_no_d", merge(tile("dx"), scalar("s"), row("r")),
+      lambda acc, dx, s, r: {"dx": dx + acc * s, "rsum": (acc * r[:, None]).sum(1)},
+      weight_layout="kn", nvcc_ci=True)
+def _kn_accumulate_no_d(acc, s: cc.Scalar, r: cc.PerRow):
+    return {"dx": cc.accumulate(acc * s), "rsum": cc.row_sum(acc * r)}
+
+
+@case("partials_norm_stats", merge(tile("resid"), col("g")),
+      lambda acc, resid, g: {"D": acc + resid, "h": (acc + resid) * g, "sumsq": ((acc + resid) ** 2).sum(1)},
+      partial_reductions=True)
+def _partials_norm_stats(acc, resid: cc.Tile, g: cc.PerCol):
+    x = acc + resid
+    return {"D": x, "h": x * g, "sumsq": cc.row_sum(x * x)}
+
+
+@case("small_tile_config", tile("resid"), lambda acc, resid: {"D": acc + resid, "s": (acc + resid).sum(1)},
+      config=cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=1))
+def _small_tile_config(acc, resid: cc.Tile):
+    x = acc + resid
+    return {"D": x, "s": cc.row_sum(x)}
+
+
+BY_NAME = {c.name: c for c in CASES}
+
+
+def compile_options(c: Case) -> dict[str, Any]:
+    opts = dict(c.options)
+    opts.setdefault("dtype", torch.bfloat16)
+    return opts
+
+
+def make_inputs(c: Case, M: int, N: int, K: int, device: torch.device | str, seed: int):
+    """(A, W, operands) with fresh random values for a case."""
+    g = torch.Generator().manual_seed(seed)
+    opts = compile_options(c)
+    dt = opts["dtype"]
+    dev = torch.device(device)
+    A = _randn((M, K), dt, dev, g, scale=0.5)
+    if opts.get("weight_layout", "nk") == "nk":
+        W = _randn((N, K), dt, dev, g, scale=0.5)
+    else:
+        W = _randn((K, N), dt, dev, g, scale=0.5)
+    return A, W, c.inputs(M, N, dt, dev, g)
+
+
+BUILD_KEYS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants",
+              "partial_reductions")
+
+# What `python -m coda_cutlass prebuild tests/catalog.py` builds.
+PREBUILD = [(c.program, {k: v for k, v in compile_options(c).items() if k in BUILD_KEYS}) for c in CASES]

@@ -1,0 +1,138 @@
+"""GPU correctness of every catalogue program (skips cleanly without an sm_90 GPU).
+
+Rules (TRANSFORMER_MATH.md): fresh random inputs for every run; every output buffer the kernel
+writes is poisoned with NaN first; for every output
+    max|out - ref32| <= 2 * max|ref_lowp - ref32| + 1e-6,
+with ref32 the interpreter in fp32 on fp32 copies and ref_lowp the same math at the operand
+precision. Two runs give bitwise-equal results; one call launches exactly one GEMM kernel plus one
+small finishing reduction per finished reduction output.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import coda_cutlass as cc
+from catalog import CASES, compile_options, make_inputs
+from conftest import hopper_available
+from coda_cutlass.runtime import kernel as kernel_module
+
+pytestmark = pytest.mark.skipif(not hopper_available(), reason="needs an sm_90 GPU (H100/H200)")
+
+SHAPES = [(8192, 4096, 4096), (1000, 776, 520), (129, 136, 64)]
+BUILD_KEYS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants",
+              "partial_reductions")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    items = [(c.program, {k: v for k, v in compile_options(c).items() if k in BUILD_KEYS}) for c in CASES]
+    built = cc.compile_many(items)
+    return {c.name: k for c, k in zip(CASES, built)}
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(kernel_module, "POISON", True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def seed_of(name: str, shape: tuple[int, int, int], salt: int = 0) -> int:
+    return zlib.crc32(f"{name}{shape}{salt}".encode())
+
+
+def fp32_copy(ops: dict) -> dict:
+    return {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
+
+
+def clone(ops: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
+
+
+def check_outputs(k, out: dict, ref32: dict, lowp: dict, where: str) -> dict[str, tuple[float, float]]:
+    report = {}
+    assert set(out) == set(ref32), where
+    for name in ref32:
+        o, r, l = out[name].float(), ref32[name].float(), lowp[name].float()
+        assert o.shape == r.shape, f"{where} {name}: shape {tuple(o.shape)} vs {tuple(r.shape)}"
+        finite = torch.isfinite(r)
+        assert torch.equal(torch.isfinite(o), finite), f"{where} {name}: non-finite values (unwritten/poisoned?)"
+        err = (o - r)[finite].abs().max().item() if finite.any() else 0.0
+        tol = 2 * (l - r)[finite].abs().max().item() + 1e-6 if finite.any() else 1e-6
+        assert err <= tol, f"{where} {name}: max error {err:.3e} > bound {tol:.3e}"
+        report[name] = (err, tol)
+    return report
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_kernel_matches_reference(kernels, case, shape):
+    k = kernels[case.name]
+    M, N, K = shape
+    A, W, ops = make_inputs(case, M, N, K, "cuda", seed=seed_of(case.name, shape))
+    before = clone(ops)
+    out = k(A, W, **ops)
+    torch.cuda.synchronize()
+    ref32 = k.reference(A.float(), W.float(), precision="fp32", **fp32_copy(before))
+    lowp = k.reference(A, W, precision="lowp", **before)
+    check_outputs(k, out, ref32, lowp, f"{case.name} {shape}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_bitwise_deterministic(kernels, case):
+    k = kernels[case.name]
+    M, N, K = 1000, 776, 520
+    A, W, ops = make_inputs(case, M, N, K, "cuda", seed=seed_of(case.name, (M, N, K), 1))
+    first = k(A, W, **clone(ops))
+    second = k(A, W, **clone(ops))
+    for name in first:
+        assert torch.equal(first[name], second[name]) or (
+            torch.isnan(first[name]).any() and torch.equal(first[name].nan_to_num(), second[name].nan_to_num())
+        ), name
+
+
+def count_kernels(fn) -> list[str]:
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_one_gemm_launch_per_call(kernels, case, monkeypatch):
+    monkeypatch.setattr(kernel_module, "POISON", False)
+    k = kernels[case.name]
+    A, W, ops = make_inputs(case, 1000, 776, 520, "cuda", seed=3)
+    k(A, W, **clone(ops))     # warm up (loads the library, caches workspace size)
+    names = count_kernels(lambda: k(A, W, **ops))
+    gemm = [n for n in names if "cutlass" in n or "device_kernel" in n]
+    finishing = 0 if k.partial_reductions else sum(1 for n in k.ir.nodes if n.op == "reduce")
+    assert len(gemm) == 1, names
+    assert len(names) == 1 + finishing, names
+
+
+def test_errors_before_launch(kernels):
+    k = kernels["residual_norm_stats"]
+    A = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    W = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    R = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(cc.CallError, match="missing g"):
+        k(A, W, resid=R)
+    with pytest.raises(cc.CallError, match="dtype"):
+        k(A.float(), W, resid=R, g=g)
+    with pytest.raises(cc.CallError, match="shape"):
+        k(A, W, resid=R[:, :128], g=g)
+    with pytest.raises(cc.CallError, match="16-byte aligned"):
+        big = torch.randn(256 * 256 + 1, device="cuda", dtype=torch.bfloat16)
+        k(A, W, resid=big[1:].view(256, 256), g=g)
+    with pytest.raises(cc.CallError, match="unit column stride"):
+        k(A, W, resid=R.t(), g=g)
+    with pytest.raises(cc.CallError, match="multiple of 8"):
+        k(A[:, :124].contiguous(), W[:, :124].contiguous(), resid=R, g=g)
+    out = k(A, W, resid=R, g=g)
+    assert out["D"].shape == (256, 256)

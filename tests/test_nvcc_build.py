@@ -1,0 +1,55 @@
+"""Real nvcc builds of a few catalogue kernels (about a minute each on 2 cores), then a look inside
+the built library through its C ABI, which works without a GPU."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import coda_cutlass as cc
+from catalog import BUILD_KEYS, CASES, compile_options
+from coda_cutlass.runtime.library import load
+
+CI_CASES = [c for c in CASES if c.nvcc_ci]
+
+pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None and not __import__("os").environ.get(
+    "CODA_CUTLASS_NVCC"), reason="nvcc not installed")
+
+
+@pytest.fixture(scope="module")
+def built():
+    items = [(c.program, {k: v for k, v in compile_options(c).items() if k in BUILD_KEYS}) for c in CI_CASES]
+    return dict(zip([c.name for c in CI_CASES], cc.compile_many(items, jobs=2)))
+
+
+@pytest.mark.parametrize("case", CI_CASES, ids=lambda c: c.name)
+def test_kernel_builds_and_describes_itself(built, case):
+    k = built[case.name]
+    assert k.path.is_file() and k.path.stat().st_size > 100_000
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(k.path)], capture_output=True, text=True).stdout
+    exported = {line.split()[-1] for line in syms.splitlines() if " T " in line}
+    assert {"coda_run", "coda_workspace_size", "coda_describe", "coda_abi_version",
+            "coda_status_string"} <= exported
+    assert not [s for s in exported if not s.startswith("coda_") and not s.startswith("_")], exported
+    lib = load(k.path)
+    assert lib.description == k.graph.describe()
+    assert lib.status_string(3) == "a tensor accessed by TMA is not 16-byte aligned"
+    assert lib.workspace_size(1000, 776, 520) >= 0
+
+
+def test_cached_second_compile_is_instant(built):
+    case = CI_CASES[0]
+    k = cc.compile_epilogue(case.program, **{k: v for k, v in compile_options(case).items() if k in BUILD_KEYS})
+    assert k.origin == "cache" and k.path == built[case.name].path
+
+
+def test_calling_without_gpu_raises_device_error(built):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; tests/gpu covers calls")
+    k = built["residual_norm_stats"]
+    A = torch.zeros(128, 64, dtype=torch.bfloat16)
+    with pytest.raises(cc.DeviceError, match="no CUDA GPU"):
+        k(A, A, resid=None, g=None)

@@ -1,0 +1,202 @@
+"""Tracing: operand kinds, ops, outputs, and the errors users get for programs that cannot work."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import coda_cutlass as cc
+from coda_cutlass.ir import Kind, format_program
+
+
+def ops(program) -> list[str]:
+    return [n.op for n in program.trace().nodes]
+
+
+def test_readme_program_traces_to_expected_ir():
+    @cc.epilogue
+    def residual_norm_stats(acc, resid: cc.Tile, g: cc.PerCol):
+        x = acc + resid
+        return {"D": x, "h": x * g, "sumsq": cc.row_sum(x * x)}
+
+    p = residual_norm_stats.trace()
+    assert p.outputs == ("D", "h", "sumsq")
+    assert [(o.name, o.kind) for o in p.operands] == [("resid", Kind.TILE), ("g", Kind.COL)]
+    assert ops(residual_norm_stats) == ["acc", "load", "load", "add", "mul", "mul", "reduce", "store", "store"]
+    red = p.sink("sumsq")
+    assert (red.attr("fn"), red.attr("axis"), red.kind) == ("sum", "row", Kind.ROW)
+    text = format_program(p)
+    assert "reduce sumsq = row_sum" in text and "store h" in text
+
+
+def test_kinds_broadcast():
+    @cc.epilogue
+    def f(acc, r: cc.PerRow, c: cc.PerCol, s: cc.Scalar):
+        return {"rc": r * c, "rs": r * s, "cs": c + 1.0, "ss": s * 2.0}
+
+    p = f.trace()
+    kinds = {n.attr("name"): p.nodes[n.inputs[0]].kind for n in p.sinks()}
+    assert kinds == {"rc": Kind.TILE, "rs": Kind.ROW, "cs": Kind.COL, "ss": Kind.SCALAR}
+
+
+def test_single_value_means_D_and_constants_are_shared():
+    @cc.epilogue
+    def f(acc):
+        return acc * 2.0 + 2.0
+
+    p = f.trace()
+    assert p.outputs == ("D",)
+    assert sum(n.op == "const" for n in p.nodes) == 1
+
+
+def test_torch_functions_map_to_ops():
+    @cc.epilogue
+    def f(acc, t: cc.Tile):
+        return torch.sigmoid(acc) + torch.nn.functional.silu(t) + torch.exp(acc) + torch.relu(t) + torch.abs(acc)
+
+    assert {"sigmoid", "silu", "exp", "relu", "abs"} <= set(ops(f))
+
+
+def test_pow_special_cases():
+    @cc.epilogue
+    def f(acc):
+        return {"a": acc ** 2, "b": acc ** 0.5, "c": acc ** -1, "d": acc ** -0.5, "e": acc ** 3, "f": acc ** 1,
+                "g": 2.0 ** acc}
+
+    names = ops(f)
+    for op in ("square", "sqrt", "reciprocal", "rsqrt", "pow", "exp"):
+        assert op in names
+
+
+def test_constant_parameters_and_override():
+    @cc.epilogue
+    def f(acc, eps: float = 1e-6, scale=2.0):
+        return acc * scale + eps
+
+    consts = sorted(n.attr("value") for n in f.trace().nodes if n.op == "const")
+    assert consts == [1e-6, 2.0]
+    consts = sorted(n.attr("value") for n in f.trace({"scale": 3.0}).nodes if n.op == "const")
+    assert consts == [1e-6, 3.0]
+    with pytest.raises(cc.EpilogueError, match="not a constant parameter"):
+        f.trace({"nope": 1.0})
+
+
+def test_accumulate_adds_an_inout_operand():
+    @cc.epilogue
+    def f(acc, r: cc.PerRow):
+        return {"dx": cc.accumulate(acc * r)}
+
+    p = f.trace()
+    assert [o.name for o in p.operands] == ["r", "dx"]
+    st = p.sink("dx")
+    assert st.attr("accumulate") is True
+    assert p.nodes[st.inputs[0]].op == "add"
+
+
+def test_constant_only_calls_fold():
+    assert cc.exp(0.0) == 1.0
+    assert cc.cast(1.0 + 2 ** -10, torch.bfloat16) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def err(fn, match: str) -> None:
+    with pytest.raises(cc.EpilogueError, match=match):
+        cc.epilogue(fn).trace()
+
+
+def test_error_reduction_used_later():
+    def f(acc):
+        s = cc.row_sum(acc)
+        return acc / s
+    err(f, "cannot be used later in the same epilogue")
+
+
+def test_error_reduction_passed_to_function():
+    def f(acc):
+        return cc.exp(cc.row_max(acc))
+    err(f, "cannot be used later")
+
+
+def test_error_python_control_flow():
+    def f(acc):
+        return acc if acc > 0 else -acc
+    err(f, "use cc.where")
+
+
+def test_error_math_module():
+    def f(acc):
+        return math.exp(acc)
+    err(f, "cc.exp")
+
+
+def test_error_unsupported_operator():
+    def f(acc):
+        return acc // 2
+    err(f, "operator // is not supported")
+
+
+def test_error_unsupported_torch_function():
+    def f(acc):
+        return torch.erf(acc)
+    err(f, "not supported on traced epilogue values")
+
+
+def test_error_captured_tensor():
+    bias = torch.ones(4)
+
+    def f(acc):
+        return acc + bias
+    with pytest.raises(cc.EpilogueError):
+        cc.epilogue(f).trace()
+
+
+def test_error_missing_annotation():
+    with pytest.raises(cc.EpilogueError, match="needs an operand annotation"):
+        cc.epilogue(lambda acc, r: acc)
+
+
+def test_error_reserved_name():
+    with pytest.raises(cc.EpilogueError, match="reserved"):
+        @cc.epilogue
+        def f(acc, W: cc.Tile):
+            return acc
+    err(lambda acc: {"out": cc.accumulate(acc)}, "reserved")
+
+
+def test_error_bad_returns():
+    err(lambda acc: (acc, acc), "must return a dict")
+    err(lambda acc: {}, "no outputs")
+    err(lambda acc: {"not valid": acc}, "Python identifier")
+    err(lambda acc: cc.row_sum(acc), "bare reduction")
+
+
+def test_error_output_named_like_operand():
+    def f(acc, x: cc.Tile):
+        return {"x": acc}
+    err(f, "same name as an operand")
+
+
+def test_error_pow_with_traced_exponent():
+    def f(acc, t: cc.Tile):
+        return acc ** t
+    err(f, "exponent must be a Python number")
+
+
+def test_error_accumulate_misuse():
+    def f(acc):
+        return {"D": cc.accumulate(acc) + 1.0}
+    with pytest.raises((cc.EpilogueError, TypeError)):
+        cc.epilogue(f).trace()
+    err(lambda acc: {"D": cc.accumulate(cc.row_sum(acc))}, "accumulate takes an elementwise value")
+
+
+def test_error_bad_cast_dtype():
+    err(lambda acc: cc.cast(acc, torch.int32), "not supported")
+
+
+def test_program_is_not_directly_callable():
+    p = cc.epilogue(lambda acc: acc)
+    with pytest.raises(TypeError, match="compile_epilogue"):
+        p(torch.ones(1))
