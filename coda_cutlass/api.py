@@ -25,6 +25,20 @@ def _options(dtype: Any, weight_layout: str, config: KernelConfig | None, input_
     return Options.make(dtype, weight_layout, config, input_dtypes, output_dtypes, constants)
 
 
+GENERATION_OPTIONS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants")
+BUILD_OPTIONS = ("partial_reductions", "cache_dir", "force_rebuild")
+
+
+def split_options(opts: Mapping[str, Any]) -> tuple[Options, dict[str, Any]]:
+    """compile_epilogue-style keyword options -> (what decides the source, the build/runtime rest)."""
+    unknown = set(opts) - set(GENERATION_OPTIONS) - set(BUILD_OPTIONS)
+    if unknown:
+        raise TypeError(f"unknown options {sorted(unknown)}")
+    gen = {k: opts[k] for k in GENERATION_OPTIONS if k in opts}
+    gen.setdefault("dtype", torch.bfloat16)
+    return Options.make(**gen), {k: opts[k] for k in BUILD_OPTIONS if k in opts}
+
+
 def emit(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
          config: KernelConfig | None = None, input_dtypes: Mapping[str, Any] | None = None,
          output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None) -> str:
@@ -69,23 +83,14 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     Each item is a program, or a ``(program, options_dict)`` pair overriding the shared keyword
     options. ``jobs`` defaults to the number of CPU cores (nvcc uses one core per kernel).
     """
-    items: list[tuple[Any, dict[str, Any]]] = []
+    items: list[tuple[Any, Options, dict[str, Any]]] = []
     for item in programs:
-        if isinstance(item, tuple):
-            prog, extra = item
-            items.append((prog, {"dtype": dtype, **kwargs, **extra}))
-        else:
-            items.append((item, {"dtype": dtype, **kwargs}))
+        prog, extra = item if isinstance(item, tuple) else (item, {})
+        opts, rest = split_options({"dtype": dtype, **kwargs, **extra})
+        items.append((prog, opts, rest))
     # Lower everything first so program errors surface before any compiler runs.
-    partial = [opts.pop("partial_reductions", False) for _, opts in items]
-    force = [opts.pop("force_rebuild", False) for _, opts in items]
-    cache_dir = [opts.pop("cache_dir", None) for _, opts in items]
-    lowered = [lower_program(p, _options(opts.pop("dtype"), opts.pop("weight_layout", "nk"), opts.pop("config", None),
-                                         opts.pop("input_dtypes", None), opts.pop("output_dtypes", None),
-                                         opts.pop("constants", None))) for p, opts in items]
-    for (p, opts) in items:
-        if opts:
-            raise TypeError(f"compile_many: unknown options {sorted(opts)}")
+    lowered = [lower_program(p, opts) for p, opts, _ in items]
+    rests = [rest for _, _, rest in items]
     jobs = jobs or os.cpu_count() or 2
     total = len(lowered)
     start = time.monotonic()
@@ -94,7 +99,8 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     def one(i: int) -> CompiledEpilogue | BuildError:
         lo = lowered[i]
         try:
-            res = build(lo.source, lo.program.name, cache_dir=cache_dir[i], verbose=False, force=force[i])
+            res = build(lo.source, lo.program.name, cache_dir=rests[i].get("cache_dir"), verbose=False,
+                        force=rests[i].get("force_rebuild", False))
         except BuildError as e:
             done[0] += 1
             say(f"[{done[0]}/{total}] {lo.program.name}: FAILED (log: {e.log_path})", verbose)
@@ -102,7 +108,7 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
         done[0] += 1
         say(f"[{done[0]}/{total}] {lo.program.name}: {res.origin}"
             + (f" in {res.seconds:.0f} s" if res.origin == "built" else ""), verbose)
-        return CompiledEpilogue(lo, res, partial_reductions=partial[i])
+        return CompiledEpilogue(lo, res, partial_reductions=rests[i].get("partial_reductions", False))
 
     say(f"building {total} kernels with up to {jobs} parallel nvcc jobs", verbose)
     with ThreadPoolExecutor(max_workers=jobs) as pool:

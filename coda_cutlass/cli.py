@@ -54,11 +54,15 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
 def cmd_prebuild(args: argparse.Namespace) -> int:
     from .api import compile_many
-    from .build.export import export_prebuilt
+    from .build.export import export_prebuilt, export_sources
     items = programs_of(load_module(args.file))
     if not items:
         print(f"no epilogue programs in {args.file}", file=sys.stderr)
         return 2
+    if args.sources_only:
+        for path in export_sources(items, args.out):
+            print(path)
+        return 0
     kernels = compile_many(items, jobs=args.jobs)
     for k in kernels:
         path = export_prebuilt(k, args.out)
@@ -96,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file")
     p.add_argument("--out", required=True)
     p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--sources-only", action="store_true",
+                   help="write the generated .cu files (and headers) for CMakeLists.txt instead of compiling")
     p.set_defaults(fn=cmd_prebuild)
     p = sub.add_parser("cache", help="show the kernel cache")
     p.set_defaults(fn=cmd_cache)

@@ -27,3 +27,23 @@ def export_prebuilt(kernel: "CompiledEpilogue", dest: Path | str) -> Path:
     (dest / f"{kernel.source_key}.json").write_text(json.dumps(meta, indent=2))
     (dest / f"{kernel.source_key}.json").chmod(FILE_MODE)
     return so
+
+
+def export_sources(items: list, dest: Path | str) -> list[Path]:
+    """Write ``<source_key>.cu`` for each (program, options) and the coda headers under include/."""
+    from ..api import split_options
+    from ..pipeline import lower_program
+    from .cache import write_file
+    from .keys import header_files, source_key
+    dest = Path(dest)
+    mkdirs(dest)
+    for rel, text in header_files():
+        mkdirs((dest / "include" / rel).parent)
+        write_file(dest / "include" / rel, text)
+    paths = []
+    for prog, opts in items:
+        lo = lower_program(prog, split_options(opts)[0])
+        path = dest / f"{source_key(lo.source)}.cu"
+        write_file(path, lo.source)
+        paths.append(path)
+    return paths

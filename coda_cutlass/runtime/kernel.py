@@ -19,7 +19,7 @@ import torch
 from ..build.builder import BuildResult
 from ..dtypes import F32, as_dtype
 from ..errors import CallError, DeviceError
-from ..interpret import finish_partials, interpret
+from ..interpret import interpret
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..lower.evt import TensorSlot
@@ -29,7 +29,15 @@ from .library import KernelLibrary, load
 
 _IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 _RASTER = {"heuristic": 0, "m": 1, "n": 2}
-_CHECKED_DEVICES: set[int] = set()
+_READY_DEVICES: set[int | None] = set()   # devices checked to be usable sm_90 GPUs
+
+
+def current_stream(device: torch.device) -> int:
+    """The raw cudaStream_t of the current torch stream of `device` (cheap private API if present)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return get(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def ensure_gpu(device: torch.device | None, what: str) -> None:
@@ -39,13 +47,12 @@ def ensure_gpu(device: torch.device | None, what: str) -> None:
     if device is None or device.type != "cuda":
         return  # the argument checks report the wrong device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _CHECKED_DEVICES:
-        return
     cap = torch.cuda.get_device_capability(index)
     if cap != (9, 0):
         raise DeviceError(f"{what}: kernels are built for sm_90a (Hopper: H100/H200), but cuda:{index} is "
                           f"{torch.cuda.get_device_name(index)} with compute capability {cap[0]}.{cap[1]}")
-    _CHECKED_DEVICES.add(index)
+    if device.index is not None:
+        _READY_DEVICES.add(device.index)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -88,6 +95,20 @@ class CompiledEpilogue:
         self.operands = tuple(o for o in self.ir.operands if o.name not in self.inout)
         self._slots_by_name = {t.name: t for t in self.graph.tensors}
         self._reductions = {n.attr("name"): n for n in self.ir.nodes if n.op == "reduce"}
+        # Precomputed call plan (the eager path runs on every launch).
+        self._arg_names = tuple(o.name for o in self.operands) + self.inout
+        self._n_args = len(self._arg_names)
+        self._tile_outputs = tuple(t.name for t in self.graph.tensors if t.role == "output")
+        self._scalar_names = tuple(o.name for o in self.operands if o.kind == Kind.SCALAR)
+        self._unused_tensors = tuple((o.name, o.kind, o.dtype) for o in self.operands
+                                     if o.kind != Kind.SCALAR and o.name not in self._slots_by_name)
+        self._n_slots = len(self.graph.tensors)
+        self._ptr_array = ctypes.c_void_p * max(self._n_slots, 1)
+        self._ld_array = ctypes.c_int64 * max(self._n_slots, 1)
+        self._scalar_array = ctypes.c_float * max(len(self._scalar_names), 1)
+        self._raster = _RASTER[self.config.raster]
+        self._finish_plan = {name: (n.attr("fn"), n.attr("axis"), as_dtype(n.attr("out_dtype", "f32")).torch)
+                             for name, n in self._reductions.items()}
 
     # ------------------------------------------------------------------ inspection
     def __repr__(self) -> str:
@@ -144,49 +165,58 @@ class CompiledEpilogue:
 
     def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *, raster: str | None = None,
             swizzle: int | None = None, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        ensure_gpu(A.device if isinstance(A, torch.Tensor) else None, self.name)
+        """The eager call path. Kept lean: it is pure host overhead on every launch."""
+        device = A.device if type(A) is torch.Tensor else None
+        if device is None or device.index not in _READY_DEVICES:
+            ensure_gpu(device, self.name)
         M, N, K, lda, ldw = checks.check_gemm(A, W, self.dtype, self.weight_layout)
-        self._check_names(operands)
-        out = dict(out or {})
-        tile_outputs = [t.name for t in self.graph.tensors if t.role == "output"]
-        for name in out:
-            if name not in tile_outputs:
-                raise CallError(f"out: '{name}' is not a tile output of {self.name} (tile outputs: "
-                                f"{', '.join(tile_outputs) or 'none'})")
+        if device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):     # the kernel launches on the current device
+                return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
+        if len(operands) != self._n_args or not all(n in operands for n in self._arg_names):
+            self._check_names(operands)
+        if out:
+            for name in out:
+                if name not in self._tile_outputs:
+                    raise CallError(f"out: '{name}' is not a tile output of {self.name} (tile outputs: "
+                                    f"{', '.join(self._tile_outputs) or 'none'})")
         poison = POISON
-        device = A.device
-        scalars = [checks.check_scalar(o.name, operands[o.name]) for o in self.operands if o.kind == Kind.SCALAR]
-        for o in self.operands:     # operands the program does not use are still checked
-            if o.kind != Kind.SCALAR and o.name not in self._slots_by_name:
-                self._check_tensor(o.name, o.kind, operands[o.name], o.dtype, M, N, device)
+        scalars = [checks.check_scalar(name, operands[name]) for name in self._scalar_names]
+        for name, kind, dtype in self._unused_tensors:     # operands the program does not use: still checked
+            self._check_tensor(name, kind, operands[name], dtype, M, N, device)
 
-        slots = self.graph.tensors
-        ptrs = [0] * len(slots)
-        lds = [0] * len(slots)
+        ptrs = [0] * self._n_slots
+        lds = [0] * self._n_slots
         results: dict[str, torch.Tensor] = {}
-        partials: dict[str, torch.Tensor] = {}
-        read: dict[str, torch.Tensor] = {"A": A, "W": W}
-        written: dict[str, torch.Tensor] = {}
-        for s in slots:
-            if s.role in ("input", "inout"):
-                t = operands[s.name]
-                lds[s.index] = self._check_tensor(s.name, s.kind, t, s.dtype, M, N, device)
-                (written if s.role == "inout" else read)[s.name] = t
-                if s.role == "inout":
-                    results[s.name] = t
-            elif s.role == "output":
-                if s.name in out:
-                    t = out[s.name]
+        partials: list[tuple[str, torch.Tensor]] = []
+        written: dict[str, torch.Tensor] | None = None
+        for s in self.graph.tensors:
+            role = s.role
+            if role == "output":
+                t = out.get(s.name) if out else None
+                if t is not None:
                     lds[s.index] = checks.check_tile(f"out['{s.name}']", t, M, N, s.dtype, device)
+                    written = written or {}
                     written[s.name] = t
                 else:
                     t = _new((M, N), s.dtype.torch, device, poison)
                     lds[s.index] = N
                 results[s.name] = t
+            elif role == "partials":
+                t = self._partial_buffer(s, M, N, device, poison)
+                partials.append((s.name, t))
             else:
-                t = partials[s.name] = self._partial_buffer(s, M, N, device, poison)
+                t = operands[s.name]
+                lds[s.index] = self._check_tensor(s.name, s.kind, t, s.dtype, M, N, device)
+                if role == "inout":
+                    results[s.name] = t
+                    written = written or {}
+                    written[s.name] = t
             ptrs[s.index] = t.data_ptr()
-        checks.check_no_overlap(written, read)
+        if written:
+            read = {"A": A, "W": W}
+            read.update((s.name, operands[s.name]) for s in self.graph.tensors if s.role == "input")
+            checks.check_no_overlap(written, read)
 
         if M == 0 or N == 0:
             results.update(self._empty_reductions(M, N, device))
@@ -195,26 +225,22 @@ class CompiledEpilogue:
         lib = self.library
         ws_bytes = lib.workspace_size(M, N, K)
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device) if ws_bytes else None
-        cfg = self.config
-        raster_i = _RASTER[raster or cfg.raster] if (raster or cfg.raster) in _RASTER else None
+        raster_i = self._raster if raster is None else _RASTER.get(raster)
         if raster_i is None:
             raise CallError(f"raster must be one of {tuple(_RASTER)}, got {raster!r}")
-        swz = swizzle or cfg.swizzle
+        swz = self.config.swizzle if swizzle is None else swizzle
         if swz not in (1, 2, 4, 8):
             raise CallError(f"swizzle must be 1, 2, 4 or 8, got {swizzle!r}")
-        n = max(len(slots), 1)
         status = lib.run(
             A.data_ptr(), lda, W.data_ptr(), ldw, M, N, K,
-            (ctypes.c_void_p * n)(*ptrs), (ctypes.c_int64 * n)(*lds),
-            (ctypes.c_float * max(len(scalars), 1))(*scalars),
-            raster_i, swz,
-            workspace.data_ptr() if workspace is not None else None, ws_bytes,
-            torch.cuda.current_stream(device).cuda_stream)
+            self._ptr_array(*ptrs), self._ld_array(*lds), self._scalar_array(*scalars),
+            raster_i, swz, workspace.data_ptr() if workspace is not None else None, ws_bytes,
+            current_stream(device))
         if status != 0:
             raise (DeviceError if status >= 7 else CallError)(
                 f"{self.name}: the kernel refused the call before launch: {lib.status_string(status)} "
                 f"(M={M}, N={N}, K={K})")
-        for name, buf in partials.items():
+        for name, buf in partials:
             results[name] = self._finish(name, buf, M, N)
         return {name: results[name] for name in self.outputs}
 
@@ -236,12 +262,20 @@ class CompiledEpilogue:
         return _new(shape, torch.float32, device, poison)
 
     def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
-        node = self._reductions[name]
-        fn, axis = node.attr("fn"), node.attr("axis")
-        view = buf[:, :N] if axis == "col" else buf[:, :M]
+        """Finish fp32 partials [tiles, padded length] with one small deterministic torch reduction."""
+        fn, axis, dtype = self._finish_plan[name]
+        n = N if axis == "col" else M
         if self.partial_reductions:
-            return view
-        return finish_partials(view, fn, axis).to(as_dtype(node.attr("out_dtype", "f32")).torch)
+            return buf[:, :n]
+        if axis == "all":
+            r = buf[:, :n].sum()
+        elif fn == "sum":
+            r = torch.sum(buf, 0)[:n]     # reduce the padded buffer (contiguous), then slice
+        elif fn == "max":
+            r = torch.amax(buf, 0)[:n]
+        else:
+            r = torch.amin(buf, 0)[:n]
+        return r if dtype is torch.float32 else r.to(dtype)
 
     def _empty_reductions(self, M: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Reductions over an empty M or N: the identity of the reduction (no launch)."""

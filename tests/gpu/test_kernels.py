@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import coda_cutlass as cc
-from catalog import CASES, compile_options, make_inputs
+from catalog import BY_NAME, CASES, compile_options, make_inputs
 from conftest import hopper_available
 from coda_cutlass.runtime import kernel as kernel_module
 
@@ -27,11 +27,19 @@ BUILD_KEYS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes
               "partial_reductions")
 
 
-@pytest.fixture(scope="module")
+class LazyKernels(dict):
+    """Compiles a case's kernel on first use (prebuilt or cached kernels load instantly)."""
+
+    def __missing__(self, name: str):
+        c = BY_NAME[name]
+        k = self[name] = cc.compile_epilogue(c.program, **{k: v for k, v in compile_options(c).items()
+                                                            if k in BUILD_KEYS})
+        return k
+
+
+@pytest.fixture(scope="session")
 def kernels():
-    items = [(c.program, {k: v for k, v in compile_options(c).items() if k in BUILD_KEYS}) for c in CASES]
-    built = cc.compile_many(items)
-    return {c.name: k for c, k in zip(CASES, built)}
+    return LazyKernels()
 
 
 @pytest.fixture(autouse=True)
