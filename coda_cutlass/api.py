@@ -48,17 +48,19 @@ def emit(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk"
 
 
 def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
-                     config: KernelConfig | None = None, input_dtypes: Mapping[str, Any] | None = None,
+                     config: KernelConfig | str | None = None, input_dtypes: Mapping[str, Any] | None = None,
                      output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
                      partial_reductions: bool = False, cache_dir: str | Path | None = None,
-                     verbose: bool | None = None, force_rebuild: bool = False) -> CompiledEpilogue:
+                     verbose: bool | None = None, force_rebuild: bool = False) -> Any:
     """Compile an epilogue program into a fused GEMM + epilogue kernel (or fetch it from the cache).
 
     Args:
         program: a function decorated with ``@cc.epilogue``.
         dtype: GEMM operand dtype, ``torch.bfloat16`` or ``torch.float16``; accumulation is fp32.
         weight_layout: ``"nk"``: W is (N, K) as in ``nn.Linear`` (acc = A @ W.T); ``"kn"``: W is (K, N).
-        config: mainloop configuration (tile, cluster, schedule); default 128x256x64, cluster 2x1.
+        config: a ``KernelConfig`` to pin (tile, cluster, schedule, raster, swizzle); None for the
+            heuristic default (128x256x64, cluster 2x1, cooperative); ``"tune"`` for a ``TunedEpilogue``
+            that autotunes per (N, K, M bucket) on first use and remembers the choice on disk.
         input_dtypes: dtype per operand name (default: ``dtype``; scalars are fp32).
         output_dtypes: dtype per output name (default: ``dtype`` for tiles, fp32 for reductions).
         constants: values for the program's constant parameters.
@@ -70,6 +72,12 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
 
     Works without a GPU: the kernel is built and can be inspected; calling it needs an sm_90 GPU.
     """
+    if isinstance(config, str):
+        if config != "tune":
+            raise TypeError(f"config must be a KernelConfig, None (the heuristic default) or 'tune', got {config!r}")
+        from .tuning import TunedEpilogue
+        return TunedEpilogue(program, _options(dtype, weight_layout, None, input_dtypes, output_dtypes, constants),
+                             partial_reductions=partial_reductions, cache_dir=cache_dir, verbose=verbose)
     opts = _options(dtype, weight_layout, config, input_dtypes, output_dtypes, constants)
     lowered = lower_program(program, opts)
     result = build(lowered.source, lowered.program.name, cache_dir=cache_dir, verbose=verbose, force=force_rebuild)
@@ -77,11 +85,13 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
 
 
 def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: int | None = None,
-                 verbose: bool | None = None, **kwargs: Any) -> list[CompiledEpilogue]:
+                 verbose: bool | None = None, skip_failed: bool = False, **kwargs: Any) -> list[CompiledEpilogue]:
     """Compile several kernels in parallel (nvcc runs concurrently; results in input order).
 
     Each item is a program, or a ``(program, options_dict)`` pair overriding the shared keyword
     options. ``jobs`` defaults to the number of CPU cores (nvcc uses one core per kernel).
+    A failed build raises ``BuildError`` once all builds finish, unless ``skip_failed`` (then its
+    entry is None).
     """
     items: list[tuple[Any, Options, dict[str, Any]]] = []
     for item in programs:
@@ -115,6 +125,8 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
         out = list(pool.map(one, range(total)))
     failed = [(lowered[i].program.name, r) for i, r in enumerate(out) if isinstance(r, BuildError)]
     say(f"{total - len(failed)} of {total} kernels ready in {time.monotonic() - start:.0f} s", verbose)
+    if failed and skip_failed:
+        return [None if isinstance(r, BuildError) else r for r in out]  # type: ignore[misc]
     if failed:
         names = "\n".join(f"  {name}: {e.source_path} (log {e.log_path})" for name, e in failed)
         raise BuildError(f"{len(failed)} of {total} kernels failed to build (the others are cached):\n{names}")

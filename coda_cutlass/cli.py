@@ -63,6 +63,12 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         for path in export_sources(items, args.out):
             print(path)
         return 0
+    if args.all_candidates:     # every autotuning candidate config of every program
+        from .api import split_options
+        from .pipeline import lower_program
+        from .tuning.space import candidate_configs
+        items = [(p, {**o, "config": c}) for p, o in items
+                 for c in candidate_configs(lower_program(p, split_options(o)[0]).graph)]
     kernels = compile_many(items, jobs=args.jobs)
     for k in kernels:
         path = export_prebuilt(k, args.out)
@@ -100,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("file")
     p.add_argument("--out", required=True)
     p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--all-candidates", action="store_true",
+                   help="build every autotuning candidate configuration (tuning then needs no nvcc)")
     p.add_argument("--sources-only", action="store_true",
                    help="write the generated .cu files (and headers) for CMakeLists.txt instead of compiling")
     p.set_defaults(fn=cmd_prebuild)

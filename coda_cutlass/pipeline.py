@@ -3,7 +3,7 @@ EVT graph -> CUDA source. No nvcc, no GPU."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .config import DEFAULT, KernelConfig
@@ -20,7 +20,7 @@ class Options:
     """Everything besides the program that decides the generated kernel."""
     dtype: DType
     weight_layout: str = "nk"
-    config: KernelConfig = DEFAULT
+    config: KernelConfig | None = None      # None: the heuristic default for the program
     input_dtypes: tuple[tuple[str, str], ...] = ()
     output_dtypes: tuple[tuple[str, str], ...] = ()
     constants: tuple[tuple[str, float], ...] = ()
@@ -33,7 +33,7 @@ class Options:
         return cls(
             dtype=as_operand_dtype(dtype),
             weight_layout=weight_layout,
-            config=config or DEFAULT,
+            config=config,
             input_dtypes=tuple(sorted((k, as_dtype(v, what=f"dtype of operand '{k}'").name)
                                       for k, v in (input_dtypes or {}).items())),
             output_dtypes=tuple(sorted((k, as_dtype(v, what=f"dtype of output '{k}'").name)
@@ -60,5 +60,8 @@ def typed_ir(program: Any, options: Options) -> Program:
 def lower_program(program: Any, options: Options) -> Lowered:
     prog = as_program(program)
     ir = typed_ir(prog, options)
+    if options.config is None:      # the graph does not depend on the config; pick one from it
+        from .tuning.space import default_config
+        options = replace(options, config=default_config(lower(ir, DEFAULT, options.dtype, options.weight_layout)))
     graph = lower(ir, options.config, options.dtype, options.weight_layout)
     return Lowered(prog, ir, graph, render_kernel(graph), options)

@@ -136,7 +136,12 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
     kwargs.update(consts)
 
     sig_names = list(inspect.signature(program.fn).parameters)
-    result = program.fn(acc, **{k: kwargs[k] for k in sig_names[1:]})
+    try:
+        result = program.fn(acc, **{k: kwargs[k] for k in sig_names[1:]})
+    except EpilogueError as e:
+        if e.program is None:    # raised by a cc.* function that had no trace to name
+            raise EpilogueError(e.reason, program=program.name, node=e.node) from None
+        raise
 
     if isinstance(result, (Value, Accumulate)):
         result = {"D": result}

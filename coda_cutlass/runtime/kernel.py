@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..build.builder import BuildResult
+from ..config import KernelConfig
 from ..dtypes import F32, as_dtype
 from ..errors import CallError, DeviceError
 from ..interpret import interpret
@@ -81,7 +82,7 @@ class CompiledEpilogue:
         self.graph = lowered.graph
         self.source = lowered.source
         self.options = lowered.options
-        self.config = lowered.options.config
+        self.config: KernelConfig = lowered.options.config  # type: ignore[assignment]
         self.dtype = lowered.options.dtype
         self.weight_layout = lowered.options.weight_layout
         self.path: Path = build.path

@@ -1,0 +1,201 @@
+"""The benchmark suite (issue 3): fused GEMM + epilogue kernels against bare cuBLAS, our own identity
+epilogue, eager PyTorch and torch.compile doing the same work, on Llama-3-8B shapes, all timed in
+the same run (interleaved rounds, rotating input sets, CUDA events, medians).
+
+    python bench/run.py --out bench/results            # everything (tunes on first use)
+    python bench/run.py --m 8192 --epilogues identity norm_stats --no-tune
+
+Writes results.json, results.md and results.png (time ratio to bare cuBLAS per workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import coda_cutlass as cc  # noqa: E402
+from coda_cutlass import epilogues as E  # noqa: E402
+from coda_cutlass.timing import interleaved  # noqa: E402
+
+D_MODEL, FFN, QKV = 4096, 14336, 6144
+SHAPES = {  # name: (N, K)
+    "out-proj": (D_MODEL, D_MODEL),
+    "gate/up": (2 * FFN, D_MODEL),
+    "down": (D_MODEL, FFN),
+    "qkv": (QKV, D_MODEL),
+}
+
+
+def _eager_identity(x: dict) -> Any:
+    return x["A"] @ x["W"].t()
+
+
+def _eager_residual(x: dict) -> Any:
+    return x["A"] @ x["W"].t() + x["resid"]
+
+
+def _eager_norm_stats(x: dict) -> Any:
+    h = x["A"] @ x["W"].t() + x["resid"]
+    return h, h * x["g"], h.float().pow(2).sum(-1)
+
+
+def _eager_rowscale_silu(x: dict) -> Any:
+    y = (x["A"] @ x["W"].t()).float() * x["r"][:, None]
+    return (F.silu(y) * x["up"]).to(x["A"].dtype)
+
+
+def _eager_bias_gelu(x: dict) -> Any:
+    return F.gelu(x["A"] @ x["W"].t() + x["bias"])
+
+
+# name: (program, eager function, operand makers)
+EPILOGUES: dict[str, tuple[Any, Callable[[dict], Any], dict[str, str]]] = {
+    "identity": (E.identity, _eager_identity, {}),
+    "residual": (E.residual_add, _eager_residual, {"resid": "tile"}),
+    "norm_stats": (E.residual_norm_stats, _eager_norm_stats, {"resid": "tile", "g": "col"}),
+    "rowscale_silu_gate": (E.rowscale_silu, _eager_rowscale_silu, {"r": "row32", "up": "tile"}),
+    "bias_gelu": (E.bias_gelu, _eager_bias_gelu, {"bias": "col"}),
+}
+
+
+def make_set(M: int, N: int, K: int, operands: dict[str, str], seed: int) -> dict[str, Any]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = torch.bfloat16
+    x = {"A": (torch.randn(M, K, device="cuda", generator=g) * 0.5).to(bf),
+         "W": (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(bf)}
+    for name, kind in operands.items():
+        if kind == "tile":
+            x[name] = torch.randn(M, N, device="cuda", generator=g).to(bf)
+        elif kind == "col":
+            x[name] = (torch.rand(N, device="cuda", generator=g) + 0.5).to(bf)
+        elif kind == "row32":
+            x[name] = torch.rand(M, device="cuda", generator=g) + 0.5
+    return x
+
+
+def environment() -> dict[str, Any]:
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:
+        driver = "?"
+    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "coda_cutlass": cc.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def run(ms: list[int], epilogue_names: list[str], shape_names: list[str], tune: bool, rounds: int
+        ) -> list[dict[str, Any]]:
+    config = "tune" if tune else None
+    kernels = {name: cc.compile_epilogue(EPILOGUES[name][0], torch.bfloat16, config=config)
+               for name in set(epilogue_names) | {"identity"}}
+    compiled = {name: torch.compile(EPILOGUES[name][1], dynamic=True) for name in epilogue_names}
+    rows = []
+    for M in ms:
+        for shape in shape_names:
+            N, K = SHAPES[shape]
+            for name in epilogue_names:
+                prog, eager, operands = EPILOGUES[name]
+                sets = [make_set(M, N, K, operands, seed) for seed in (1, 2)]
+                fused, ident = kernels[name], kernels["identity"]
+                args = list(operands)
+                fns = {
+                    "cublas": lambda x: torch.mm(x["A"], x["W"].t()),
+                    "coda_identity": lambda x: ident(x["A"], x["W"]),
+                    "coda_fused": lambda x, k=fused: k(x["A"], x["W"], **{a: x[a] for a in args}),
+                    "eager": eager,
+                    "torch_compile": compiled[name],
+                }
+                if tune:    # tune (or load the stored choice) before anything is timed
+                    fused.choice(sets[0]["A"], sets[0]["W"])
+                    ident.choice(sets[0]["A"], sets[0]["W"])
+                times = interleaved(fns, sets, rounds=rounds)
+                row = {"M": M, "N": N, "K": K, "shape": shape, "epilogue": name, "us": times,
+                       "ratio": {k: v / times["cublas"] for k, v in times.items()}}
+                if tune:
+                    row["config"] = fused.choice(sets[0]["A"], sets[0]["W"])
+                    row["config"] = {k: row["config"][k] for k in ("config", "raster", "swizzle", "tuned")}
+                rows.append(row)
+                r = row["ratio"]
+                print(f"M={M:5d} {shape:8s} {name:18s} cuBLAS {times['cublas']:8.1f} us | fused {r['coda_fused']:.3f}x"
+                      f" identity {r['coda_identity']:.3f}x eager {r['eager']:.3f}x compile {r['torch_compile']:.3f}x",
+                      flush=True)
+                del sets
+    return rows
+
+
+def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
+    lines = [f"# coda-cutlass benchmark ({env['date']})", "",
+             f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, bf16. "
+             "Times are medians of CUDA-event-timed runs over 2 rotating input sets, interleaved rounds; "
+             "ratios are to bare cuBLAS (`torch.mm`) of the same GEMM in the same run.", "",
+             "| M | GEMM (N x K) | epilogue | cuBLAS us | coda identity | coda fused | eager | torch.compile | config |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        q = r["ratio"]
+        cfg = ""
+        if "config" in r:
+            c = cc.KernelConfig.from_dict(r["config"]["config"])
+            cfg = f"{c.name()} r={r['config']['raster']} s={r['config']['swizzle']}"
+        lines.append(f"| {r['M']} | {r['shape']} {r['N']}x{r['K']} | {r['epilogue']} | {r['us']['cublas']:.1f} | "
+                     f"{q['coda_identity']:.3f} | **{q['coda_fused']:.3f}** | {q['eager']:.3f} | "
+                     f"{q['torch_compile']:.3f} | {cfg} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{r['shape']} M={r['M']//1024}k\n{r['epilogue']}" for r in rows]
+    series = [("coda_fused", "coda fused"), ("coda_identity", "coda identity"), ("torch_compile", "torch.compile"),
+              ("eager", "eager")]
+    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 0.55), 5.5))
+    width = 0.2
+    for i, (key, label) in enumerate(series):
+        ax.bar([x + (i - 1.5) * width for x in range(len(rows))], [r["ratio"][key] for r in rows], width, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("time / bare cuBLAS GEMM")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=90, fontsize=7)
+    ax.set_ylim(0.8, max(2.0, max(r["ratio"]["eager"] for r in rows) * 1.05))
+    ax.legend()
+    ax.set_title("Fused GEMM + epilogue vs bare cuBLAS (H200, bf16, Llama-3-8B shapes)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--m", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--epilogues", nargs="+", default=list(EPILOGUES), choices=list(EPILOGUES))
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--no-tune", action="store_true", help="use the heuristic default config")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        sys.exit("bench/run.py needs a Hopper GPU (sm_90)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    rows = run(args.m, args.epilogues, args.shapes, not args.no_tune, args.rounds)
+    (out / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1))
+    write_markdown(rows, env, out / "results.md")
+    write_plot(rows, out / "results.png")
+    print(f"wrote {out}/results.json, results.md, results.png")
+
+
+if __name__ == "__main__":
+    main()

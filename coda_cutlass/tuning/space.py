@@ -1,0 +1,79 @@
+"""The configuration space and its pruning.
+
+Build-time choices: CTA tile, cluster, schedule (cooperative / ping-pong), tile scheduler
+(persistent / stream-K). Runtime choices, tried without rebuilding: raster order and swizzle.
+Candidates whose shared memory would leave the mainloop fewer than 2 stages are pruned before
+compiling, using the same stage formulas as CUTLASS's sm90 epilogue builder.
+"""
+
+from __future__ import annotations
+
+from math import gcd
+
+from ..config import KernelConfig
+from ..ir.nodes import Kind
+from ..lower.evt import EvtGraph
+
+SMEM_BYTES = 227 * 1024
+MIN_MAINLOOP_STAGES = 2
+
+CANDIDATES: tuple[KernelConfig, ...] = (
+    KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1),
+    KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=1, cluster_n=2),
+    KernelConfig(tile_m=256, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2),
+    KernelConfig(tile_m=256, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1),
+    KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1, schedule="pingpong"),
+    KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1, scheduler="streamk"),
+)
+
+RUNTIME_CHOICES: tuple[tuple[str, int], ...] = tuple(
+    (r, s) for r in ("m", "n") for s in (1, 2, 4, 8))
+
+
+def _epi_tile(c: KernelConfig) -> tuple[int, int]:
+    if c.epilogue_tile is not None:
+        return c.epilogue_tile
+    if c.schedule == "cooperative":
+        return min(128, c.tile_m), gcd(min(32, c.tile_n), c.tile_n)
+    return min(64, c.tile_m), gcd(min(32, c.tile_n), c.tile_n)
+
+
+def estimate_stages(c: KernelConfig, graph: EvtGraph) -> int:
+    """Mainloop stages left after the epilogue's shared memory (CUTLASS decides; this prunes)."""
+    em, en = _epi_tile(c)
+    epi_tiles = (c.tile_m // em) * (c.tile_n // en)
+    elems = em * en
+    cbits = graph.element_c.bits if graph.element_c else 0
+    dbits = graph.element_d.bits if graph.element_d else graph.dtype.bits
+    reuse = cbits == dbits and dbits > 8
+    stages_d = min(epi_tiles, 2)
+    stages_c = max(min(epi_tiles, 4), stages_d + 1) if reuse else min(epi_tiles, 4)
+    smem = 0
+    if graph.element_c:
+        smem += elems * cbits // 8 * stages_c
+    if not (reuse and graph.element_c):
+        smem += elems * dbits // 8 * stages_d
+    for n in graph.nodes:
+        bits = n.params["element"].bits if "element" in n.params else 0
+        if n.kind == "aux_load":
+            smem += elems * bits // 8 * stages_c
+        elif n.kind == "aux_store":
+            smem += elems * bits // 8 * stages_d
+        elif n.kind == "col_vec":
+            smem += c.tile_n * bits // 8
+    stage = (c.tile_m + c.tile_n) * c.tile_k * graph.dtype.bits // 8 + 64
+    return (SMEM_BYTES - smem - 1024) // stage
+
+
+def candidate_configs(graph: EvtGraph) -> list[KernelConfig]:
+    out = [c for c in CANDIDATES if estimate_stages(c, graph) >= MIN_MAINLOOP_STAGES]
+    return out or [default_config(graph)]
+
+
+def default_config(graph: EvtGraph | None = None) -> KernelConfig:
+    """The heuristic without tuning: 128x256x64, cooperative, cluster 2x1 (GPU.md's measured best
+    family), falling back to 128x128 when the epilogue's tile traffic would starve the mainloop."""
+    big = CANDIDATES[0]
+    if graph is None or estimate_stages(big, graph) >= 3:
+        return big
+    return KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1)

@@ -1,0 +1,160 @@
+"""The autotuner: ``compile_epilogue(program, config="tune")`` returns a ``TunedEpilogue``.
+
+On the first call with a new (N, K, M bucket) it builds every candidate configuration in parallel,
+times each with every raster order and swizzle on rotating random input sets of the call's shape,
+and keeps the fastest; the choice is stored in the tuning cache, so later calls (and processes)
+neither build nor time anything. ``CODA_CUTLASS_AUTOTUNE=0`` disables tuning (stored choices are
+still used; otherwise the heuristic default).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from ..build.progress import say
+from ..config import KernelConfig
+from ..errors import BuildError
+from ..ir.nodes import Kind
+from ..ir.printer import format_program
+from ..pipeline import Options, lower_program
+from ..timing import time_cuda
+from .space import RUNTIME_CHOICES, candidate_configs, default_config
+from .store import TuningStore, m_bucket
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get("CODA_CUTLASS_AUTOTUNE", "1") not in ("0", "false", "no")
+
+
+class TunedEpilogue:
+    """A program compiled in several configurations, dispatching each call to the tuned one."""
+
+    def __init__(self, program: Any, options: Options, *, partial_reductions: bool = False,
+                 cache_dir: Any = None, verbose: bool | None = None,
+                 candidates: list[KernelConfig] | None = None):
+        self.options = options
+        self.partial_reductions = partial_reductions
+        self.cache_dir = cache_dir
+        self.verbose = verbose
+        base = lower_program(program, replace(options, config=default_config()))
+        self.program = base.program
+        self.name = base.program.name
+        self.ir = base.ir
+        self.default = default_config(base.graph)
+        self.candidates = candidates or candidate_configs(base.graph)
+        desc = {"ir": format_program(base.ir), "options": {k: str(v) for k, v in options.__dict__.items()
+                                                           if k != "config"},
+                "partial": partial_reductions}
+        self.program_hash = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
+        self.store = TuningStore(cache_dir)
+        self._kernels: dict[KernelConfig, Any] = {}
+        self._choices: dict[tuple[int, int, int], dict[str, Any]] = {}
+
+    def __repr__(self) -> str:
+        return f"<TunedEpilogue {self.name}: {len(self.candidates)} candidate configs, {len(self._choices)} tuned shapes>"
+
+    # ------------------------------------------------------------------ kernels
+    def kernel(self, config: KernelConfig) -> Any:
+        from ..api import compile_epilogue
+        base = replace(config, raster="heuristic", swizzle=1)
+        k = self._kernels.get(base)
+        if k is None:
+            o = self.options
+            k = self._kernels[base] = compile_epilogue(
+                self.program, o.dtype, weight_layout=o.weight_layout, config=base,
+                input_dtypes=dict(o.input_dtypes), output_dtypes=dict(o.output_dtypes),
+                constants=dict(o.constants), partial_reductions=self.partial_reductions,
+                cache_dir=self.cache_dir, verbose=self.verbose)
+        return k
+
+    def key(self, M: int, N: int, K: int, device: torch.device) -> str:
+        props = torch.cuda.get_device_properties(device)
+        return (f"{props.name}|sm{props.major}{props.minor}|cuda{torch.version.cuda}|{self.program_hash[:24]}"
+                f"|N{N}|K{K}|M{m_bucket(M)}")
+
+    # ------------------------------------------------------------------ dispatch
+    def choice(self, A: torch.Tensor, W: torch.Tensor) -> dict[str, Any]:
+        M, K = A.shape
+        N = W.shape[0] if self.options.weight_layout == "nk" else W.shape[1]
+        local = (N, K, m_bucket(M))
+        rec = self._choices.get(local)
+        if rec is None:
+            rec = self.store.get(self.key(M, N, K, A.device))
+            if rec is None:
+                if tuning_enabled() and not torch.compiler.is_compiling():
+                    rec = self.tune(M, N, K, A.device)
+                else:
+                    rec = {"config": self.default.build_key, "raster": "heuristic", "swizzle": 1, "tuned": False}
+            self._choices[local] = rec
+        return rec
+
+    def __call__(self, A: torch.Tensor, W: torch.Tensor, **operands: Any) -> dict[str, torch.Tensor]:
+        rec = self.choice(A, W)
+        k = self.kernel(KernelConfig.from_dict(rec["config"]))
+        if torch.compiler.is_compiling():
+            return k(A, W, **operands)
+        return k(A, W, raster=rec["raster"], swizzle=rec["swizzle"], **operands)
+
+    # ------------------------------------------------------------------ tuning
+    def _inputs(self, M: int, N: int, K: int, device: torch.device, seed: int) -> tuple:
+        g = torch.Generator(device=device).manual_seed(seed)
+        dt = self.options.dtype.torch
+        A = (torch.randn(M, K, device=device, generator=g) * 0.5).to(dt)
+        wshape = (N, K) if self.options.weight_layout == "nk" else (K, N)
+        W = (torch.randn(*wshape, device=device, generator=g) * 0.02).to(dt)
+        ops: dict[str, Any] = {}
+        for o in self.ir.operands:
+            if o.kind == Kind.SCALAR:
+                ops[o.name] = 1.0
+            else:
+                shape = {Kind.TILE: (M, N), Kind.ROW: (M,), Kind.COL: (N,)}[o.kind]
+                ops[o.name] = (torch.rand(*shape, device=device, generator=g) + 0.5).to(o.dtype.torch)
+        return A, W, ops
+
+    def tune(self, M: int, N: int, K: int, device: torch.device) -> dict[str, Any]:
+        from ..api import compile_many
+        start = time.monotonic()
+        say(f"autotuning {self.name} for M~{m_bucket(M)}, N={N}, K={K}: {len(self.candidates)} configs x "
+            f"{len(RUNTIME_CHOICES)} raster/swizzle choices", self.verbose)
+        o = self.options
+        items = [(self.program, {"config": c, "partial_reductions": self.partial_reductions,
+                                 "cache_dir": self.cache_dir}) for c in self.candidates
+                 if replace(c, raster="heuristic", swizzle=1) not in self._kernels]
+        if items:
+            built = compile_many(items, o.dtype, weight_layout=o.weight_layout, input_dtypes=dict(o.input_dtypes),
+                                 output_dtypes=dict(o.output_dtypes), constants=dict(o.constants),
+                                 verbose=self.verbose, skip_failed=True)
+            for (_, opts), k in zip(items, built):
+                if k is not None:
+                    self._kernels[replace(opts["config"], raster="heuristic", swizzle=1)] = k
+        sets = [self._inputs(M, N, K, device, seed) for seed in (1, 2)]
+        timings: list[dict[str, Any]] = []
+        for cfg, k in list(self._kernels.items()):
+            if cfg not in [replace(c, raster="heuristic", swizzle=1) for c in self.candidates]:
+                continue
+            for raster, swizzle in RUNTIME_CHOICES:
+                def run(s: tuple, k: Any = k, r: str = raster, z: int = swizzle) -> Any:
+                    A, W, ops = s
+                    return k(A, W, raster=r, swizzle=z, **ops)
+                try:
+                    us = time_cuda(run, sets, warmup=2, reps=10)
+                except Exception as e:  # noqa: BLE001 - a candidate that cannot run is skipped
+                    say(f"  {cfg.name()} raster={raster} swizzle={swizzle}: skipped ({e})", self.verbose)
+                    continue
+                timings.append({"config": cfg.build_key, "raster": raster, "swizzle": swizzle, "us": us})
+        if not timings:
+            raise BuildError(f"autotuning {self.name}: no candidate configuration could run")
+        best = min(timings, key=lambda t: t["us"])
+        rec = {**best, "tuned": True, "seconds": round(time.monotonic() - start, 1), "timings": timings}
+        self.store.put(self.key(M, N, K, device), rec)
+        cfg = KernelConfig.from_dict(best["config"])
+        say(f"tuned {self.name}: {cfg.name()} raster={best['raster']} swizzle={best['swizzle']} "
+            f"{best['us']:.1f} us (in {rec['seconds']:.0f} s)", self.verbose)
+        return rec
