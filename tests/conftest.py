@@ -23,3 +23,17 @@ def hopper_available() -> bool:
 
 
 requires_hopper = pytest.mark.skipif(not hopper_available(), reason="needs an sm_90 GPU (H100/H200)")
+
+
+@pytest.fixture
+def fake_nvcc(tmp_path, monkeypatch):
+    """Builds go through tests/fake_nvcc.py (instant, countable) into a private cache."""
+    log = tmp_path / "nvcc.calls"
+    log.write_text("")
+    monkeypatch.setenv("CODA_CUTLASS_NVCC", str(Path(__file__).resolve().parent / "fake_nvcc.py"))
+    monkeypatch.setenv("FAKE_NVCC_LOG", str(log))
+    monkeypatch.setenv("CODA_CUTLASS_QUIET", "1")
+    monkeypatch.delenv("CODA_CUTLASS_PREBUILT_PATH", raising=False)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(cache))
+    return {"log": log, "cache": cache, "tmp": tmp_path}

@@ -20,19 +20,12 @@ from coda_cutlass.build.keys import build_key, source_key
 from coda_cutlass.build.toolchain import toolchain
 
 HERE = Path(__file__).resolve().parent
-SRC = "// kernel source\nint x;\n"
 
 
 @pytest.fixture
-def fake(tmp_path, monkeypatch):
-    log = tmp_path / "nvcc.calls"
-    log.write_text("")
-    monkeypatch.setenv("CODA_CUTLASS_NVCC", str(HERE / "fake_nvcc.py"))
-    monkeypatch.setenv("FAKE_NVCC_LOG", str(log))
-    monkeypatch.setenv("CODA_CUTLASS_QUIET", "1")
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(cache))
-    return {"log": log, "cache": cache, "tmp": tmp_path}
+def fake(fake_nvcc):
+    return fake_nvcc
+SRC = "// kernel source\nint x;\n"
 
 
 def calls(fake) -> int:

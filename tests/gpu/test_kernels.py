@@ -144,3 +144,66 @@ def test_errors_before_launch(kernels):
         k(A[:, :124].contiguous(), W[:, :124].contiguous(), resid=R, g=g)
     out = k(A, W, resid=R, g=g)
     assert out["D"].shape == (256, 256)
+
+
+def test_empty_dimensions(kernels):
+    k = kernels["many_reductions"]
+    for M, N in ((0, 776), (1000, 0)):
+        A = torch.randn(M, 520, device="cuda", dtype=torch.bfloat16)
+        W = torch.randn(N, 520, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        out = k(A, W, x=x)
+        assert out["D"].shape == (M, N) and out["rs"].shape == (M,) and out["cs"].shape == (N,)
+        assert out["tot"].item() == 0.0
+        if N == 0:
+            assert torch.all(out["rs"] == 0) and torch.all(out["rmx"] == float("-inf"))
+        else:
+            assert torch.all(out["cmn"] == float("inf"))
+
+
+def test_torch_compile_traces_without_graph_break(kernels, monkeypatch):
+    monkeypatch.setattr(kernel_module, "POISON", False)
+    k = kernels["residual_norm_stats"]
+    c = BY_NAME["residual_norm_stats"]
+    A, W, ops = make_inputs(c, 1000, 776, 520, "cuda", seed=11)
+
+    def block(A, W, resid, g):
+        out = k(A, W, resid=resid, g=g)
+        return out["D"] * 2, out["sumsq"].sqrt()
+
+    compiled = torch.compile(block, fullgraph=True)
+    got = compiled(A, W, **ops)
+    want = block(A, W, **ops)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_every_candidate_config_is_correct():
+    from coda_cutlass.tuning.space import candidate_configs
+    c = BY_NAME["residual_norm_stats"]
+    base = cc.compile_epilogue(c.program, torch.bfloat16)
+    for cfg in candidate_configs(base.graph):
+        k = cc.compile_epilogue(c.program, torch.bfloat16, config=cfg)
+        for shape in ((1000, 776, 520), (2048, 4096, 1024)):
+            A, W, ops = make_inputs(c, *shape, "cuda", seed=5)
+            out = k(A, W, **clone(ops))
+            ref32 = k.reference(A.float(), W.float(), precision="fp32", **fp32_copy(ops))
+            lowp = k.reference(A, W, precision="lowp", **ops)
+            check_outputs(k, out, ref32, lowp, f"{cfg.name()} {shape}")
+
+
+def test_autotuner_tunes_once_and_remembers(tmp_path, monkeypatch):
+    from coda_cutlass.tuning import TunedEpilogue
+    c = BY_NAME["residual_norm_stats"]
+    k = cc.compile_epilogue(c.program, torch.bfloat16, config="tune", cache_dir=tmp_path)
+    assert isinstance(k, TunedEpilogue)
+    A, W, ops = make_inputs(c, 2048, 4096, 1024, "cuda", seed=9)
+    out = k(A, W, **ops)
+    rec = k.choice(A, W)
+    assert rec["tuned"] and len(rec["timings"]) >= len(k.candidates)
+    ref = k.kernel(cc.KernelConfig()).reference(A, W, **ops)
+    torch.testing.assert_close(out["D"].float(), ref["D"].float(), rtol=0.02, atol=0.05)
+    again = cc.compile_epilogue(c.program, torch.bfloat16, config="tune", cache_dir=tmp_path)
+    monkeypatch.setattr(TunedEpilogue, "tune", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("re-tuned")))
+    again(A, W, **ops)
+    assert again.choice(A, W)["config"] == rec["config"]

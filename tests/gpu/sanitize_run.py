@@ -1,0 +1,37 @@
+"""Runs a representative set of kernels once each at ragged shapes, for compute-sanitizer:
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitize_run.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool racecheck python tests/gpu/sanitize_run.py
+
+(Without torch's caching allocator every tensor is its own allocation, so memcheck sees an access
+one element past any tensor.)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+import coda_cutlass as cc  # noqa: E402
+from catalog import BY_NAME, compile_options, make_inputs  # noqa: E402
+
+CASES = ["residual_norm_stats", "every_op", "kn_accumulate_no_d", "norm_backward", "many_reductions",
+         "accumulate_D", "small_tile_config", "fp16_bias_relu", "reductions_only", "aux_only_named"]
+SHAPES = [(129, 136, 64), (300, 264, 72), (1, 8, 8), (257, 520, 136)]
+KEYS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants", "partial_reductions")
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or CASES
+    for name in names:
+        c = BY_NAME[name]
+        k = cc.compile_epilogue(c.program, **{x: v for x, v in compile_options(c).items() if x in KEYS})
+        for shape in SHAPES:
+            A, W, ops = make_inputs(c, *shape, "cuda", seed=7)
+            k(A, W, **ops)
+        torch.cuda.synchronize()
+        print(f"ran {name} at {SHAPES}", flush=True)
