@@ -77,11 +77,16 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from .build.cache import default_root
+    from .build.cache import KernelCache, default_root
     root = default_root()
     entries = list((root / "kernels").glob("*/*")) if (root / "kernels").is_dir() else []
     size = sum(f.stat().st_size for e in entries for f in e.rglob("*") if f.is_file())
     print(f"cache: {root}\nkernels: {len(entries)}\nsize: {size / 1e6:.1f} MB")
+    if args.export:
+        from .build.export import export_cache_entry
+        cache = KernelCache(root)
+        n = sum(export_cache_entry(cache, e.name, args.export) for e in entries)
+        print(f"exported {n} verified kernels as prebuilt kernels to {args.export}")
     return 0
 
 
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the generated .cu files (and headers) for CMakeLists.txt instead of compiling")
     p.set_defaults(fn=cmd_prebuild)
     p = sub.add_parser("cache", help="show the kernel cache")
+    p.add_argument("--export", metavar="DIR", help="copy every verified kernel out as a prebuilt kernel")
     p.set_defaults(fn=cmd_cache)
     args = parser.parse_args(argv)
     return args.fn(args)
