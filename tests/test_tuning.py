@@ -1,0 +1,70 @@
+"""Autotuning pieces that need no GPU: the candidate space and its pruning, the default heuristic,
+the tuning store."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+import coda_cutlass as cc
+from coda_cutlass.pipeline import Options, lower_program
+from coda_cutlass.tuning.space import CANDIDATES, candidate_configs, default_config, estimate_stages
+from coda_cutlass.tuning.store import TuningStore, m_bucket
+
+
+def graph(prog):
+    return lower_program(prog, Options.make(torch.bfloat16)).graph
+
+
+def test_stage_estimate_matches_measured_facts():
+    """GPU.md: the EVT's smem takes the 128x256 mainloop from 4 stages to 3."""
+    ident = graph(cc.epilogue(lambda acc: acc, name="i"))
+    stats = graph(_stats())
+    assert estimate_stages(CANDIDATES[0], ident) == 4
+    assert estimate_stages(CANDIDATES[0], stats) == 3
+
+
+def _stats():
+    @cc.epilogue
+    def stats(acc, resid: cc.Tile, g: cc.PerCol):
+        x = acc + resid
+        return {"D": x, "h": x * g, "sumsq": cc.row_sum(x * x)}
+    return stats
+
+
+def test_heavy_epilogues_prune_big_tiles():
+    @cc.epilogue
+    def heavy(acc, a: cc.Tile, b: cc.Tile, c: cc.Tile, d: cc.Tile):
+        x = acc + a + b + c + d
+        return {"D": x, "o1": x * 2.0, "o2": x * 3.0, "o3": x * 4.0, "o4": x * 5.0, "o5": x * 6.0}
+    g = graph(heavy)
+    cands = candidate_configs(g)
+    assert cands and all(estimate_stages(c, g) >= 2 for c in cands)
+    assert len(cands) < len(CANDIDATES)
+    assert default_config(g).tile == (128, 128)
+
+
+def test_default_for_light_epilogues_is_the_measured_best_family():
+    assert default_config(graph(_stats())) == CANDIDATES[0]
+
+
+def test_m_buckets():
+    assert [m_bucket(m) for m in (1, 128, 129, 8192, 9000, 16384)] == [128, 128, 256, 8192, 16384, 16384]
+
+
+def test_store_round_trip(tmp_path):
+    s = TuningStore(tmp_path)
+    assert s.get("k") is None
+    s.put("k", {"config": CANDIDATES[1].build_key, "raster": "n", "swizzle": 4})
+    s.put("k2", {"x": 1})
+    assert TuningStore(tmp_path).get("k")["raster"] == "n"
+    assert set(json.loads((tmp_path / "tuning.json").read_text())) == {"k", "k2"}
+    assert cc.KernelConfig.from_dict(s.get("k")["config"]) == CANDIDATES[1]
+
+
+def test_tune_config_returns_a_tuned_epilogue(fake_nvcc):
+    from coda_cutlass.tuning import TunedEpilogue
+    k = cc.compile_epilogue(_stats(), torch.bfloat16, config="tune")
+    assert isinstance(k, TunedEpilogue) and k.candidates
+    assert "TunedEpilogue" in repr(k)
