@@ -110,6 +110,9 @@ class CompiledEpilogue:
         self._raster = _RASTER[self.config.raster]
         self._finish_plan = {name: (n.attr("fn"), n.attr("axis"), as_dtype(n.attr("out_dtype", "f32")).torch)
                              for name, n in self._reductions.items()}
+        # Registered now, not on first use: torch.compile cannot trace op registration.
+        from .torch_op import register
+        self._op = register(self)
 
     # ------------------------------------------------------------------ inspection
     def __repr__(self) -> str:
@@ -298,8 +301,7 @@ class CompiledEpilogue:
     @property
     def op(self) -> Any:
         """The registered torch custom op (for torch.compile and torch.library users)."""
-        from .torch_op import register
-        return register(self)
+        return self._op
 
 
 __all__ = ["CompiledEpilogue", "ensure_gpu", "F32"]

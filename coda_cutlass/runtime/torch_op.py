@@ -101,7 +101,8 @@ def _fake_output(k: "CompiledEpilogue", name: str, A: torch.Tensor, W: torch.Ten
 
 
 def call_op(k: "CompiledEpilogue", A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any]) -> dict:
-    op = register(k)
+    """The torch.compile path of ``k(A, W, ...)`` (traced by Dynamo: no locks, no registration)."""
+    op = k._op
     k._check_names(operands)
     args = [operands[o.name] for o in k.operands] + [operands[n] for n in k.inout]
     out = op(A, W, *args)
