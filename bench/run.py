@@ -137,7 +137,8 @@ def run(ms: list[int], epilogue_names: list[str], shape_names: list[str], tune: 
 def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
     lines = [f"# coda-cutlass benchmark ({env['date']})", "",
              f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, bf16. "
-             "Times are medians of CUDA-event-timed runs over 2 rotating input sets, interleaved rounds; "
+             "Times are medians of CUDA-event-timed calls queued back to back over 2 rotating input sets, "
+             "in interleaved rounds; "
              "ratios are to bare cuBLAS (`torch.mm`) of the same GEMM in the same run.", "",
              "| M | GEMM (N x K) | epilogue | cuBLAS us | coda identity | coda fused | eager | torch.compile | config |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -15,7 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Keep test builds out of the user's cache unless a cache was chosen explicitly (the GPU runs carry
 # a prebuilt one).
 if "CODA_CUTLASS_CACHE_DIR" not in os.environ:
-    os.environ["CODA_CUTLASS_CACHE_DIR"] = tempfile.mkdtemp(prefix="coda-cutlass-test-cache-")
+    _cache = tempfile.mkdtemp(prefix="coda-cutlass-test-cache-")
+    os.environ["CODA_CUTLASS_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 def hopper_available() -> bool:
