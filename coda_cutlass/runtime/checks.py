@@ -53,8 +53,32 @@ def check_tma_matrix(name: str, t: torch.Tensor, rows: int, cols: int, elem_byte
     return ld
 
 
+def _fast_matrix(t: Any, rows: int, cols: int, dtype: torch.dtype, device: torch.device, elem: int) -> int:
+    """The common case in one expression: a well-formed row-major matrix -> its row stride, else -1
+    (then the detailed check runs and says what is wrong)."""
+    if type(t) is torch.Tensor and t.dtype is dtype and t.device == device and t.shape == (rows, cols) and rows > 1:
+        s0, s1 = t.stride()
+        if s1 == 1 and s0 >= cols and (s0 * elem) % 16 == 0 and t.data_ptr() % 16 == 0:
+            return s0
+    return -1
+
+
 def check_gemm(A: Any, W: Any, dtype: DType, weight_layout: str) -> tuple[int, int, int, int, int]:
     """Returns (M, N, K, lda, ldw)."""
+    if type(A) is torch.Tensor and type(W) is torch.Tensor and A.dim() == 2 and W.dim() == 2 and A.is_cuda:
+        M, K = A.shape
+        N = W.shape[0] if weight_layout == "nk" else W.shape[1]
+        if K > 0 and K % 8 == 0 and N % 8 == 0 and N > 0:
+            elem = dtype.bits // 8
+            lda = _fast_matrix(A, M, K, dtype.torch, A.device, elem)
+            ldw = (_fast_matrix(W, N, K, dtype.torch, A.device, elem) if weight_layout == "nk"
+                   else _fast_matrix(W, K, N, dtype.torch, A.device, elem))
+            if lda > 0 and ldw > 0:
+                return M, N, K, lda, ldw
+    return _check_gemm_detailed(A, W, dtype, weight_layout)
+
+
+def _check_gemm_detailed(A: Any, W: Any, dtype: DType, weight_layout: str) -> tuple[int, int, int, int, int]:
     A = _is_tensor("A", A)
     W = _is_tensor("W", W)
     if not A.is_cuda:
@@ -90,6 +114,9 @@ def check_gemm(A: Any, W: Any, dtype: DType, weight_layout: str) -> tuple[int, i
 
 
 def check_tile(name: str, t: Any, M: int, N: int, dtype: DType, device: torch.device) -> int:
+    ld = _fast_matrix(t, M, N, dtype.torch, device, dtype.bits // 8)
+    if ld > 0:
+        return ld
     t = _is_tensor(name, t)
     _device(name, t, device)
     _dtype(name, t, dtype)
@@ -101,6 +128,9 @@ def check_tile(name: str, t: Any, M: int, N: int, dtype: DType, device: torch.de
 
 
 def check_vector(name: str, t: Any, length: int, what: str, dtype: DType, device: torch.device) -> None:
+    if (type(t) is torch.Tensor and t.dtype is dtype.torch and t.device == device and t.shape == (length,)
+            and t.stride() == (1,)):
+        return
     t = _is_tensor(name, t)
     _device(name, t, device)
     _dtype(name, t, dtype)

@@ -195,28 +195,31 @@ class CompiledEpilogue:
         partials: list[tuple[str, torch.Tensor]] = []
         written: dict[str, torch.Tensor] | None = None
         for s in self.graph.tensors:
-            role = s.role
+            role, name, i = s.role, s.name, s.index
             if role == "output":
-                t = out.get(s.name) if out else None
+                t = out.get(name) if out else None
                 if t is not None:
-                    lds[s.index] = checks.check_tile(f"out['{s.name}']", t, M, N, s.dtype, device)
+                    lds[i] = checks.check_tile(f"out['{name}']", t, M, N, s.dtype, device)
                     written = written or {}
-                    written[s.name] = t
+                    written[name] = t
                 else:
                     t = _new((M, N), s.dtype.torch, device, poison)
-                    lds[s.index] = N
-                results[s.name] = t
+                    lds[i] = N
+                results[name] = t
             elif role == "partials":
                 t = self._partial_buffer(s, M, N, device, poison)
-                partials.append((s.name, t))
+                partials.append((name, t))
             else:
-                t = operands[s.name]
-                lds[s.index] = self._check_tensor(s.name, s.kind, t, s.dtype, M, N, device)
+                t = operands[name]
+                if s.kind == Kind.TILE:
+                    lds[i] = checks.check_tile(name, t, M, N, s.dtype, device)
+                else:
+                    self._check_tensor(name, s.kind, t, s.dtype, M, N, device)
                 if role == "inout":
-                    results[s.name] = t
+                    results[name] = t
                     written = written or {}
-                    written[s.name] = t
-            ptrs[s.index] = t.data_ptr()
+                    written[name] = t
+            ptrs[i] = t.data_ptr()
         if written:
             read = {"A": A, "W": W}
             read.update((s.name, operands[s.name]) for s in self.graph.tensors if s.role == "input")
