@@ -61,6 +61,16 @@ def test_nvcc_version_change_misses(fake, monkeypatch, tmp_path):
     assert build(SRC, "k").origin == "built" and calls(fake) == 2
 
 
+def test_cutlass_and_generator_version_changes_miss(fake, monkeypatch):
+    from dataclasses import replace
+    from coda_cutlass.build import keys
+    tc = toolchain()
+    base = build_key(SRC, tc)
+    assert build_key(SRC, replace(tc, cutlass_version="9.9.9")) != base
+    monkeypatch.setattr(keys, "__version__", "0.0.0-other")
+    assert build_key(SRC, tc) != base
+
+
 def test_corrupt_entry_is_rebuilt(fake):
     r1 = build(SRC, "k")
     r1.path.write_bytes(r1.path.read_bytes()[:5])      # truncated .so
