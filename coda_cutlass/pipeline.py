@@ -64,4 +64,6 @@ def lower_program(program: Any, options: Options) -> Lowered:
         from .tuning.space import default_config
         options = replace(options, config=default_config(lower(ir, DEFAULT, options.dtype, options.weight_layout)))
     graph = lower(ir, options.config, options.dtype, options.weight_layout)
+    from .tuning.space import check_fits
+    check_fits(options.config, graph)
     return Lowered(prog, ir, graph, render_kernel(graph), options)

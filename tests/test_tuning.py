@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import torch
 
 import coda_cutlass as cc
@@ -42,7 +44,8 @@ def test_heavy_epilogues_prune_big_tiles():
     cands = candidate_configs(g)
     assert cands and all(estimate_stages(c, g) >= 2 for c in cands)
     assert len(cands) < len(CANDIDATES)
-    assert default_config(g).tile == (128, 128)
+    d = default_config(g)
+    assert d != CANDIDATES[0] and estimate_stages(d, g) >= 2
 
 
 def test_default_for_light_epilogues_is_the_measured_best_family():
@@ -68,3 +71,31 @@ def test_tune_config_returns_a_tuned_epilogue(fake_nvcc):
     k = cc.compile_epilogue(_stats(), torch.bfloat16, config="tune")
     assert isinstance(k, TunedEpilogue) and k.candidates
     assert "TunedEpilogue" in repr(k)
+
+
+def test_programs_too_heavy_for_the_default_get_a_smaller_tile_or_a_clear_error():
+    from coda_cutlass.tuning.space import check_fits
+
+    @cc.epilogue
+    def fp32_heavy(acc, a: cc.Tile, b: cc.Tile, m: cc.Tile, r: cc.PerRow):
+        x = acc + a + b + m * r
+        return {"D": x, "t0": x * 2.0, "t1": x * 3.0}
+    opts = Options.make(torch.bfloat16, input_dtypes={"m": torch.float32},
+                        output_dtypes={"t0": torch.float32, "t1": torch.float16})
+    lo = lower_program(fp32_heavy, opts)          # found by the fuzzer: 128x128x64 leaves 1 stage
+    assert estimate_stages(lo.options.config, lo.graph) >= 2 and lo.options.config.tile_k == 32
+    with pytest.raises(cc.ConfigError, match="shared memory"):
+        check_fits(CANDIDATES[0], lo.graph)
+    with pytest.raises(cc.ConfigError, match="shared memory"):
+        lower_program(fp32_heavy, Options.make(torch.bfloat16, config=CANDIDATES[0],
+                                               input_dtypes={"m": torch.float32},
+                                               output_dtypes={"t0": torch.float32, "t1": torch.float16}))
+
+    @cc.epilogue
+    def impossible(acc, a: cc.Tile, b: cc.Tile, c: cc.Tile, d: cc.Tile):
+        x = acc + a + b + c + d
+        return {"D": x, "o1": x, "o2": x * 2.0, "o3": x * 3.0, "o4": x * 4.0, "o5": x * 5.0, "o6": x * 6.0}
+    f32 = {n: torch.float32 for n in "abcd"}
+    with pytest.raises(cc.EpilogueError, match="shared memory"):
+        lower_program(impossible, Options.make(torch.bfloat16, input_dtypes=f32,
+                                               output_dtypes={f"o{i}": torch.float32 for i in range(1, 7)}))

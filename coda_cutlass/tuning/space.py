@@ -11,6 +11,7 @@ from __future__ import annotations
 from math import gcd
 
 from ..config import KernelConfig
+from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Kind
 from ..lower.evt import EvtGraph
 
@@ -38,8 +39,8 @@ def _epi_tile(c: KernelConfig) -> tuple[int, int]:
     return min(64, c.tile_m), gcd(min(32, c.tile_n), c.tile_n)
 
 
-def estimate_stages(c: KernelConfig, graph: EvtGraph) -> int:
-    """Mainloop stages left after the epilogue's shared memory (CUTLASS decides; this prunes)."""
+def epilogue_smem_bytes(c: KernelConfig, graph: EvtGraph) -> int:
+    """Shared memory the epilogue stages tiles in (C/D, Aux loads and stores, row vectors)."""
     em, en = _epi_tile(c)
     epi_tiles = (c.tile_m // em) * (c.tile_n // en)
     elems = em * en
@@ -61,8 +62,24 @@ def estimate_stages(c: KernelConfig, graph: EvtGraph) -> int:
             smem += elems * bits // 8 * stages_d
         elif n.kind == "col_vec":
             smem += c.tile_n * bits // 8
+    return smem
+
+
+def estimate_stages(c: KernelConfig, graph: EvtGraph) -> int:
+    """Mainloop stages left after the epilogue's shared memory (CUTLASS decides; this prunes and
+    picks defaults, using the formulas of CUTLASS's sm90 epilogue builder)."""
     stage = (c.tile_m + c.tile_n) * c.tile_k * graph.dtype.bits // 8 + 64
-    return (SMEM_BYTES - smem - 1024) // stage
+    return (SMEM_BYTES - epilogue_smem_bytes(c, graph) - 1024) // stage
+
+
+def check_fits(c: KernelConfig, graph: EvtGraph) -> None:
+    """Refuse, before compiling, a configuration CUTLASS would reject for lack of shared memory."""
+    if estimate_stages(c, graph) < MIN_MAINLOOP_STAGES:
+        kib = epilogue_smem_bytes(c, graph) // 1024
+        raise ConfigError(f"epilogue '{graph.program.name}' with config {c.name()}: its tile inputs and outputs "
+                          f"need {kib} KiB of shared memory for staging, which leaves the mainloop fewer than "
+                          f"{MIN_MAINLOOP_STAGES} pipeline stages; use a smaller tile (e.g. 128x128x32) or fewer / "
+                          "16-bit tile operands")
 
 
 def candidate_configs(graph: EvtGraph) -> list[KernelConfig]:
@@ -70,10 +87,22 @@ def candidate_configs(graph: EvtGraph) -> list[KernelConfig]:
     return out or [default_config(graph)]
 
 
+FALLBACKS: tuple[KernelConfig, ...] = (
+    KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1),
+    KernelConfig(tile_m=128, tile_n=128, tile_k=32, cluster_m=2, cluster_n=1),
+    KernelConfig(tile_m=128, tile_n=64, tile_k=32, cluster_m=2, cluster_n=1),
+)
+
+
 def default_config(graph: EvtGraph | None = None) -> KernelConfig:
     """The heuristic without tuning: 128x256x64, cooperative, cluster 2x1 (GPU.md's measured best
-    family), falling back to 128x128 when the epilogue's tile traffic would starve the mainloop."""
+    family) while it keeps 3 mainloop stages; else the first smaller tile that keeps 2."""
     big = CANDIDATES[0]
     if graph is None or estimate_stages(big, graph) >= 3:
         return big
-    return KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1)
+    for c in FALLBACKS:
+        if estimate_stages(c, graph) >= MIN_MAINLOOP_STAGES:
+            return c
+    kib = epilogue_smem_bytes(FALLBACKS[-1], graph) // 1024
+    raise EpilogueError(f"its tile inputs and outputs need {kib} KiB of shared memory for staging even with "
+                        "the smallest tile; use fewer or 16-bit tile inputs and outputs", program=graph.program.name)
