@@ -115,5 +115,3 @@ def check_config(c: KernelConfig) -> None:
 
 
 DEFAULT = KernelConfig()
-# Known-good fallback that leaves the most shared memory to the epilogue.
-SMALL = KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=1)

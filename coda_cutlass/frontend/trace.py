@@ -19,7 +19,6 @@ from typing import Any, Callable, Mapping
 
 from ..errors import EpilogueError
 from ..ir.nodes import Kind, Node, Operand, Program, make_attrs, renumber
-from ..ir.printer import format_program
 from .operands import OperandSpec, resolve_spec
 from .values import Accumulate, ReductionResult, Tracer, Value, apply
 
@@ -194,8 +193,4 @@ def _record_output(tracer: Tracer, name: str, value: Any, operands: list[Operand
     tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=accumulate)
 
 
-def describe(program: EpilogueProgram) -> str:
-    return format_program(program.trace())
-
-
-__all__ = ["EpilogueProgram", "epilogue", "trace", "as_program", "describe", "Node"]
+__all__ = ["EpilogueProgram", "epilogue", "trace", "as_program"]

@@ -14,7 +14,6 @@ import jinja2
 
 from .. import __version__
 from ..config import EPILOGUE_SCHEDULE, KERNEL_SCHEDULE, TILE_SCHEDULER
-from ..dtypes import F32
 from ..ir.nodes import Kind
 from ..ir.printer import node_line
 from ..lower.evt import ABI_VERSION, EvtGraph, TensorSlot
@@ -96,5 +95,4 @@ def render_kernel(graph: EvtGraph) -> str:
         abi_version=ABI_VERSION,
         slot_doc=slot_doc,
         slot_check=slot_check,
-        F32=F32,
     )

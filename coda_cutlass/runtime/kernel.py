@@ -18,7 +18,7 @@ import torch
 
 from ..build.builder import BuildResult
 from ..config import KernelConfig
-from ..dtypes import F32, as_dtype
+from ..dtypes import as_dtype
 from ..errors import CallError, DeviceError
 from ..interpret import interpret
 from ..ir.nodes import Kind
@@ -307,4 +307,4 @@ class CompiledEpilogue:
         return self._op
 
 
-__all__ = ["CompiledEpilogue", "ensure_gpu", "F32"]
+__all__ = ["CompiledEpilogue", "ensure_gpu"]
