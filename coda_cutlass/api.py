@@ -84,12 +84,23 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
     return CompiledEpilogue(lowered, result, partial_reductions=partial_reductions)
 
 
+def default_jobs() -> int:
+    """Parallel nvcc jobs: one per core, but at most one per 2 GiB of memory (cicc peaks near that)."""
+    cores = os.cpu_count() or 2
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return cores
+    return max(1, min(cores, int(mem_gib // 2)))
+
+
 def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: int | None = None,
                  verbose: bool | None = None, skip_failed: bool = False, **kwargs: Any) -> list[CompiledEpilogue]:
     """Compile several kernels in parallel (nvcc runs concurrently; results in input order).
 
     Each item is a program, or a ``(program, options_dict)`` pair overriding the shared keyword
-    options. ``jobs`` defaults to the number of CPU cores (nvcc uses one core per kernel).
+    options. ``jobs`` defaults to the number of CPU cores (nvcc uses one core per kernel), capped by
+    memory.
     A failed build raises ``BuildError`` once all builds finish, unless ``skip_failed`` (then its
     entry is None).
     """
@@ -101,7 +112,7 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     # Lower everything first so program errors surface before any compiler runs.
     lowered = [lower_program(p, opts) for p, opts, _ in items]
     rests = [rest for _, _, rest in items]
-    jobs = jobs or os.cpu_count() or 2
+    jobs = jobs or default_jobs()
     total = len(lowered)
     start = time.monotonic()
     done = [0]
