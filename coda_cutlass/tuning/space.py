@@ -26,6 +26,10 @@ CANDIDATES: tuple[KernelConfig, ...] = (
     KernelConfig(tile_m=256, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1),
     KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1, schedule="pingpong"),
     KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1, scheduler="streamk"),
+    # Ping-pong overlaps one warp group's epilogue with the other's mainloop; these two won some
+    # norm-statistics workloads in bench/config_sweep.py (docs/results/config_sweep.json).
+    KernelConfig(tile_m=64, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1, schedule="pingpong"),
+    KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong"),
 )
 
 RUNTIME_CHOICES: tuple[tuple[str, int], ...] = tuple(

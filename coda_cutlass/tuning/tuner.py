@@ -29,6 +29,10 @@ from .space import RUNTIME_CHOICES, candidate_configs, default_config
 from .store import TuningStore, m_bucket
 
 
+REFINE_TOP = 4
+REFINE_ROUNDS = 3
+
+
 def tuning_enabled() -> bool:
     return os.environ.get("CODA_CUTLASS_AUTOTUNE", "1") not in ("0", "false", "no")
 
@@ -151,10 +155,24 @@ class TunedEpilogue:
                 timings.append({"config": cfg.build_key, "raster": raster, "swizzle": swizzle, "us": us})
         if not timings:
             raise BuildError(f"autotuning {self.name}: no candidate configuration could run")
-        best = min(timings, key=lambda t: t["us"])
+        # The first pass is short and noisy, and the minimum of many noisy times is biased low:
+        # re-time the leaders in interleaved rounds and keep the best median.
+        leaders = sorted(timings, key=lambda t: t["us"])[:REFINE_TOP]
+        samples: dict[int, list[float]] = {i: [] for i in range(len(leaders))}
+        for _ in range(REFINE_ROUNDS):
+            for i, t in enumerate(leaders):
+                k = self._kernels[replace(KernelConfig.from_dict(t["config"]), raster="heuristic", swizzle=1)]
+
+                def run(s: tuple, k: Any = k, r: str = t["raster"], z: int = t["swizzle"]) -> Any:
+                    A, W, ops = s
+                    return k(A, W, raster=r, swizzle=z, **ops)
+                samples[i].append(time_cuda(run, sets, warmup=1, reps=15))
+        for i, t in enumerate(leaders):
+            t["us_refined"] = sorted(samples[i])[len(samples[i]) // 2]
+        best = min(leaders, key=lambda t: t["us_refined"])
         rec = {**best, "tuned": True, "seconds": round(time.monotonic() - start, 1), "timings": timings}
         self.store.put(self.key(M, N, K, device), rec)
         cfg = KernelConfig.from_dict(best["config"])
         say(f"tuned {self.name}: {cfg.name()} raster={best['raster']} swizzle={best['swizzle']} "
-            f"{best['us']:.1f} us (in {rec['seconds']:.0f} s)", self.verbose)
+            f"{best['us_refined']:.1f} us (in {rec['seconds']:.0f} s)", self.verbose)
         return rec
