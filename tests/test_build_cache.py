@@ -20,12 +20,12 @@ from coda_cutlass.build.keys import build_key, source_key
 from coda_cutlass.build.toolchain import toolchain
 
 HERE = Path(__file__).resolve().parent
+SRC = "// kernel source\nint x;\n"
 
 
 @pytest.fixture
 def fake(fake_nvcc):
     return fake_nvcc
-SRC = "// kernel source\nint x;\n"
 
 
 def calls(fake) -> int:
