@@ -26,7 +26,7 @@ from .ir.ops import OPS
 
 PRECISIONS = ("kernel", "fp32", "lowp")
 
-_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
 
 def gemm_fp32(A: torch.Tensor, W: torch.Tensor, weight_layout: str) -> torch.Tensor:
@@ -56,7 +56,7 @@ def partial_reduce(x: torch.Tensor, fn: str, axis: str, tile: tuple[int, int]) -
     reductions (ceil(M/tm), N); a total sum gives the row partials."""
     M, N = x.shape
     tm, tn = tile
-    ident = _IDENTITY[fn]
+    ident = REDUCTION_IDENTITY[fn]
     if axis in ("row", "all"):
         nt = -(-N // tn)
         pad = torch.full((M, nt * tn), ident, dtype=x.dtype, device=x.device)

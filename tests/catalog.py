@@ -94,12 +94,16 @@ def _residual_add(acc, resid: cc.Tile):
     return {"D": acc + resid}
 
 
-@case("residual_norm_stats", merge(tile("resid"), col("g")),
-      lambda acc, resid, g: {"D": acc + resid, "h": (acc + resid) * g, "sumsq": ((acc + resid) ** 2).sum(1)},
-      nvcc_ci=True)
-def _residual_norm_stats(acc, resid: cc.Tile, g: cc.PerCol):
+def _norm_stats_expect(acc, resid, g):
+    return {"D": acc + resid, "h": (acc + resid) * g, "sumsq": ((acc + resid) ** 2).sum(1)}
+
+
+def _norm_stats(acc, resid: cc.Tile, g: cc.PerCol):
     x = acc + resid
     return {"D": x, "h": x * g, "sumsq": cc.row_sum(x * x)}
+
+
+case("residual_norm_stats", merge(tile("resid"), col("g")), _norm_stats_expect, nvcc_ci=True)(_norm_stats)
 
 
 @case("bias_gelu", col("bias"), lambda acc, bias: {"D": F.gelu(acc + bias)})
@@ -330,12 +334,8 @@ def _kn_accumulate_no_d(acc, s: cc.Scalar, r: cc.PerRow):
     return {"dx": cc.accumulate(acc * s), "rsum": cc.row_sum(acc * r)}
 
 
-@case("partials_norm_stats", merge(tile("resid"), col("g")),
-      lambda acc, resid, g: {"D": acc + resid, "h": (acc + resid) * g, "sumsq": ((acc + resid) ** 2).sum(1)},
-      partial_reductions=True)
-def _partials_norm_stats(acc, resid: cc.Tile, g: cc.PerCol):
-    x = acc + resid
-    return {"D": x, "h": x * g, "sumsq": cc.row_sum(x * x)}
+case("partials_norm_stats", merge(tile("resid"), col("g")), _norm_stats_expect,
+     partial_reductions=True)(_norm_stats)
 
 
 @case("small_tile_config", tile("resid"), lambda acc, resid: {"D": acc + resid, "s": (acc + resid).sum(1)},

@@ -20,7 +20,7 @@ from ..build.builder import BuildResult
 from ..config import KernelConfig
 from ..dtypes import as_dtype
 from ..errors import CallError, DeviceError
-from ..interpret import interpret
+from ..interpret import REDUCTION_IDENTITY, interpret
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..lower.evt import TensorSlot
@@ -28,7 +28,6 @@ from ..pipeline import Lowered
 from . import checks
 from .library import KernelLibrary, load
 
-_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
 _RASTER = {"heuristic": 0, "m": 1, "n": 2}
 _READY_DEVICES: set[int | None] = set()   # devices checked to be usable sm_90 GPUs
 
@@ -284,20 +283,20 @@ class CompiledEpilogue:
             r = torch.amin(buf, 0)[:n]
         return r if dtype is torch.float32 else r.to(dtype)
 
+    def reduction_result(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of a returned reduction: finished, or per-tile partials (tiles, length)."""
+        fn, axis, dtype = self._finish_plan[name]
+        if self.partial_reductions:
+            tm, tn = self.config.tile
+            return ((_ceil_div(M, tm), N) if axis == "col" else (_ceil_div(N, tn), M)), torch.float32
+        return {"row": (M,), "col": (N,), "all": ()}[axis], dtype
+
     def _empty_reductions(self, M: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Reductions over an empty M or N: the identity of the reduction (no launch)."""
-        tm, tn = self.config.tile
         out: dict[str, torch.Tensor] = {}
-        for name, node in self._reductions.items():
-            fn, axis = node.attr("fn"), node.attr("axis")
-            ident = _IDENTITY[fn]
-            if self.partial_reductions:
-                shape = (_ceil_div(M, tm), N) if axis == "col" else (_ceil_div(N, tn), M)
-                out[name] = torch.full(shape, ident, dtype=torch.float32, device=device)
-                continue
-            shape = {"row": (M,), "col": (N,), "all": ()}[axis]
-            dtype = as_dtype(node.attr("out_dtype", "f32")).torch
-            out[name] = torch.full(shape, ident, dtype=dtype, device=device)
+        for name, (fn, _, _) in self._finish_plan.items():
+            shape, dtype = self.reduction_result(name, M, N)
+            out[name] = torch.full(shape, REDUCTION_IDENTITY[fn], dtype=dtype, device=device)
         return out
 
     # ------------------------------------------------------------------ torch.library

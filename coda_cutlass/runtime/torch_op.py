@@ -89,14 +89,7 @@ def _fake_output(k: "CompiledEpilogue", name: str, A: torch.Tensor, W: torch.Ten
     node = k.ir.sink(name)
     if node.op == "store":
         return A.new_empty((M, N), dtype=node.dtype.torch)
-    axis = node.attr("axis")
-    tm, tn = k.config.tile
-    if k.partial_reductions:
-        shape = ((M + tm - 1) // tm, N) if axis == "col" else ((N + tn - 1) // tn, M)
-        return A.new_empty(shape, dtype=torch.float32)
-    from ..dtypes import as_dtype
-    dtype = as_dtype(node.attr("out_dtype", "f32")).torch
-    shape = {"row": (M,), "col": (N,), "all": ()}[axis]
+    shape, dtype = k.reduction_result(name, M, N)
     return A.new_empty(shape, dtype=dtype)
 
 

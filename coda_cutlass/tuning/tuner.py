@@ -33,6 +33,14 @@ REFINE_TOP = 4
 REFINE_ROUNDS = 3
 
 
+def _runner(k: Any, raster: str, swizzle: int) -> Any:
+    """A timing callable: one call of kernel k on an (A, W, operands) input set."""
+    def run(s: tuple) -> Any:
+        A, W, ops = s
+        return k(A, W, raster=raster, swizzle=swizzle, **ops)
+    return run
+
+
 def tuning_enabled() -> bool:
     return os.environ.get("CODA_CUTLASS_AUTOTUNE", "1") not in ("0", "false", "no")
 
@@ -144,11 +152,8 @@ class TunedEpilogue:
             if cfg not in [replace(c, raster="heuristic", swizzle=1) for c in self.candidates]:
                 continue
             for raster, swizzle in RUNTIME_CHOICES:
-                def run(s: tuple, k: Any = k, r: str = raster, z: int = swizzle) -> Any:
-                    A, W, ops = s
-                    return k(A, W, raster=r, swizzle=z, **ops)
                 try:
-                    us = time_cuda(run, sets, warmup=2, reps=10)
+                    us = time_cuda(_runner(k, raster, swizzle), sets, warmup=2, reps=10)
                 except Exception as e:  # noqa: BLE001 - a candidate that cannot run is skipped
                     say(f"  {cfg.name()} raster={raster} swizzle={swizzle}: skipped ({e})", self.verbose)
                     continue
@@ -162,11 +167,7 @@ class TunedEpilogue:
         for _ in range(REFINE_ROUNDS):
             for i, t in enumerate(leaders):
                 k = self._kernels[replace(KernelConfig.from_dict(t["config"]), raster="heuristic", swizzle=1)]
-
-                def run(s: tuple, k: Any = k, r: str = t["raster"], z: int = t["swizzle"]) -> Any:
-                    A, W, ops = s
-                    return k(A, W, raster=r, swizzle=z, **ops)
-                samples[i].append(time_cuda(run, sets, warmup=1, reps=15))
+                samples[i].append(time_cuda(_runner(k, t["raster"], t["swizzle"]), sets, warmup=1, reps=15))
         for i, t in enumerate(leaders):
             t["us_refined"] = sorted(samples[i])[len(samples[i]) // 2]
         best = min(leaders, key=lambda t: t["us_refined"])
