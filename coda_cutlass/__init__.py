@@ -16,18 +16,21 @@ __version__ = "0.1.0"
 from .config import KernelConfig
 from .errors import (BuildError, CallError, CodaError, ConfigError, DeviceError, EpilogueError,
                      ToolchainError)
-from .frontend.operands import PerCol, PerRow, Scalar, Tile
-from .frontend.primitives import (abs, accumulate, cast, col_max, col_min, col_sum, exp, gelu, log,
-                                  maximum, minimum, pow, reciprocal, relu, row_max, row_min, row_sum,
-                                  rsqrt, sigmoid, silu, sqrt, square, tanh, total_sum, where)
+from .frontend.operands import PairTile, PerCol, PerRow, Scalar, Tile
+from .frontend.primitives import (abs, accumulate, cast, col_index, col_max, col_min, col_sum, cos, exp,
+                                  gather, gelu, half_width, interleave, log, maximum, minimum, pack,
+                                  pair_map, pairs, pow, reciprocal, relu, row_index, row_logsumexp,
+                                  row_max, row_min, row_sum, rsqrt, segment_sum, sigmoid, silu, sin,
+                                  sqrt, square, tanh, total_sum, unpack, where)
 from .frontend.trace import EpilogueProgram, epilogue
 from .api import compile_epilogue, compile_many, emit, reference
 
 __all__ = [
     "__version__", "epilogue", "EpilogueProgram", "compile_epilogue", "compile_many", "emit", "reference",
-    "Tile", "PerRow", "PerCol", "Scalar", "KernelConfig",
-    "abs", "accumulate", "cast", "col_max", "col_min", "col_sum", "exp", "gelu", "log", "maximum",
-    "minimum", "pow", "reciprocal", "relu", "row_max", "row_min", "row_sum", "rsqrt", "sigmoid", "silu",
-    "sqrt", "square", "tanh", "total_sum", "where",
+    "Tile", "PairTile", "PerRow", "PerCol", "Scalar", "KernelConfig",
+    "abs", "accumulate", "cast", "col_index", "col_max", "col_min", "col_sum", "cos", "exp", "gather",
+    "gelu", "half_width", "interleave", "log", "maximum", "minimum", "pack", "pair_map", "pairs", "pow",
+    "reciprocal", "relu", "row_index", "row_logsumexp", "row_max", "row_min", "row_sum", "rsqrt",
+    "segment_sum", "sigmoid", "silu", "sin", "sqrt", "square", "tanh", "total_sum", "unpack", "where",
     "CodaError", "EpilogueError", "ConfigError", "CallError", "BuildError", "ToolchainError", "DeviceError",
 ]

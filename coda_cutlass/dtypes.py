@@ -23,14 +23,19 @@ class DType:
 BF16 = DType("bf16", torch.bfloat16, "cutlass::bfloat16_t", 16)
 F16 = DType("f16", torch.float16, "cutlass::half_t", 16)
 F32 = DType("f32", torch.float32, "float", 32)
+# Integer index vectors (per-row targets of a gather); the kernel reads them as exact fp32 (< 2^24).
+I32 = DType("i32", torch.int32, "int32_t", 32)
+I64 = DType("i64", torch.int64, "int64_t", 64)
 
-ALL: tuple[DType, ...] = (BF16, F16, F32)
+ALL: tuple[DType, ...] = (BF16, F16, F32, I32, I64)
+FLOAT_DTYPES: tuple[DType, ...] = (BF16, F16, F32)
+INDEX_DTYPES: tuple[DType, ...] = (I32, I64)
 OPERAND_DTYPES: tuple[DType, ...] = (BF16, F16)   # GEMM A/W operands
 
 _BY_NAME = {d.name: d for d in ALL}
 _BY_TORCH = {d.torch: d for d in ALL}
 _ALIASES = {"bfloat16": BF16, "float16": F16, "half": F16, "float32": F32, "float": F32, "fp32": F32,
-            "fp16": F16}
+            "fp16": F16, "int32": I32, "int64": I64, "long": I64, "int": I32}
 
 
 def as_dtype(value: object, *, what: str = "dtype") -> DType:

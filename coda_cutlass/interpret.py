@@ -21,12 +21,13 @@ import torch
 
 from .dtypes import F32, DType, as_dtype
 from .errors import CallError
+from .finish import finish_lse, finish_segments, segments_per_tile
 from .ir.nodes import Kind, Node, Program
 from .ir.ops import OPS
 
 PRECISIONS = ("kernel", "fp32", "lowp")
 
-REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf")}
+REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "lse": float("-inf")}
 
 
 def gemm_fp32(A: torch.Tensor, W: torch.Tensor, weight_layout: str) -> torch.Tensor:
@@ -44,6 +45,8 @@ def gemm_lowp(A: torch.Tensor, W: torch.Tensor, weight_layout: str, dtype: DType
 
 
 def _reduce(x: torch.Tensor, fn: str, dim: int | None) -> torch.Tensor:
+    if fn == "lse":
+        return torch.logsumexp(x, dim)
     if dim is None:
         return x.sum() if fn == "sum" else (x.amax() if fn == "max" else x.amin())
     if fn == "sum":
@@ -51,11 +54,44 @@ def _reduce(x: torch.Tensor, fn: str, dim: int | None) -> torch.Tensor:
     return x.amax(dim) if fn == "max" else x.amin(dim)
 
 
-def partial_reduce(x: torch.Tensor, fn: str, axis: str, tile: tuple[int, int]) -> torch.Tensor:
+def lse_partials(x: torch.Tensor, tn: int) -> torch.Tensor:
+    """Per-N-tile online log-sum-exp states (max, sum exp(x - max)), shape (ceil(N/tn), M, 2)."""
+    M, N = x.shape
+    nt = -(-N // tn)
+    pad = torch.full((M, nt * tn), float("-inf"), dtype=x.dtype, device=x.device)
+    pad[:, :N] = x
+    inside = torch.zeros((M, nt * tn), dtype=torch.bool, device=x.device)
+    inside[:, :N] = True
+    pad, inside = pad.view(M, nt, tn), inside.view(M, nt, tn)
+    m = pad.amax(2, keepdim=True)
+    e = torch.where(pad == m, torch.ones_like(pad), torch.exp(pad - m))   # -inf == -inf counts 1
+    s = torch.where(inside, e, torch.zeros_like(e)).sum(2)
+    s = torch.where(torch.isnan(m[..., 0]), m[..., 0], s)
+    return torch.stack((m[..., 0], s), -1).transpose(0, 1).contiguous()
+
+
+def segment_partials(x: torch.Tensor, width: int, tn: int) -> torch.Tensor:
+    """Per-(N-tile, segment-in-tile) row sums, shape (k, ceil(N/tn), M), k = segments per tile."""
+    M, N = x.shape
+    nt = -(-N // tn)
+    pad = torch.zeros((M, nt * tn), dtype=x.dtype, device=x.device)
+    pad[:, :N] = x
+    k = segments_per_tile(width, tn)
+    if k == 1:
+        return pad.view(M, nt, tn).sum(2).t().unsqueeze(0).contiguous()
+    return pad.view(M, nt, k, width).sum(3).permute(2, 1, 0).contiguous()
+
+
+def partial_reduce(x: torch.Tensor, fn: str, axis: str, tile: tuple[int, int], width: int = 0) -> torch.Tensor:
     """Per-tile partials as the kernel writes them: row reductions give (ceil(N/tn), M), column
-    reductions (ceil(M/tm), N); a total sum gives the row partials."""
+    reductions (ceil(M/tm), N); a total sum gives the row partials; log-sum-exp (ceil(N/tn), M, 2);
+    segment sums (k, ceil(N/tn), M)."""
     M, N = x.shape
     tm, tn = tile
+    if fn == "lse":
+        return lse_partials(x, tn)
+    if axis == "segment":
+        return segment_partials(x, width, tn)
     ident = REDUCTION_IDENTITY[fn]
     if axis in ("row", "all"):
         nt = -(-N // tn)
@@ -68,8 +104,13 @@ def partial_reduce(x: torch.Tensor, fn: str, axis: str, tile: tuple[int, int]) -
     return _reduce(pad.view(mt, tm, N), fn, 1)
 
 
-def finish_partials(partials: torch.Tensor, fn: str, axis: str) -> torch.Tensor:
+def finish_partials(partials: torch.Tensor, fn: str, axis: str, *, width: int = 0, tile_n: int = 0,
+                    N: int = 0) -> torch.Tensor:
     """Finish per-tile partials (layout of ``partial_reduce``) into the reduction's result."""
+    if fn == "lse":
+        return finish_lse(partials)
+    if axis == "segment":
+        return finish_segments(partials, width, tile_n, N)
     if axis == "all":
         return partials.sum()
     return _reduce(partials, fn, 0)
@@ -116,6 +157,20 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
                 else gemm_fp32(A, W, weight_layout)
         elif n.op in ("load", "scalar"):
             vals[n.id] = operand(n.attr("operand"), n.kind)
+        elif n.op == "index":
+            if n.attr("axis") == "row":
+                vals[n.id] = torch.arange(M, dtype=torch.float32, device=dev).reshape(M, 1)
+            else:
+                vals[n.id] = torch.arange(N, dtype=torch.float32, device=dev).reshape(1, N)
+        elif n.op == "pack":
+            pd = as_dtype(n.attr("dtype"))
+            a, b = (vals[i].expand(M, N) for i in n.inputs)
+            if precision != "fp32":
+                a, b = a.to(pd.torch).float(), b.to(pd.torch).float()
+            vals[n.id] = OPS["pack"].ref(a, b)
+        elif n.op in ("pair_first", "pair_second", "pair_merge"):
+            shape = (M, N) if n.kind == Kind.TILE else (1, N)
+            vals[n.id] = lowp(OPS[n.op].ref(*(vals[i].expand(shape) for i in n.inputs)))
         elif n.op == "const":
             vals[n.id] = torch.tensor(n.attr("value"), dtype=torch.float32, device=dev)
         elif n.op == "cast":
@@ -123,7 +178,11 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
         elif n.op in OPS:
             vals[n.id] = lowp(OPS[n.op].ref(*(vals[i] for i in n.inputs)))
         elif n.op == "store":
-            v = vals[n.inputs[0]].expand(M, N)
+            layout = n.attr("layout", "tile")
+            v = vals[n.inputs[0]]
+            v = v.expand(M, 2 * N) if layout == "packed" else v.expand(M, N)
+            if layout == "half":
+                v = v[:, 0::2]
             outs[n.attr("name")] = v.clone() if precision == "fp32" else v.to(_dtype(n).torch)
         elif n.op == "reduce":
             outs[n.attr("name")] = _reduction(n, vals[n.inputs[0]].expand(M, N), precision, partial_tile,
@@ -143,9 +202,13 @@ def _reduction(n: Node, x: torch.Tensor, precision: str, partial_tile: tuple[int
     out_dtype = as_dtype(n.attr("out_dtype", "f32"))
     x = x.float()
     if partial_tile is not None:
-        return partial_reduce(x, fn, axis, partial_tile)
-    dim = {"row": 1, "col": 0, "all": None}[axis]
-    r = _reduce(x, fn, dim)
+        return partial_reduce(x, fn, axis, partial_tile, n.attr("width", 0))
+    if axis == "segment":
+        M, N = x.shape
+        r = x.reshape(M, N // n.attr("width"), n.attr("width")).sum(2)
+    else:
+        dim = {"row": 1, "col": 0, "all": None}[axis]
+        r = _reduce(x, fn, dim)
     if precision == "fp32":
         return r
     if precision == "lowp":   # eager torch at the operand precision returns the reduction rounded

@@ -2,14 +2,20 @@
 (TRANSFORMER_MATH.md). Import them from ``coda_cutlass.epilogues``.
 
 Forward:  residual_norm_stats (out-proj / down-proj), rowscale (the consumer of an RMSNorm),
-          bias_gelu, residual_add, identity.
-Backward: rmsnorm_backward (the norm-backward dX GEMM epilogue).
+          swiglu / geglu / reglu (gate/up GEMM, half-width output), rope (QKV GEMM),
+          lm_head_lse (LM head: log-sum-exp and target logit), qk_norm_stats (per-head sum of
+          squares), bias_gelu, residual_add, identity.
+Backward: rmsnorm_backward (the norm-backward dX GEMM epilogue), swiglu_backward (down-proj dX).
 Helpers:  rstd_from_sumsq (finishes RMSNorm statistics: r = rsqrt(mean x^2 + eps)).
 """
 
 from .activations import bias_gelu, bias_relu, rowscale_silu
 from .basic import identity, residual_add, rowscale
-from .norms import residual_norm_stats, rmsnorm_backward, rstd_from_sumsq
+from .norms import qk_norm_stats, residual_norm_stats, rmsnorm_backward, rstd_from_sumsq
+from .pairwise import geglu, reglu, rope, swiglu, swiglu_backward, swiglu_only
+from .loss import lm_head_lse, lm_head_lse_logits
 
 __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "rowscale_silu",
-           "residual_norm_stats", "rmsnorm_backward", "rstd_from_sumsq"]
+           "residual_norm_stats", "rmsnorm_backward", "rstd_from_sumsq", "qk_norm_stats",
+           "swiglu", "swiglu_only", "geglu", "reglu", "swiglu_backward", "rope", "lm_head_lse",
+           "lm_head_lse_logits"]

@@ -27,3 +27,11 @@ def rmsnorm_backward(acc, x: cc.Tile, r: cc.PerRow(torch.float32), c: cc.PerRow(
 def rstd_from_sumsq(sumsq: torch.Tensor, d: int, eps: float = 1e-6) -> torch.Tensor:
     """Finish RMSNorm statistics: r = rsqrt(sumsq / d + eps), fp32, one value per row."""
     return torch.rsqrt(sumsq.float() / d + eps)
+
+
+@cc.epilogue
+def qk_norm_stats(acc, r: cc.PerRow(torch.float32), head_dim: int = 128):
+    """QKV GEMM that also returns per-head sums of squares of z = r * acc (QK-norm statistics):
+    shape (M, N / head_dim)."""
+    z = acc * r
+    return {"D": z, "head_sumsq": cc.segment_sum(z * z, int(head_dim))}

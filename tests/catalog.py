@@ -26,6 +26,7 @@ class Case:
     expect: Callable[..., dict[str, T]]      # fp32 math: expect(acc, **operands as fp32) -> outputs
     options: dict[str, Any] = field(default_factory=dict)
     nvcc_ci: bool = False                    # one of the few kernels CI compiles with nvcc
+    n_multiple: int = 8                      # N must be a multiple of this (segment widths)
 
 
 def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, g: torch.Generator,
@@ -75,10 +76,10 @@ CASES: list[Case] = []
 
 
 def case(name: str, inputs: Callable[..., dict[str, Any]], expect: Callable[..., dict[str, T]],
-         nvcc_ci: bool = False, **options: Any):
+         nvcc_ci: bool = False, n_multiple: int = 8, **options: Any):
     def deco(fn: Callable[..., Any]) -> Any:
         prog = cc.epilogue(fn, name=name)
-        CASES.append(Case(name, prog, inputs, expect, options, nvcc_ci))
+        CASES.append(Case(name, prog, inputs, expect, options, nvcc_ci, n_multiple))
         return prog
     return deco
 
@@ -345,6 +346,170 @@ def _small_tile_config(acc, resid: cc.Tile):
     return {"D": x, "s": cc.row_sum(x)}
 
 
+# ------------------------------------------------------------------------ pairwise, LSE, gather, segments
+def _pairs(x: T) -> tuple[T, T]:
+    return x[:, 0::2], x[:, 1::2]
+
+
+def _interleave(a: T, b: T) -> T:
+    return torch.stack((a, b), -1).flatten(-2)
+
+
+def _swiglu_expect(acc, r):
+    z = acc * r[:, None]
+    g, u = _pairs(z)
+    return {"z": z, "y": F.silu(g) * u}
+
+
+@case("swiglu", row("r", dtype=torch.float32), _swiglu_expect)
+def _swiglu(acc, r: cc.PerRow(torch.float32)):
+    z = acc * r
+    g, u = cc.pairs(z)
+    return {"z": z, "y": cc.half_width(cc.silu(g) * u)}
+
+
+@case("geglu_f16_half_only", row("r", dtype=torch.float32),
+      lambda acc, r: {"y": F.gelu((acc * r[:, None])[:, 0::2], approximate="tanh") * (acc * r[:, None])[:, 1::2]},
+      dtype=torch.float16)
+def _geglu_f16(acc, r: cc.PerRow(torch.float32)):
+    g, u = cc.pairs(acc * r)
+    return {"y": cc.half_width(cc.gelu(g, approximate="tanh") * u)}
+
+
+def _rope_inputs(M: int, N: int, dt: torch.dtype, dev: torch.device, g: torch.Generator) -> dict[str, Any]:
+    pos = torch.randint(0, 8192, (M,), generator=g).float()
+    inv = 10000.0 ** (-torch.arange(0, N // 2, dtype=torch.float32) / max(N // 2, 1))
+    freq = inv.repeat_interleave(2)
+    freq[(2 * N) // 3 // 2 * 2:] = 0.0          # the last third: "V" columns, not rotated
+    return {"r": _rand((M,), torch.float32, dev, g, 0.5, 1.5), "pos": pos.to(dev), "freq": freq.to(dev)}
+
+
+def _rope_expect(acc, r, pos, freq):
+    z = acc * r[:, None]
+    theta = pos[:, None] * freq[None, :]
+    c, s = torch.cos(theta)[:, 0::2], torch.sin(theta)[:, 0::2]
+    x, y = _pairs(z)
+    return {"D": _interleave(x * c - y * s, x * s + y * c)}
+
+
+@case("rope", _rope_inputs, _rope_expect)
+def _rope(acc, r: cc.PerRow(torch.float32), pos: cc.PerRow(torch.float32), freq: cc.PerCol(torch.float32)):
+    theta = pos * freq
+    c, s = cc.cos(theta), cc.sin(theta)
+    return cc.pair_map(lambda x, y: (x * c - y * s, x * s + y * c), acc * r)
+
+
+def _pair_generic_expect(acc, bias, r):
+    e, o = _pairs(acc + bias)
+    return {"D": _interleave(e * o, torch.maximum(e, o) - r[:, None]),
+            "rr": _interleave(r[:, None].expand_as(e), 2 * r[:, None].expand_as(e)),
+            "s": 2 * (e * o).sum(1)}
+
+
+@case("pair_generic", merge(col("bias"), row("r")), _pair_generic_expect)
+def _pair_generic(acc, bias: cc.PerCol, r: cc.PerRow):
+    e, o = cc.pairs(acc + bias)
+    prod = e * o
+    return {"D": cc.interleave(prod, cc.maximum(e, o) - r), "rr": cc.interleave(r, 2.0 * r),
+            "s": cc.row_sum(prod)}     # each pair's product sits on both of its columns
+
+
+def _lm_inputs(M: int, N: int, dt: torch.dtype, dev: torch.device, g: torch.Generator) -> dict[str, Any]:
+    t = torch.randint(0, N, (M,), generator=g)
+    t[torch.rand(M, generator=g) < 0.1] = -100          # ignore_index rows gather 0
+    return {"r": _rand((M,), torch.float32, dev, g, 4.0, 8.0), "target": t.to(dev)}
+
+
+def _lm_expect(acc, r, target):
+    x = acc * r[:, None]
+    idx = target.long().clamp(0, x.shape[1] - 1)
+    picked = x.gather(1, idx[:, None])[:, 0]
+    return {"lse": torch.logsumexp(x, 1), "tgt": torch.where(target.long() >= 0, picked, torch.zeros_like(picked))}
+
+
+@case("lm_head_lse_gather", _lm_inputs, _lm_expect)
+def _lm_head(acc, r: cc.PerRow(torch.float32), target: cc.PerRow(torch.int64)):
+    x = acc * r
+    return {"lse": cc.row_logsumexp(x), "tgt": cc.gather(x, target)}
+
+
+def _lm_logits_expect(acc, r, target):
+    out = _lm_expect(acc, r, target)
+    out["D"] = acc * r[:, None]
+    return out
+
+
+@case("lm_head_logits_i32", lambda M, N, dt, dev, g: {**_lm_inputs(M, N, dt, dev, g),
+                                                      "target": torch.randint(0, N, (M,), generator=g).int().to(dev)},
+      _lm_logits_expect)
+def _lm_head_logits(acc, r: cc.PerRow(torch.float32), target: cc.PerRow(torch.int32)):
+    x = acc * r
+    return {"D": x, "lse": cc.row_logsumexp(x), "tgt": cc.gather(x, target)}
+
+
+def _lm_head_partials(acc, r: cc.PerRow(torch.float32), target: cc.PerRow(torch.int64)):
+    x = acc * r
+    return {"lse": cc.row_logsumexp(x), "tgt": cc.gather(x, target)}
+
+
+case("lm_head_lse_partials", _lm_inputs, _lm_expect, partial_reductions=True)(_lm_head_partials)
+
+
+def _lse_mask_inputs(M: int, N: int, dt: torch.dtype, dev: torch.device, g: torch.Generator) -> dict[str, Any]:
+    cm = (torch.rand(N, generator=g) < 0.7).float()
+    cm[: min(N, 300)] = 0.0                     # whole N-tiles of -inf
+    rm = (torch.rand(M, generator=g) < 0.9).float()
+    return {"cm": cm.to(dev), "rm": rm.to(dev)}
+
+
+def _lse_mask_expect(acc, cm, rm):
+    x = torch.where((cm[None, :] * rm[:, None]) > 0, acc, torch.full_like(acc, float("-inf")))
+    return {"lse": torch.logsumexp(x, 1)}
+
+
+@case("lse_masked_rows_and_tiles", _lse_mask_inputs, _lse_mask_expect)
+def _lse_masked(acc, cm: cc.PerCol(torch.float32), rm: cc.PerRow(torch.float32)):
+    return {"lse": cc.row_logsumexp(cc.where(cm * rm > 0.0, acc, float("-inf")))}
+
+
+def _pair_tile(name: str, scale: float = 1.0):
+    return lambda M, N, dt, dev, g: {name: _randn((M, 2 * N), dt, dev, g, scale)}
+
+
+def _swiglu_bwd_expect(acc, z):
+    g, u = _pairs(z)
+    s = torch.sigmoid(g)
+    dg = acc * u * s * (1 + g * (1 - s))
+    du = acc * g * s
+    return {"D": g * s * u, "dz": _interleave(dg, du), "zdz": (g * dg + u * du).sum(1)}
+
+
+@case("swiglu_backward", _pair_tile("z"), _swiglu_bwd_expect, nvcc_ci=True)
+def _swiglu_backward(acc, z: cc.PairTile):
+    g, u = cc.unpack(z)
+    s = cc.sigmoid(g)
+    dg = acc * u * s * (1.0 + g * (1.0 - s))
+    du = acc * g * s
+    return {"D": g * s * u, "dz": cc.pack(dg, du), "zdz": cc.row_sum(g * dg + u * du)}
+
+
+def _segments(x: T, w: int) -> T:
+    return x.reshape(x.shape[0], -1, w).sum(2)
+
+
+@case("segment_sum_heads", row("r", dtype=torch.float32),
+      lambda acc, r: {"D": acc * r[:, None], "ss": _segments((acc * r[:, None]) ** 2, 128)}, n_multiple=128)
+def _segment_heads(acc, r: cc.PerRow(torch.float32)):
+    z = acc * r
+    return {"D": z, "ss": cc.segment_sum(z * z, 128)}
+
+
+@case("segment_sum_narrow", none, lambda acc: {"ss": _segments(acc, 32), "rows": acc.sum(1) * 0 + torch.arange(
+      acc.shape[0], dtype=acc.dtype)}, n_multiple=32)
+def _segment_narrow(acc):
+    return {"ss": cc.segment_sum(acc, 32), "rows": cc.row_max(cc.row_index() + acc * 0.0)}
+
+
 BY_NAME = {c.name: c for c in CASES}
 
 
@@ -352,6 +517,11 @@ def compile_options(c: Case) -> dict[str, Any]:
     opts = dict(c.options)
     opts.setdefault("dtype", torch.bfloat16)
     return opts
+
+
+def fit_n(c: Case, N: int) -> int:
+    """N rounded up to what the case needs (segment widths)."""
+    return -(-N // c.n_multiple) * c.n_multiple
 
 
 def make_inputs(c: Case, M: int, N: int, K: int, device: torch.device | str, seed: int):

@@ -73,11 +73,21 @@ def test_unary_ops_render_their_functor(op, functor):
 
 
 def test_functors_exist_in_header():
-    from coda_cutlass.ir.ops import OPS
+    from coda_cutlass.ir.ops import OPS, PACK_OPS, PAIR_OPS
     from coda_cutlass.paths import include_dir
-    header = (include_dir() / "coda" / "functors.hpp").read_text()
+    coda = include_dir() / "coda"
+    base = (coda / "functors.hpp").read_text()
+    extra = (coda / "math_extra.hpp").read_text()
+    pairwise = (coda / "pairwise.hpp").read_text()
     for op in OPS.values():
-        assert f"CODA_ELEMENTWISE({op.functor})" in header, op.name
+        if op.name in PAIR_OPS:
+            assert f"struct {op.functor}<cutlass::Array<T, N>>" in pairwise, op.name
+        elif op.name in PACK_OPS:
+            assert f"template <class T> struct {op.functor};" in pairwise, op.name
+        elif op.name in ("cos", "sin"):
+            assert f"template <class T> struct {op.functor} : Elementwise<scalar::{op.functor}, T>" in extra
+        else:
+            assert f"CODA_ELEMENTWISE({op.functor})" in base, op.name
 
 
 def test_cast_rounds_through_node_element_type():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import coda_cutlass as cc
-from catalog import CASES, compile_options, make_inputs
+from catalog import CASES, compile_options, fit_n, make_inputs
 from coda_cutlass.interpret import finish_partials, partial_reduce
 
 REF_KEYS = ("dtype", "weight_layout", "input_dtypes", "output_dtypes", "constants")
@@ -22,7 +22,7 @@ def fp32(v):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_interpreter_matches_handwritten_torch(case):
-    M, N, K = 37, 48, 24
+    M, N, K = 37, fit_n(case, 48), 24
     A, W, ops = make_inputs(case, M, N, K, "cpu", seed=1)
     layout = compile_options(case).get("weight_layout", "nk")
     acc = A.float() @ (W.float().t() if layout == "nk" else W.float())
@@ -40,7 +40,7 @@ def test_interpreter_matches_handwritten_torch(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_kernel_precision_rounds_outputs_once(case):
     """'kernel' precision = fp32 math then one rounding of each tile output to its dtype."""
-    M, N, K = 16, 32, 16
+    M, N, K = 16, fit_n(case, 32), 16
     A, W, ops = make_inputs(case, M, N, K, "cpu", seed=2)
     kw = ref_kwargs(case)
     k = cc.reference(case.program, A, W, precision="kernel", **kw, **ops)

@@ -18,6 +18,7 @@ from ..ir.nodes import Kind
 class OperandSpec:
     kind: Kind = Kind.TILE
     shape_doc: str = ""
+    packed: bool = False
 
     def __init__(self, dtype: Any = None):
         self.dtype: DType | None = None if dtype is None else as_dtype(dtype, what=f"{type(self).__name__} dtype")
@@ -30,6 +31,15 @@ class Tile(OperandSpec):
     """An M x N tensor, read tile by tile (TMA), e.g. a residual."""
     kind = Kind.TILE
     shape_doc = "(M, N)"
+
+
+class PairTile(OperandSpec):
+    """An M x 2N tensor of interleaved 16-bit pairs (columns 2n, 2n+1 belong to output column n),
+    read as one packed 32-bit element per output element, e.g. the saved gate/up pre-activation in
+    the SwiGLU backward. Use ``a, b = cc.unpack(x)`` in the program."""
+    kind = Kind.TILE
+    shape_doc = "(M, 2N)"
+    packed = True
 
 
 class PerRow(OperandSpec):
@@ -50,7 +60,7 @@ class Scalar(OperandSpec):
     shape_doc = "a Python number"
 
 
-SPEC_CLASSES: tuple[type[OperandSpec], ...] = (Tile, PerRow, PerCol, Scalar)
+SPEC_CLASSES: tuple[type[OperandSpec], ...] = (Tile, PairTile, PerRow, PerCol, Scalar)
 
 
 def resolve_spec(annotation: Any) -> OperandSpec | None:

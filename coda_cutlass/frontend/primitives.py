@@ -1,18 +1,24 @@
 """The ``cc.*`` functions usable inside epilogue programs.
 
 Elementwise math (fp32): exp, log, sqrt, rsqrt, reciprocal, tanh, sigmoid, silu, gelu, relu, square,
-abs, maximum, minimum, pow, where, cast. Reductions, returned as outputs only: row_sum/row_max/row_min
-(over N: one value per row), col_sum/col_max/col_min (over M: one value per column), total_sum (all).
+abs, maximum, minimum, pow, where, cast, cos, sin; row_index / col_index (the element's position).
+Pairwise over adjacent columns (2i, 2i+1): pairs, interleave, pair_map; half_width outputs;
+packed 16-bit pairs: unpack (cc.PairTile operands), pack (outputs).
+Reductions, returned as outputs only: row_sum/row_max/row_min (over N: one value per row),
+col_sum/col_max/col_min (over M: one value per column), total_sum (all), row_logsumexp (online
+log-sum-exp per row), segment_sum (per row and fixed-width column segment, e.g. per head), gather
+(one column per row, chosen by a per-row index vector).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..dtypes import as_dtype
+from ..dtypes import FLOAT_DTYPES, as_dtype
 from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Kind
-from .values import Accumulate, ReductionResult, Value, apply, find_tracer, power
+from .values import (Accumulate, HalfWidth, ReductionResult, Value, active_tracer, apply, find_tracer,
+                     power)
 
 
 def exp(x: Any) -> Any: return apply("exp", x)
@@ -29,6 +35,89 @@ def abs(x: Any) -> Any: return apply("abs", x)  # noqa: A001 - mirrors torch.abs
 def maximum(a: Any, b: Any) -> Any: return apply("maximum", a, b)
 def minimum(a: Any, b: Any) -> Any: return apply("minimum", a, b)
 def pow(x: Any, exponent: float) -> Any: return power(x, exponent)  # noqa: A001
+def cos(x: Any) -> Any: return apply("cos", x)
+def sin(x: Any) -> Any: return apply("sin", x)
+
+
+def row_index() -> Value:
+    """The row m of each element (fp32, exact below 2^24): a per-row value."""
+    tracer = active_tracer("cc.row_index()")
+    return Value(tracer, tracer.emit("index", (), Kind.ROW, axis="row"))
+
+
+def col_index() -> Value:
+    """The column n of each element (fp32, exact below 2^24): a per-column value."""
+    tracer = active_tracer("cc.col_index()")
+    return Value(tracer, tracer.emit("index", (), Kind.COL, axis="col"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairwise transformations over adjacent columns (2i, 2i+1)
+# ---------------------------------------------------------------------------------------------
+
+def _pairwise_operand(x: Any, what: str) -> Any:
+    if isinstance(x, (HalfWidth, Accumulate)):
+        raise EpilogueError(f"{what}: takes an elementwise value")
+    return x
+
+
+def pairs(x: Any) -> tuple[Any, Any]:
+    """``(even, odd)``: for each column pair (2i, 2i+1), x's value at column 2i and at column 2i+1,
+    each available on both columns of the pair. Per-row values and numbers are the same on both."""
+    _pairwise_operand(x, "cc.pairs")
+    if not isinstance(x, Value) or x.kind in (Kind.ROW, Kind.SCALAR):
+        if isinstance(x, (int, float, Value)):
+            return x, x
+        find_tracer((x,))
+        raise EpilogueError(f"cc.pairs: cannot use a {type(x).__name__}")
+    return apply("pair_first", x), apply("pair_second", x)
+
+
+def interleave(even: Any, odd: Any) -> Any:
+    """The value that is ``even`` on column 2i and ``odd`` on column 2i+1 of each pair."""
+    _pairwise_operand(even, "cc.interleave")
+    _pairwise_operand(odd, "cc.interleave")
+    if find_tracer((even, odd)) is None:
+        raise EpilogueError("cc.interleave: needs a traced value")
+    return apply("pair_merge", even, odd)
+
+
+def pair_map(fn: Any, x: Any, *args: Any) -> Any:
+    """Pairwise 2 -> 2: ``out_2i, out_2i+1 = fn(x_2i, x_2i+1, *args)``; ``fn`` is traced like the
+    rest of the program (e.g. a rotation for RoPE) and must return two values."""
+    even, odd = pairs(x)
+    result = fn(even, odd, *args)
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise EpilogueError("cc.pair_map: the function must return a pair (out_even, out_odd)")
+    return interleave(*result)
+
+
+def half_width(value: Any) -> HalfWidth:
+    """Mark an output as half width (pairwise 2 -> 1, e.g. SwiGLU): an M x N/2 tensor whose column i
+    is ``value`` at column 2i. Compute the value from ``cc.pairs(...)``."""
+    if isinstance(value, (HalfWidth, Accumulate, ReductionResult)):
+        raise EpilogueError("cc.half_width takes an elementwise value")
+    return HalfWidth(value)
+
+
+def unpack(x: Any) -> tuple[Value, Value]:
+    """The two 16-bit values of each packed pair of a ``cc.PairTile`` operand, as fp32:
+    ``(x[:, 2n], x[:, 2n+1])`` for output column n."""
+    if not isinstance(x, Value):
+        raise EpilogueError(f"cc.unpack takes a cc.PairTile operand, got {type(x).__name__}")
+    src = x.tracer.nodes[x.id]
+    if not (src.op == "load" and src.attr("packed")):
+        raise x.tracer.error("cc.unpack takes a cc.PairTile operand (an M x 2N tensor of pairs)", node=x.label)
+    return apply("unpack_lo", x), apply("unpack_hi", x)
+
+
+def pack(a: Any, b: Any) -> Value:
+    """Return as an output: an M x 2N tensor holding ``a`` at column 2n and ``b`` at 2n+1, each
+    rounded to the output dtype (the interleaved layout a cc.PairTile operand reads back)."""
+    tracer = find_tracer((a, b))
+    if tracer is None:
+        raise EpilogueError("cc.pack: needs a traced value")
+    return apply("pack", a, b, dtype="")   # the dtype is the output's, bound by the type pass
 
 
 def gelu(x: Any, approximate: str = "none") -> Any:
@@ -51,20 +140,23 @@ def cast(x: Any, dtype: Any) -> Any:
         d = as_dtype(dtype, what="cast dtype")
     except ConfigError as e:
         raise EpilogueError(str(e)) from None
+    if d not in FLOAT_DTYPES:
+        raise EpilogueError(f"cast dtype {d.torch} is not supported; epilogue math is floating point "
+                            "(bf16, f16, f32)")
     if isinstance(x, (int, float)):
         import torch
         return float(torch.tensor(float(x), dtype=d.torch))  # a constant rounds right away
     return apply("cast", x, dtype=d.name)
 
 
-def _reduce(x: Any, fn: str, axis: str) -> ReductionResult:
+def _reduce(x: Any, fn: str, axis: str, name: str | None = None, **attrs: Any) -> ReductionResult:
     tracer = find_tracer((x,))
-    name = f"{axis}_{fn}" if axis != "all" else f"total_{fn}"
+    name = name or (f"{axis}_{fn}" if axis != "all" else f"total_{fn}")
     if tracer is None:
         raise EpilogueError(f"{name}: needs a traced value, got {type(x).__name__}")
     v = tracer.lift(x, name)
-    kind = {"row": Kind.ROW, "col": Kind.COL, "all": Kind.SCALAR}[axis]
-    nid = tracer.emit("reduce", (v.id,), kind, fn=fn, axis=axis, name="")
+    kind = {"row": Kind.ROW, "col": Kind.COL, "all": Kind.SCALAR, "segment": Kind.ROW}[axis]
+    nid = tracer.emit("reduce", (v.id,), kind, fn=fn, axis=axis, name="", **attrs)
     return ReductionResult(tracer, nid, f"{name}(%{v.id})")
 
 
@@ -101,6 +193,32 @@ def col_min(x: Any) -> ReductionResult:
 def total_sum(x: Any) -> ReductionResult:
     """Sum over the whole M x N output: a 0-dim fp32 tensor."""
     return _reduce(x, "sum", "all")
+
+
+def row_logsumexp(x: Any) -> ReductionResult:
+    """log(sum(exp(x))) over N: one fp32 value per row, shape (M,). Computed online per N-tile as
+    (max, sum of exp(x - max)), so it is safe for large logits, -inf entries and empty tiles."""
+    return _reduce(x, "lse", "row", "row_logsumexp")
+
+
+def segment_sum(x: Any, width: int) -> ReductionResult:
+    """Sum over each ``width``-wide column segment of a row (e.g. per attention head): shape
+    (M, N // width). N must be a multiple of width, and width a multiple of 8."""
+    if isinstance(width, bool) or not isinstance(width, int) or width <= 0 or width % 8 != 0:
+        raise EpilogueError(f"segment_sum: width must be a positive multiple of 8, got {width!r}")
+    return _reduce(x, "sum", "segment", "segment_sum", width=width)
+
+
+def gather(x: Any, index: Any) -> ReductionResult:
+    """``x[m, index[m]]`` for every row m: shape (M,). ``index`` is a cc.PerRow operand (int32 or
+    int64; out-of-range entries such as an ignore index give 0). Computed as a row sum of x where
+    the column equals the index, so exactly one element contributes."""
+    tracer = find_tracer((x, index))
+    if tracer is None:
+        raise EpilogueError("gather: needs a traced value")
+    if not isinstance(index, Value) or index.kind != Kind.ROW:
+        raise tracer.error("gather: the index must be a per-row value (a cc.PerRow operand)")
+    return _reduce(where(col_index() == index, x, 0.0), "sum", "row", "gather")
 
 
 def accumulate(value: Any) -> Accumulate:

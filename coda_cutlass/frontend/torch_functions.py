@@ -48,7 +48,7 @@ TORCH_FUNCTIONS: dict[Any, Callable[..., Any]] = {
     torch.log: _plain(P.log), torch.sqrt: _plain(P.sqrt), torch.rsqrt: _plain(P.rsqrt),
     torch.reciprocal: _plain(P.reciprocal), torch.tanh: _plain(P.tanh), torch.sigmoid: _plain(P.sigmoid),
     torch.relu: _plain(P.relu), torch.square: _plain(P.square), torch.pow: _plain(_pow, 2),
-    torch.where: _plain(_where, 3),
+    torch.where: _plain(_where, 3), torch.cos: _plain(P.cos), torch.sin: _plain(P.sin),
     F.silu: _plain(P.silu), F.relu: _plain(P.relu), F.sigmoid: _plain(P.sigmoid), F.tanh: _plain(P.tanh),
     F.gelu: _gelu,
 }

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 from ..errors import EpilogueError
 from ..ir.nodes import Kind, Node, Operand, Program, make_attrs, renumber
 from .operands import OperandSpec, resolve_spec
-from .values import Accumulate, ReductionResult, Tracer, Value, apply
+from .values import Accumulate, HalfWidth, ReductionResult, Tracer, Value, apply
 
 _MISSING = inspect.Parameter.empty
 # Keyword names the compiled kernel's call already uses.
@@ -129,20 +129,22 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
     operands: list[Operand] = []
     kwargs: dict[str, Any] = {}
     for pname, spec in program.specs.items():
-        operands.append(Operand(pname, spec.kind, spec.dtype))
+        operands.append(Operand(pname, spec.kind, spec.dtype, packed=spec.packed))
         op = "scalar" if spec.kind == Kind.SCALAR else "load"
-        kwargs[pname] = Value(tracer, tracer.emit(op, (), spec.kind, operand=pname))
+        attrs = {"packed": True} if spec.packed else {}
+        kwargs[pname] = Value(tracer, tracer.emit(op, (), spec.kind, operand=pname, **attrs))
     kwargs.update(consts)
 
     sig_names = list(inspect.signature(program.fn).parameters)
     try:
-        result = program.fn(acc, **{k: kwargs[k] for k in sig_names[1:]})
+        with tracer:
+            result = program.fn(acc, **{k: kwargs[k] for k in sig_names[1:]})
     except EpilogueError as e:
         if e.program is None:    # raised by a cc.* function that had no trace to name
             raise EpilogueError(e.reason, program=program.name, node=e.node) from None
         raise
 
-    if isinstance(result, (Value, Accumulate)):
+    if isinstance(result, (Value, Accumulate, HalfWidth)):
         result = {"D": result}
     if isinstance(result, ReductionResult):
         raise tracer.error("a bare reduction was returned; name it: return {'name': cc.row_sum(...)}")
@@ -164,7 +166,8 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
             raise tracer.error(f"output '{name}' has the same name as an operand; pick another name "
                                "(accumulated outputs are passed by their output name)")
         outputs.append(name)
-        _record_output(tracer, name, value, operands)
+        with tracer:
+            _record_output(tracer, name, value, operands)
 
     nodes = [n for n in tracer.nodes if not (n.op == "reduce" and not n.attr("name"))]
     prog = Program(name=program.name, operands=tuple(operands), nodes=renumber(nodes),
@@ -178,19 +181,34 @@ def _record_output(tracer: Tracer, name: str, value: Any, operands: list[Operand
             raise tracer.error(f"output '{name}': a reduction from another trace")
         node = tracer.nodes[value.id]
         if node.attr("name"):   # the same reduction returned twice: record a second sink
-            tracer.emit("reduce", node.inputs, node.kind, fn=node.attr("fn"), axis=node.attr("axis"), name=name)
+            attrs = dict(node.attrs)
+            attrs["name"] = name
+            tracer.emit("reduce", node.inputs, node.kind, **attrs)
         else:
             attrs = dict(node.attrs)
             attrs["name"] = name
             tracer.nodes[value.id] = replace(node, attrs=make_attrs(**attrs))
         return
     accumulate = isinstance(value, Accumulate)
+    layout = "tile"
+    if isinstance(value, HalfWidth):
+        layout = "half"
+        value = value.value
     if accumulate:
         target = Value(tracer, tracer.emit("load", (), Kind.TILE, operand=name))
         operands.append(Operand(name, Kind.TILE, None))
         value = apply("add", target, value.value)
+    if isinstance(value, Value) and tracer.nodes[value.id].op == "pack":
+        if layout == "half" or accumulate:
+            raise tracer.error(f"output '{name}': a cc.pack(...) value is stored as it is (M x 2N); "
+                               "it cannot be half width or accumulated")
+        layout = "packed"
+    if isinstance(value, Value) and tracer.nodes[value.id].op == "load" and tracer.nodes[value.id].attr("packed"):
+        raise tracer.error(f"output '{name}': a cc.PairTile operand cannot be stored directly; "
+                           "unpack it, or store cc.pack(a, b)")
     v = tracer.lift(value, f"output '{name}'")
-    tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=accumulate)
+    attrs = {"layout": layout} if layout != "tile" else {}
+    tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=accumulate, **attrs)
 
 
 __all__ = ["EpilogueProgram", "epilogue", "trace", "as_program"]

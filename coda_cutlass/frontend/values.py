@@ -13,9 +13,19 @@ import torch
 
 from ..errors import EpilogueError
 from ..ir.nodes import Kind, Node, make_attrs
-from ..ir.ops import OPS
+from ..ir.ops import OPS, result_kind
 
 Number = (int, float)
+
+
+_ACTIVE: list["Tracer"] = []
+
+
+def active_tracer(what: str) -> "Tracer":
+    """The tracer of the program being traced (for cc.* functions that take no traced value)."""
+    if not _ACTIVE:
+        raise EpilogueError(f"{what} can only be used inside an epilogue program while it is traced")
+    return _ACTIVE[-1]
 
 
 class Tracer:
@@ -40,11 +50,20 @@ class Tracer:
             self._consts[key] = self.emit("const", (), Kind.SCALAR, value=key)
         return Value(self, self._consts[key])
 
+    def __enter__(self) -> "Tracer":
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+
     def lift(self, x: Any, what: str) -> "Value":
         if isinstance(x, Value):
             if x.tracer is not self:
                 raise self.error(f"{what}: a value from another epilogue trace was mixed in")
             return x
+        if isinstance(x, HalfWidth):
+            raise self.error(f"{what}: cc.half_width(...) may only appear as a value of the returned dict")
         if isinstance(x, bool):
             return self.const(1.0 if x else 0.0)
         if isinstance(x, Number):
@@ -82,9 +101,14 @@ def apply(op: str, *args: Any, **attrs: Any) -> Any:
         ts = [torch.tensor(float(a), dtype=torch.float32) for a in args]
         return float(opdef.ref(*ts))
     values = [tracer.lift(a, f"argument {i} of {op}") for i, a in enumerate(args)]
-    kind = Kind.SCALAR
     for v in values:
-        kind = kind.join(v.kind)
+        src = tracer.nodes[v.id]
+        if src.op == "load" and src.attr("packed") and op not in ("unpack_lo", "unpack_hi"):
+            raise tracer.error(f"{op}: '{src.attr('operand')}' holds packed pairs (cc.PairTile); "
+                               "get its two values with a, b = cc.unpack(x) first", node=src.label)
+        if src.op == "pack":
+            raise tracer.error(f"{op}: a cc.pack(...) value can only be returned as an output", node=src.label)
+    kind = result_kind(op, [v.kind for v in values])
     return Value(tracer, tracer.emit(op, tuple(v.id for v in values), kind, **attrs))
 
 
@@ -242,6 +266,16 @@ class ReductionResult:
             if isinstance(a, ReductionResult):
                 a._misuse()
         raise EpilogueError("unexpected torch function on a reduction result")
+
+
+class HalfWidth:
+    """``cc.half_width(v)`` in the returned dict: an M x N/2 output holding v's value on the even
+    column of each pair (2i, 2i+1), written at column i."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
 
 
 class Accumulate:

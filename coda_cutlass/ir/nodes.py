@@ -13,9 +13,18 @@ Node ops:
 - ``load``    attrs operand     a tensor operand (TILE, ROW or COL)
 - ``scalar``  attrs operand     a runtime scalar operand
 - ``const``   attrs value       a Python constant
-- compute ops (see ``ops.py``)  elementwise math in fp32; ``cast`` rounds to ``attrs dtype``
-- ``store``   attrs name, accumulate    a tile output (sink)
-- ``reduce``  attrs name, fn, axis      a reduction output (sink); fn in sum/max/min, axis in row/col/all
+- ``index``   attrs axis        the row (ROW) or column (COL) index of the element, as fp32
+- compute ops (see ``ops.py``)  elementwise math in fp32; ``cast`` rounds to ``attrs dtype``;
+                                pair ops read the adjacent column pair (2i, 2i+1)
+- ``store``   attrs name, accumulate, layout    a tile output (sink); layout "tile" (M x N),
+                                "packed" (a pack(a, b) value, M x 2N) or "half" (M x N/2, the even
+                                column of each pair)
+- ``reduce``  attrs name, fn, axis      a reduction output (sink): fn sum/max/min over axis
+                                row/col/all; fn lse (log-sum-exp) over row; fn sum over axis segment
+                                (attrs width: one sum per row and width-wide column segment)
+
+A load with attrs packed reads an M x 2N tensor of interleaved 16-bit pairs; its value may only
+feed unpack_lo / unpack_hi. A pack value may only be stored.
 """
 
 from __future__ import annotations
@@ -45,9 +54,10 @@ class Kind(enum.Enum):
 
 
 SINK_OPS = frozenset({"store", "reduce"})
-LEAF_OPS = frozenset({"acc", "load", "scalar", "const"})
-REDUCE_FNS = ("sum", "max", "min")
-REDUCE_AXES = ("row", "col", "all")
+LEAF_OPS = frozenset({"acc", "load", "scalar", "const", "index"})
+REDUCE_FNS = ("sum", "max", "min", "lse")
+REDUCE_AXES = ("row", "col", "all", "segment")
+STORE_LAYOUTS = ("tile", "packed", "half")
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,7 @@ class Operand:
     name: str
     kind: Kind
     dtype: DType | None = None     # None: bound to the GEMM operand dtype (tensors) / f32 (scalars)
+    packed: bool = False           # an M x 2N tile of interleaved 16-bit pairs (cc.PairTile)
 
 
 @dataclass(frozen=True)

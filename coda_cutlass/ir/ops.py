@@ -64,12 +64,48 @@ _OPS: list[OpDef] = [
     # cast rounds to attrs['dtype'] and back to fp32; its functor is the identity, the rounding
     # comes from the visitor node's output element type.
     OpDef("cast", 1, "identity", lambda a: a, "round to a dtype"),
+    OpDef("cos", 1, "cos", torch.cos, "cosine (radians)"),
+    OpDef("sin", 1, "sin", torch.sin, "sine (radians)"),
+    # Pairwise ops over adjacent columns (2i, 2i+1); fragment-local on the GPU (coda/pairwise.hpp).
+    OpDef("pair_first", 1, "pair_first", lambda a: _pair_pick(a, 0), "x[2i] on both columns of pair i"),
+    OpDef("pair_second", 1, "pair_second", lambda a: _pair_pick(a, 1), "x[2i+1] on both columns of pair i"),
+    OpDef("pair_merge", 2, "pair_merge", lambda a, b: _pair_merge(a, b), "a on even columns, b on odd"),
+    # Packed 2 x 16-bit pairs (attrs dtype): a packed value is M x 2N, its pairs are (2j, 2j+1).
+    OpDef("unpack_lo", 1, "lo", lambda a: a[..., 0::2], "the even value of each packed pair"),
+    OpDef("unpack_hi", 1, "hi", lambda a: a[..., 1::2], "the odd value of each packed pair"),
+    OpDef("pack", 2, "pack", lambda a, b: torch.stack((a, b), -1).flatten(-2), "pack (a, b) into pairs"),
 ]
+
+
+def _pair_pick(x: Tensor, which: int) -> Tensor:
+    pairs = x.unflatten(-1, (-1, 2))
+    return pairs[..., which:which + 1].expand(pairs.shape).flatten(-2)
+
+
+def _pair_merge(a: Tensor, b: Tensor) -> Tensor:
+    a, b = torch.broadcast_tensors(a, b)
+    return torch.stack((a.unflatten(-1, (-1, 2))[..., 0], b.unflatten(-1, (-1, 2))[..., 1]), -1).flatten(-2)
+
+
+PAIR_OPS = frozenset({"pair_first", "pair_second", "pair_merge"})
+PACK_OPS = frozenset({"unpack_lo", "unpack_hi", "pack"})
 
 OPS: dict[str, OpDef] = {op.name: op for op in _OPS}
 
-UNARY = tuple(op.name for op in _OPS if op.arity == 1 and op.name != "cast")
-BINARY = tuple(op.name for op in _OPS if op.arity == 2)
+UNARY = tuple(op.name for op in _OPS if op.arity == 1 and op.name != "cast" and op.name not in PAIR_OPS | PACK_OPS)
+BINARY = tuple(op.name for op in _OPS if op.arity == 2 and op.name not in PAIR_OPS | PACK_OPS)
+
+
+def result_kind(op: str, kinds: "list[Kind]") -> "Kind":
+    """The kind of an op's result: the broadcast of its inputs, except that interleaving two values
+    that do not vary along N gives one that does."""
+    from .nodes import Kind
+    kind = Kind.SCALAR
+    for k in kinds:
+        kind = kind.join(k)
+    if op == "pair_merge":
+        kind = {Kind.ROW: Kind.TILE, Kind.SCALAR: Kind.COL}.get(kind, kind)
+    return kind
 
 
 def opdef(name: str) -> OpDef:

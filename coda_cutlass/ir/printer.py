@@ -17,18 +17,22 @@ def node_text(n: Node) -> str:
     if n.op == "acc":
         return "acc"
     if n.op == "load":
-        return f"load {n.attr('operand')}"
+        return f"load {n.attr('operand')}" + (" (packed pairs)" if n.attr("packed") else "")
+    if n.op == "index":
+        return f"index {n.attr('axis')}"
     if n.op == "scalar":
         return f"scalar {n.attr('operand')}"
     if n.op == "const":
         return f"const {format_value(n.attr('value'))}"
-    if n.op == "cast":
-        return f"cast {args} to {n.attr('dtype')}"
+    if n.op in ("cast", "unpack_lo", "unpack_hi", "pack"):
+        return f"{n.op} {args} {'to' if n.op in ('cast', 'pack') else 'from'} {n.attr('dtype')}"
     if n.op == "store":
         verb = "accumulate" if n.attr("accumulate") else "store"
-        return f"{verb} {n.attr('name')} = {args}"
+        layout = n.attr("layout", "tile")
+        return f"{verb} {n.attr('name')} = {args}" + ("" if layout == "tile" else f" ({layout})")
     if n.op == "reduce":
-        return f"reduce {n.attr('name')} = {n.attr('axis')}_{n.attr('fn')} {args}"
+        width = f" width {n.attr('width')}" if n.attr("axis") == "segment" else ""
+        return f"reduce {n.attr('name')} = {n.attr('axis')}_{n.attr('fn')}{width} {args}"
     return f"{n.op} {args}"
 
 

@@ -23,9 +23,10 @@ from typing import Any
 
 from ..config import KernelConfig
 from ..dtypes import F32, DType, as_dtype
-from ..errors import EpilogueError
+from ..errors import ConfigError, EpilogueError
+from ..finish import check_segment_tiling, segments_per_tile
 from ..ir.nodes import Kind, Node, Program
-from ..ir.ops import OPS
+from ..ir.ops import OPS, PAIR_OPS
 from ..ir.printer import node_text
 
 REDUCE_FUNCTOR = {"sum": "cutlass::plus", "max": "cutlass::maximum", "min": "cutlass::minimum"}
@@ -44,6 +45,10 @@ class TensorSlot:
     dtype: DType
     reduce_fn: str | None = None
     reduce_axis: str | None = None
+    layout: str = "tile"   # tile slots: "tile" (M x N), "packed" (M x 2N 16-bit pairs, passed to the
+                           # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2)
+    width: int = 0         # segment partials: the segment width
+    segments: int = 0      # segment partials: segments per N-tile (k of the [k, tiles, M] layout)
 
     @property
     def is_tile(self) -> bool:
@@ -54,6 +59,11 @@ class TensorSlot:
              "dtype": self.dtype.name}
         if self.reduce_fn:
             d["reduce"] = f"{self.reduce_axis}_{self.reduce_fn}"
+        if self.layout != "tile":
+            d["layout"] = self.layout
+        if self.width:
+            d["width"] = self.width
+            d["segments"] = self.segments
         return d
 
 
@@ -80,6 +90,7 @@ class EvtGraph:
     c_slot: int | None
     element_d: DType | None
     d_slot: int | None
+    headers: tuple[str, ...] = ()  # coda headers beyond the base set that the nodes need
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -100,8 +111,20 @@ ABI_VERSION = 1
 MIN_VISITOR_NODES = 5
 
 
+# Which extra coda header each visitor node kind / functor needs (kernels that use none of them
+# include exactly the original headers, so their content keys do not change).
+_NODE_HEADERS = {"pair_compute": "coda/pairwise.hpp", "index": "coda/coordinates.hpp",
+                 "half_store": "coda/half_store.hpp", "lse_reduce": "coda/logsumexp.hpp",
+                 "segment_select": "coda/math_extra.hpp"}
+_FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp",
+                    "unpack_lo": "coda/pairwise.hpp", "unpack_hi": "coda/pairwise.hpp",
+                    "pack": "coda/pairwise.hpp"}
+
+
 def collective_d_output(program: Program) -> Node | None:
-    stores = [n for n in program.nodes if n.op == "store"]
+    """The output the collective writes as D: the one named D, else the first full-tile output
+    (half-width outputs are written by their own node)."""
+    stores = [n for n in program.nodes if n.op == "store" and n.attr("layout", "tile") != "half"]
     for n in stores:
         if n.attr("name") == "D":
             return n
@@ -138,26 +161,36 @@ def lower(program: Program, config: KernelConfig, dtype: DType, weight_layout: s
             continue
         role = "inout" if o.name in accumulated else "input"
         slot_of[o.name] = len(tensors)
-        tensors.append(TensorSlot(len(tensors), o.name, role, o.kind, o.dtype))
+        tensors.append(TensorSlot(len(tensors), o.name, role, o.kind, o.dtype,
+                                  layout="packed" if o.packed else "tile"))
     for name in program.outputs:
         n = program.sink(name)
         if n.op == "store":
             if name in accumulated:
                 continue
             slot_of[name] = len(tensors)
-            tensors.append(TensorSlot(len(tensors), name, "output", Kind.TILE, n.dtype))
+            tensors.append(TensorSlot(len(tensors), name, "output", Kind.TILE, n.dtype,
+                                      layout=n.attr("layout", "tile")))
         else:
             axis = n.attr("axis")
+            width = n.attr("width", 0) if axis == "segment" else 0
+            segments = 0
+            if width:
+                why = check_segment_tiling(width, config.tile_n)
+                if why:
+                    raise ConfigError(f"{program.name}: output '{name}': {why}; pick a config whose tile "
+                                      "width fits the segment width")
+                segments = segments_per_tile(width, config.tile_n)
             slot_of[name] = len(tensors)
             tensors.append(TensorSlot(len(tensors), name, "partials", Kind.COL if axis == "col" else Kind.ROW,
-                                      F32, n.attr("fn"), axis))
+                                      F32, n.attr("fn"), axis, width=width, segments=segments))
     scalars = tuple(o.name for o in program.operands
                     if o.kind == Kind.SCALAR and any(n.op == "scalar" and n.attr("operand") == o.name
                                                      for n in program.nodes))
 
     # ---- the C source: the first tile input ----
     c_operand = next((t.name for t in tensors if t.role in ("input", "inout") and t.kind == Kind.TILE), None)
-    element_c = tensors[slot_of[c_operand]].dtype if c_operand else None
+    element_c = _element(tensors[slot_of[c_operand]]) if c_operand else None
 
     # ---- visitor nodes, in IR order; D last ----
     vnodes: list[VisitorNode] = []
@@ -166,7 +199,10 @@ def lower(program: Program, config: KernelConfig, dtype: DType, weight_layout: s
         if d_node is not None and n.id == d_node.id:
             continue
         children = tuple(index_of[i] for i in n.inputs)
-        v = _visitor_node(n, len(vnodes), children, slot_of, c_operand, scalars, program)
+        if n.op == "reduce" and n.attr("axis") == "segment":
+            _segment_nodes(n, children[0], vnodes, slot_of, tensors, config)
+            continue
+        v = _visitor_node(n, len(vnodes), children, slot_of, c_operand, scalars, program, tensors)
         index_of[n.id] = v.index
         vnodes.append(v)
 
@@ -177,26 +213,63 @@ def lower(program: Program, config: KernelConfig, dtype: DType, weight_layout: s
         vnodes.append(VisitorNode(len(vnodes), "acc", (), "padding (unused): keeps the visitor at >= 5 nodes"))
 
     if d_node is not None:
-        element_d: DType | None = d_node.dtype
         d_slot: int | None = slot_of[d_node.attr("name")]
+        element_d: DType | None = _element(tensors[d_slot])
         vnodes.append(VisitorNode(len(vnodes), "d_store", (index_of[d_node.inputs[0]],),
                                   f"{node_text(d_node)}  (the collective's D store)",
-                                  {"slot": d_slot, "element": d_node.dtype}))
+                                  {"slot": d_slot, "element": element_d}))
     else:
         element_d, d_slot = None, None
         vnodes.append(VisitorNode(len(vnodes), "d_none", (0,), "no tile output: D is void", {}))
 
+    headers: list[str] = []
+    for v in vnodes:
+        h = _NODE_HEADERS.get(v.kind) or _FUNCTOR_HEADERS.get(v.params.get("op", ""))
+        if h and h not in headers:
+            headers.append(h)
     return EvtGraph(program=program, config=config, dtype=dtype, weight_layout=weight_layout,
                     nodes=tuple(vnodes), tensors=tuple(tensors), scalars=scalars,
                     element_c=element_c, c_slot=slot_of[c_operand] if c_operand else None,
-                    element_d=element_d, d_slot=d_slot)
+                    element_d=element_d, d_slot=d_slot, headers=tuple(sorted(headers)))
+
+
+def _element(slot: TensorSlot) -> DType:
+    """The kernel's element type of a tile slot: packed 16-bit pairs travel as one 32-bit word."""
+    return F32 if slot.layout == "packed" else slot.dtype
+
+
+def _segment_nodes(n: Node, child: int, vnodes: list[VisitorNode], slot_of: dict[str, int],
+                   tensors: list[TensorSlot], config: KernelConfig) -> None:
+    """A per-segment row sum: one per-tile row reduction when segments span whole N-tiles, else k
+    masked row reductions (segment s of each tile), each writing its own [tiles, M] block."""
+    slot = tensors[slot_of[n.attr("name")]]
+    comment = node_text(n)
+    if slot.segments == 1:
+        vnodes.append(VisitorNode(len(vnodes), "row_reduce", (child,), comment,
+                                  {"slot": slot.index, "functor": REDUCE_FUNCTOR["sum"],
+                                   "identity": REDUCE_IDENTITY["sum"]}))
+        return
+    col = len(vnodes)
+    vnodes.append(VisitorNode(col, "index", (), f"column index for {comment}", {"axis": 1}))
+    tm, tn = config.tile
+    block = f"int64_t((p.N + {tn - 1}) / {tn}) * ((p.M + {tm - 1}) / {tm} * {tm})"
+    for s in range(slot.segments):
+        sel = len(vnodes)
+        vnodes.append(VisitorNode(sel, "segment_select", (col, child),
+                                  f"{comment}: keep segment {s} of {slot.segments} per tile",
+                                  {"functor": f"coda::SegmentSelect<{slot.width}, {slot.segments}, {s}>::fn"}))
+        vnodes.append(VisitorNode(len(vnodes), "segment_reduce", (sel,), f"{comment}: segment {s} sums",
+                                  {"slot": slot.index, "offset": f"{s} * {block}"}))
 
 
 def _visitor_node(n: Node, index: int, children: tuple[int, ...], slot_of: dict[str, int],
-                  c_operand: str | None, scalars: tuple[str, ...], program: Program) -> VisitorNode:
+                  c_operand: str | None, scalars: tuple[str, ...], program: Program,
+                  tensors: list[TensorSlot]) -> VisitorNode:
     comment = node_text(n)
     if n.op == "acc":
         return VisitorNode(index, "acc", children, comment)
+    if n.op == "index":
+        return VisitorNode(index, "index", children, comment, {"axis": 0 if n.attr("axis") == "row" else 1})
     if n.op == "load":
         name = n.attr("operand")
         slot = slot_of[name]
@@ -204,18 +277,31 @@ def _visitor_node(n: Node, index: int, children: tuple[int, ...], slot_of: dict[
             kind = "src" if name == c_operand else "aux_load"
         else:
             kind = "row_vec" if n.kind == Kind.ROW else "col_vec"
-        return VisitorNode(index, kind, children, comment, {"slot": slot, "element": n.dtype})
+        return VisitorNode(index, kind, children, comment, {"slot": slot, "element": _element(tensors[slot])})
     if n.op == "scalar":
         return VisitorNode(index, "scalar", children, comment, {"scalar": scalars.index(n.attr("operand"))})
     if n.op == "const":
         return VisitorNode(index, "const", children, comment, {"literal": float_literal(n.attr("value"))})
+    if n.op in ("unpack_lo", "unpack_hi", "pack"):
+        half = as_dtype(n.attr("dtype"))
+        return VisitorNode(index, "compute", children, comment,
+                           {"functor": f"coda::Unpack<{half.cpp}>::{OPS[n.op].functor}", "element": F32,
+                            "op": n.op})
+    if n.op in PAIR_OPS:
+        return VisitorNode(index, "pair_compute", children, comment,
+                           {"functor": f"coda::{OPS[n.op].functor}", "element": F32, "op": n.op})
     if n.op in OPS:
         out = as_dtype(n.attr("dtype")) if n.op == "cast" else F32
-        return VisitorNode(index, "compute", children, comment,
-                           {"functor": f"coda::{OPS[n.op].functor}", "element": out})
+        params = {"functor": f"coda::{OPS[n.op].functor}", "element": out}
+        if n.op in _FUNCTOR_HEADERS:
+            params["op"] = n.op
+        return VisitorNode(index, "compute", children, comment, params)
     if n.op == "store":
-        return VisitorNode(index, "aux_store", children, comment,
-                           {"slot": slot_of[n.attr("name")], "element": n.dtype})
+        slot = tensors[slot_of[n.attr("name")]]
+        kind = "half_store" if slot.layout == "half" else "aux_store"
+        return VisitorNode(index, kind, children, comment, {"slot": slot.index, "element": _element(slot)})
+    if n.op == "reduce" and n.attr("fn") == "lse":
+        return VisitorNode(index, "lse_reduce", children, comment, {"slot": slot_of[n.attr("name")]})
     if n.op == "reduce":
         fn, axis = n.attr("fn"), n.attr("axis")
         kind = "col_reduce" if axis == "col" else "row_reduce"

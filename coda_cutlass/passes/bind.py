@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from ..dtypes import F32, DType, as_dtype
+from ..dtypes import F32, FLOAT_DTYPES, INDEX_DTYPES, DType, as_dtype
 from ..errors import EpilogueError
 from ..ir.nodes import Kind, Node, Operand, Program, make_attrs
 
@@ -50,8 +50,20 @@ def bind_types(program: Program, dtype: DType, operand_dtypes: Mapping[str, Any]
         if o.kind == Kind.SCALAR and d != F32:
             raise EpilogueError(f"scalar operand '{o.name}' is fp32; other dtypes are not supported",
                                 program=program.name)
+        if d in INDEX_DTYPES and o.kind not in (Kind.ROW, Kind.COL):
+            raise EpilogueError(f"operand '{o.name}': integer dtypes ({d.torch}) are only supported for "
+                                "cc.PerRow / cc.PerCol index vectors", program=program.name)
+        if o.packed and d.bits != 16:
+            raise EpilogueError(f"cc.PairTile operand '{o.name}' holds 16-bit pairs (bf16 or f16), not "
+                                f"{d.torch}", program=program.name)
         operands.append(replace(o, dtype=d))
     by_name = {o.name: o for o in operands}
+
+    # a pack(a, b) rounds to the dtype of the output that stores it
+    pack_dtype: dict[int, DType] = {}
+    for n in program.nodes:
+        if n.op == "store" and program.nodes[n.inputs[0]].op == "pack":
+            pack_dtype[n.inputs[0]] = out_dtype(n.attr("name"), dtype)
 
     nodes: list[Node] = []
     for n in program.nodes:
@@ -59,8 +71,23 @@ def bind_types(program: Program, dtype: DType, operand_dtypes: Mapping[str, Any]
             d = by_name[n.attr("operand")].dtype
         elif n.op == "cast":
             d = as_dtype(n.attr("dtype"))
+        elif n.op in ("unpack_lo", "unpack_hi", "pack"):
+            if n.op == "pack":
+                pd = pack_dtype.get(n.id, dtype)
+            else:
+                pd = by_name[program.nodes[n.inputs[0]].attr("operand")].dtype
+            attrs = dict(n.attrs)
+            attrs["dtype"] = pd.name
+            n = replace(n, attrs=make_attrs(**attrs))
+            d = F32
         elif n.op == "store":
             d = out_dtype(n.attr("name"), dtype)
+            if d not in FLOAT_DTYPES:
+                raise EpilogueError(f"output '{n.attr('name')}': tile outputs are floating point, not {d.torch}",
+                                    program=program.name)
+            if n.attr("layout") == "packed" and d.bits != 16:
+                raise EpilogueError(f"output '{n.attr('name')}' stores cc.pack(...) pairs: its dtype must be "
+                                    f"16-bit (bf16 or f16), not {d.torch}", program=program.name)
         elif n.op == "reduce":
             attrs = dict(n.attrs)
             attrs["out_dtype"] = out_dtype(n.attr("name"), F32).name

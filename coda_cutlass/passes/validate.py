@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..errors import EpilogueError
-from ..ir.nodes import LEAF_OPS, REDUCE_AXES, REDUCE_FNS, Kind, Program
-from ..ir.ops import OPS
+from ..ir.nodes import LEAF_OPS, REDUCE_AXES, REDUCE_FNS, STORE_LAYOUTS, Kind, Program
+from ..ir.ops import OPS, PAIR_OPS, result_kind
 from ..ir.printer import node_text
 
 # Hopper shared memory bounds how many tiles the epilogue can stream: each tile input or output
@@ -23,6 +23,7 @@ def validate(program: Program) -> Program:
 
     names = set()
     seen_acc = False
+    users = program.users()
     for index, n in enumerate(program.nodes):
         if n.id != index:
             raise fail("nodes are not numbered in order (internal error)", n.id)
@@ -38,17 +39,33 @@ def validate(program: Program) -> Program:
             if n.inputs:
                 raise fail("a leaf node has inputs (internal error)", n.id)
             seen_acc |= n.op == "acc"
+            if n.op == "index" and n.attr("axis") not in ("row", "col"):
+                raise fail("index axis must be row or col (internal error)", n.id)
+            if n.op == "load" and n.attr("packed"):
+                for u in users[n.id]:
+                    if program.nodes[u].op not in ("unpack_lo", "unpack_hi"):
+                        raise fail("a cc.PairTile operand is used other than through cc.unpack", u)
             continue
         if n.op in OPS:
             if len(n.inputs) != OPS[n.op].arity:
                 raise fail(f"{n.op} takes {OPS[n.op].arity} inputs, has {len(n.inputs)}", n.id)
-            expected = Kind.SCALAR
-            for i in n.inputs:
-                expected = expected.join(program.nodes[i].kind)
+            expected = result_kind(n.op, [program.nodes[i].kind for i in n.inputs])
             if n.kind != expected:
                 raise fail(f"kind {n.kind.value} does not match its inputs ({expected.value})", n.id)
             if n.op == "pow" and program.nodes[n.inputs[1]].op != "const":
                 raise fail("pow needs a constant exponent", n.id)
+            if n.op in ("unpack_lo", "unpack_hi"):
+                src = program.nodes[n.inputs[0]]
+                if not (src.op == "load" and src.attr("packed")):
+                    raise fail("unpack takes a cc.PairTile operand", n.id)
+            if n.op == "pack":
+                for u in users[n.id]:
+                    un = program.nodes[u]
+                    if not (un.op == "store" and un.attr("layout") == "packed"):
+                        raise fail("a cc.pack(...) value can only be returned as an output", u)
+            if n.op in PAIR_OPS and any(program.nodes[i].kind in (Kind.ROW, Kind.SCALAR) for i in n.inputs) \
+                    and n.op != "pair_merge":
+                raise fail("a pair op on a per-row or scalar value (internal error: it is the value itself)", n.id)
             continue
         if n.op in ("store", "reduce"):
             name = n.attr("name")
@@ -60,8 +77,18 @@ def validate(program: Program) -> Program:
             if len(n.inputs) != 1:
                 raise fail("an output takes exactly one value", n.id)
             if n.op == "reduce":
-                if n.attr("fn") not in REDUCE_FNS or n.attr("axis") not in REDUCE_AXES:
-                    raise fail(f"unsupported reduction {n.attr('axis')}_{n.attr('fn')}", n.id)
+                fn, axis = n.attr("fn"), n.attr("axis")
+                if fn not in REDUCE_FNS or axis not in REDUCE_AXES:
+                    raise fail(f"unsupported reduction {axis}_{fn}", n.id)
+                if fn == "lse" and axis != "row":
+                    raise fail("log-sum-exp is supported over rows (row_logsumexp) only", n.id)
+                if axis == "segment":
+                    w = n.attr("width")
+                    if fn != "sum" or not isinstance(w, int) or w <= 0 or w % 8:
+                        raise fail("segment reductions are sums over a width that is a positive multiple "
+                                   "of 8", n.id)
+            elif n.attr("layout", "tile") not in STORE_LAYOUTS:
+                raise fail(f"unknown store layout {n.attr('layout')!r} (internal error)", n.id)
             continue
         raise fail(f"unsupported op '{n.op}'", n.id)
 
@@ -74,7 +101,8 @@ def validate(program: Program) -> Program:
         raise EpilogueError("no accumulator node (internal error)", program=program.name)
 
     tile_loads = {n.attr("operand") for n in program.nodes if n.op == "load" and n.kind == Kind.TILE}
-    tile_stores = [n for n in program.nodes if n.op == "store" and n.attr("name") != "D"]
+    tile_stores = [n for n in program.nodes if n.op == "store" and n.attr("name") != "D"
+                   and n.attr("layout") != "half"]     # half-width outputs are stored from registers
     if len(tile_loads) > MAX_TILE_INPUTS:
         raise EpilogueError(f"{len(tile_loads)} M x N tile inputs ({', '.join(sorted(tile_loads))}); at most "
                             f"{MAX_TILE_INPUTS} fit the epilogue's shared memory", program=program.name)

@@ -52,14 +52,26 @@ def slot_doc(t: TensorSlot) -> str:
         what = f"{t.reduce_axis}_{t.reduce_fn}" if t.reduce_axis != "all" else "total_sum"
         layout = ("[ceil(N / tile_n), round_up(M, tile_m)]" if t.kind == Kind.ROW
                   else "[ceil(M / tile_m), round_up(N, tile_n)]")
+        if t.reduce_fn == "lse":
+            return f"fp32 (max, sum exp(x - max)) pairs of {what}, {layout} x 2"
+        if t.width:
+            return f"fp32 partials of segment sums (width {t.width}), [{t.segments}] x {layout}"
         return f"fp32 partials of {what}, {layout}"
     role = {"input": "input", "output": "output", "inout": "accumulated output (read, then written)"}[t.role]
+    if t.layout == "packed":
+        return f"{role} {t.dtype.name} [M, 2N] interleaved pairs, read as [M, N] 32-bit words (ld in words)"
+    if t.layout == "half":
+        return f"{role} {t.dtype.name} [M, N/2] (half width: column i from the pair 2i, 2i+1)"
     return f"{role} {t.dtype.name} {shape}"
 
 
 def slot_check(t: TensorSlot) -> str:
     if t.role == "partials":
         return "coda::SlotKind::Partials, 4"
+    if t.layout == "packed":
+        return "coda::SlotKind::Tile, 4"    # 32-bit words holding a pair each
+    if t.layout == "half":
+        return f"coda::SlotKind::Vector, {t.dtype.bits // 8}"  # register stores: no TMA constraints
     kind = "Tile" if t.kind == Kind.TILE else "Vector"
     return f"coda::SlotKind::{kind}, {t.dtype.bits // 8}"
 

@@ -20,6 +20,7 @@ from ..build.builder import BuildResult
 from ..config import KernelConfig
 from ..dtypes import as_dtype
 from ..errors import CallError, DeviceError
+from ..finish import finish_lse, finish_segments
 from ..interpret import REDUCTION_IDENTITY, interpret
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
@@ -57,6 +58,11 @@ def ensure_gpu(device: torch.device | None, what: str) -> None:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _layout_cols(layout: str, N: int) -> int:
+    """Columns of a tile tensor: M x N, packed pairs M x 2N, half width M x N/2."""
+    return 2 * N if layout == "packed" else (N // 2 if layout == "half" else N)
 
 
 # CODA_CUTLASS_POISON=1 fills every buffer the runtime allocates with NaN before the launch, so an
@@ -109,6 +115,10 @@ class CompiledEpilogue:
         self._raster = _RASTER[self.config.raster]
         self._finish_plan = {name: (n.attr("fn"), n.attr("axis"), as_dtype(n.attr("out_dtype", "f32")).torch)
                              for name, n in self._reductions.items()}
+        # Output column count per tile slot layout, and programs whose index values must stay exact.
+        self._uses_index = any(n.op == "index" for n in self.ir.nodes) or any(
+            s.width for s in self.graph.tensors)
+        self._segment_widths = {s.name: s.width for s in self.graph.tensors if s.width}
         # Registered now, not on first use: torch.compile cannot trace op registration.
         from .torch_op import register
         self._op = register(self)
@@ -173,6 +183,8 @@ class CompiledEpilogue:
         if device is None or device.index not in _READY_DEVICES:
             ensure_gpu(device, self.name)
         M, N, K, lda, ldw = checks.check_gemm(A, W, self.dtype, self.weight_layout)
+        if self._uses_index or self._segment_widths:
+            self._check_indexed_shape(M, N)
         if device.index != torch.cuda.current_device():
             with torch.cuda.device(device):     # the kernel launches on the current device
                 return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
@@ -197,13 +209,16 @@ class CompiledEpilogue:
             role, name, i = s.role, s.name, s.index
             if role == "output":
                 t = out.get(name) if out else None
+                cols = _layout_cols(s.layout, N)
                 if t is not None:
-                    lds[i] = checks.check_tile(f"out['{name}']", t, M, N, s.dtype, device)
+                    lds[i] = checks.check_tile(f"out['{name}']", t, M, cols, s.dtype, device)
                     written = written or {}
                     written[name] = t
                 else:
-                    t = _new((M, N), s.dtype.torch, device, poison)
-                    lds[i] = N
+                    t = _new((M, cols), s.dtype.torch, device, poison)
+                    lds[i] = cols
+                if s.layout == "packed":
+                    lds[i] //= 2        # the kernel addresses 32-bit words
                 results[name] = t
             elif role == "partials":
                 t = self._partial_buffer(s, M, N, device, poison)
@@ -211,7 +226,9 @@ class CompiledEpilogue:
             else:
                 t = operands[name]
                 if s.kind == Kind.TILE:
-                    lds[i] = checks.check_tile(name, t, M, N, s.dtype, device)
+                    lds[i] = checks.check_tile(name, t, M, _layout_cols(s.layout, N), s.dtype, device)
+                    if s.layout == "packed":
+                        lds[i] //= 2
                 else:
                     self._check_tensor(name, s.kind, t, s.dtype, M, N, device)
                 if role == "inout":
@@ -259,18 +276,38 @@ class CompiledEpilogue:
             checks.check_vector(name, t, N, "column (length N)", dtype, device)
         return 0
 
+    def _check_indexed_shape(self, M: int, N: int) -> None:
+        if max(M, N) >= 1 << 24:
+            raise CallError(f"{self.name}: M={M}, N={N}: programs that use element indices (gather, "
+                            "row_index/col_index, segment sums) need M and N below 2^24 (exact in fp32)")
+        for name, width in self._segment_widths.items():
+            if N % width:
+                raise CallError(f"{self.name}: output '{name}' sums {width}-wide segments, but N={N} is not "
+                                f"a multiple of {width}")
+
     def _partial_buffer(self, s: TensorSlot, M: int, N: int, device: torch.device, poison: bool) -> torch.Tensor:
         tm, tn = self.config.tile
         if s.reduce_axis == "col":
-            shape = (_ceil_div(M, tm), _ceil_div(max(N, 1), tn) * tn)
+            shape: tuple[int, ...] = (_ceil_div(M, tm), _ceil_div(max(N, 1), tn) * tn)
         else:
             shape = (_ceil_div(N, tn), _ceil_div(max(M, 1), tm) * tm)
+        if s.reduce_fn == "lse":
+            shape = shape + (2,)            # (max, sum exp) per row and N-tile
+        elif s.width:
+            shape = (s.segments,) + shape   # one [tiles, M] block per segment of a tile
         return _new(shape, torch.float32, device, poison)
 
     def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
         """Finish fp32 partials [tiles, padded length] with one small deterministic torch reduction."""
         fn, axis, dtype = self._finish_plan[name]
         n = N if axis == "col" else M
+        if fn == "lse" or axis == "segment":
+            part = buf[:, :n] if fn == "lse" else buf[:, :, :n]
+            if self.partial_reductions:
+                return part
+            r = finish_lse(part) if fn == "lse" else finish_segments(
+                part, self._segment_widths[name], self.config.tile_n, N)
+            return r if dtype is torch.float32 else r.to(dtype)
         if self.partial_reductions:
             return buf[:, :n]
         if axis == "all":
@@ -288,7 +325,14 @@ class CompiledEpilogue:
         fn, axis, dtype = self._finish_plan[name]
         if self.partial_reductions:
             tm, tn = self.config.tile
+            if fn == "lse":
+                return (_ceil_div(N, tn), M, 2), torch.float32
+            if axis == "segment":
+                slot = self._slots_by_name[name]
+                return (slot.segments, _ceil_div(N, tn), M), torch.float32
             return ((_ceil_div(M, tm), N) if axis == "col" else (_ceil_div(N, tn), M)), torch.float32
+        if axis == "segment":
+            return (M, N // self._segment_widths[name]), dtype
         return {"row": (M,), "col": (N,), "all": ()}[axis], dtype
 
     def _empty_reductions(self, M: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:

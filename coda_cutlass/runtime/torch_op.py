@@ -88,7 +88,8 @@ def _fake_output(k: "CompiledEpilogue", name: str, A: torch.Tensor, W: torch.Ten
     N = W.shape[0] if k.weight_layout == "nk" else W.shape[1]
     node = k.ir.sink(name)
     if node.op == "store":
-        return A.new_empty((M, N), dtype=node.dtype.torch)
+        from .kernel import _layout_cols
+        return A.new_empty((M, _layout_cols(node.attr("layout", "tile"), N)), dtype=node.dtype.torch)
     shape, dtype = k.reduction_result(name, M, N)
     return A.new_empty(shape, dtype=dtype)
 

@@ -13,6 +13,7 @@ from math import gcd
 from ..config import KernelConfig
 from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Kind
+from ..finish import check_segment_tiling
 from ..lower.evt import EvtGraph
 
 SMEM_BYTES = 227 * 1024
@@ -95,8 +96,13 @@ def check_fits(c: KernelConfig, graph: EvtGraph) -> None:
                           "16-bit tile operands")
 
 
+def segments_fit(config: KernelConfig, graph: EvtGraph) -> bool:
+    """Segment sums need the tile width and the segment width to divide one another."""
+    return all(check_segment_tiling(t.width, config.tile_n) is None for t in graph.tensors if t.width)
+
+
 def candidate_configs(graph: EvtGraph) -> list[KernelConfig]:
-    out = [c for c in CANDIDATES if fits(c, graph)]
+    out = [c for c in CANDIDATES if fits(c, graph) and segments_fit(c, graph)]
     return out or [default_config(graph)]
 
 
@@ -111,10 +117,10 @@ def default_config(graph: EvtGraph | None = None) -> KernelConfig:
     """The heuristic without tuning: 128x256x64, cooperative, cluster 2x1 (GPU.md's measured best
     family) while it keeps 3 mainloop stages; else the first smaller tile that keeps 2."""
     big = CANDIDATES[0]
-    if graph is None or estimate_stages(big, graph) >= 3:
+    if graph is None or (estimate_stages(big, graph) >= 3 and segments_fit(big, graph)):
         return big
     for c in FALLBACKS:
-        if fits(c, graph):
+        if fits(c, graph) and segments_fit(c, graph):
             return c
     kib = epilogue_smem_bytes(FALLBACKS[-1], graph) // 1024
     raise EpilogueError(f"its tile inputs and outputs need {kib} KiB of shared memory for staging even with "

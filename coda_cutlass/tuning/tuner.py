@@ -126,7 +126,7 @@ class TunedEpilogue:
             if o.kind == Kind.SCALAR:
                 ops[o.name] = 1.0
             else:
-                shape = {Kind.TILE: (M, N), Kind.ROW: (M,), Kind.COL: (N,)}[o.kind]
+                shape = {Kind.TILE: (M, 2 * N if o.packed else N), Kind.ROW: (M,), Kind.COL: (N,)}[o.kind]
                 ops[o.name] = (torch.rand(*shape, device=device, generator=g) + 0.5).to(o.dtype.torch)
         return A, W, ops
 

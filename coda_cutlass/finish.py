@@ -1,0 +1,40 @@
+"""Finishing steps of the cross-tile reductions whose per-tile partials need more than a plain
+sum/max/min: online log-sum-exp and per-segment sums. Shared by the runtime (on the kernel's
+partials) and the reference interpreter (on its own partials), so both finish the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def segments_per_tile(width: int, tile_n: int) -> int:
+    """How many width-wide segments one N-tile holds (1 when a segment spans whole tiles)."""
+    return tile_n // width if width < tile_n else 1
+
+
+def check_segment_tiling(width: int, tile_n: int) -> str | None:
+    """Why a segment width does not fit an N-tile (None when it does)."""
+    if width % tile_n != 0 and tile_n % width != 0:
+        return (f"segment width {width} and the CTA tile width {tile_n} must divide one another "
+                "(segments may span whole tiles, or tiles hold whole segments)")
+    return None
+
+
+def finish_lse(partials: torch.Tensor) -> torch.Tensor:
+    """[tiles, M, 2] per-tile (max m, sum exp(x - m)) states -> [M] log-sum-exp, as
+    logsumexp over tiles of m + log(s). An empty or all -inf tile (s = 0) contributes -inf, so rows
+    of only -inf give -inf; a +inf gives +inf and a NaN gives NaN, as torch.logsumexp."""
+    return torch.logsumexp(torch.log(partials[..., 1]).add_(partials[..., 0]), 0)
+
+
+def finish_segments(partials: torch.Tensor, width: int, tile_n: int, N: int) -> torch.Tensor:
+    """[k, tiles, M] per-(tile, segment-in-tile) sums -> [M, N // width] per-segment sums."""
+    k, tiles, M = partials.shape
+    n_seg = N // width
+    if k == 1 and width > tile_n:
+        per = width // tile_n
+        seg = partials[0, :n_seg * per].reshape(n_seg, per, M).sum(1)
+    else:
+        seg = partials.permute(1, 0, 2).reshape(tiles * k, M)[:n_seg]
+    return seg.t().contiguous()
