@@ -53,3 +53,40 @@ def test_calling_without_gpu_raises_device_error(built):
     A = torch.zeros(128, 64, dtype=torch.bfloat16)
     with pytest.raises(cc.DeviceError, match="no CUDA GPU"):
         k(A, A, resid=None, g=None)
+
+
+LAYOUT_CHECKS = r"""
+// The compile-time fragment-layout checks of coda/pairwise.hpp must accept the wgmma-style
+// pairing and refuse layouts where pairs are not adjacent columns or start at odd columns.
+#include "coda/pairwise.hpp"
+using namespace cute;
+using C0 = ScaledBasis<_1, 0>;  // one row down
+using C1 = ScaledBasis<_1, 1>;  // one column right
+// fragment (relative to the thread's origin): (col+1) x (row+8) x (col+8), as wgmma accumulators
+using Good = Layout<Shape<_2, _2, _2>, Stride<C1, ScaledBasis<_8, 0>, ScaledBasis<_8, 1>>>;
+using Vertical = Layout<Shape<_2, _2>, Stride<C0, C1>>;                        // pairs stacked in rows
+using OddStart = Layout<Shape<_2, _2>, Stride<C1, ScaledBasis<_3, 1>>>;       // 2nd pair at column 3
+static_assert(coda::detail::coordinate_pairs_adjacent<Good>(), "wgmma pairs");
+static_assert(!coda::detail::coordinate_pairs_adjacent<Vertical>(), "vertical pairs");
+static_assert(!coda::detail::coordinate_pairs_adjacent<OddStart>(), "odd start");
+// thread -> origin: quads step two columns (wgmma) vs one column
+using ThrEven = Layout<Shape<_4, _8>, Stride<ScaledBasis<_2, 1>, C0>>;
+using ThrOdd = Layout<Shape<_4, _8>, Stride<C1, C0>>;
+static_assert(coda::detail::mode_steps_even<ThrEven>(std::make_index_sequence<2>{}), "even origins");
+static_assert(!coda::detail::mode_steps_even<ThrOdd>(std::make_index_sequence<2>{}), "odd origins");
+int main() { return 0; }
+"""
+
+
+def test_pair_layout_checks_accept_and_refuse(tmp_path):
+    """The static layout predicates behind every pairwise kernel, compiled by nvcc: the build fails
+    if a check accepts a bad layout or refuses the good one."""
+    from coda_cutlass.build.toolchain import toolchain
+    from coda_cutlass.paths import include_dir
+    tc = toolchain()
+    src = tmp_path / "layout_checks.cu"
+    src.write_text(LAYOUT_CHECKS)
+    cmd = [tc.nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a", "-c", "-o", str(tmp_path / "x.o"),
+           f"-I{include_dir()}"] + [f"-I{i}" for i in tc.cutlass_include] + [str(src)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
