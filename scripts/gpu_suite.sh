@@ -26,6 +26,7 @@ case "$stage" in
               > "$out/sanitizer_racecheck.log" 2>&1; echo "racecheck exit $?"
             tail -n 3 "$out"/sanitizer_*.log ;;
   fuzz)     python3 tests/gpu/fuzz_gpu.py --n "${FUZZ_N:-200}" --out "$out/fuzz.json" 2>&1 | tail -n 60 | tee "$out/fuzz.log" ;;
-  bench)    python3 bench/run.py --out "$out/bench" 2>&1 | tee "$out/bench.log" ;;
+  bench)    python3 bench/run.py --out "$out/bench" 2>&1 | tee "$out/bench.log"
+            python3 bench/pairwise.py --out "$out/bench_pairwise" 2>&1 | tee "$out/bench_pairwise.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -28,16 +28,12 @@ struct alignas(8) LseState {
 };
 
 CUTLASS_HOST_DEVICE LseState lse_merge(LseState a, LseState b) {
-  if (a.m != a.m || b.m != b.m) {                     // NaN anywhere: NaN result
-    float nan = a.m != a.m ? a.m : b.m;
-    return LseState(nan, nan);
-  }
-  bool a_hi = a.m >= b.m;
-  float hi = a_hi ? a.m : b.m;
-  float lo = a_hi ? b.m : a.m;
-  if (hi == -INFINITY) return LseState(hi, a.s + b.s);     // only -inf values (or none) so far
-  float scale = (lo == hi) ? 1.0f : expf(lo - hi);         // lo == hi also covers +inf == +inf
-  return a_hi ? LseState(hi, a.s + b.s * scale) : LseState(hi, a.s * scale + b.s);
+  float hi = fmaxf(a.m, b.m);
+  float lo = fminf(a.m, b.m);
+  float scale = (lo == hi) ? 1.0f : expf(lo - hi);   // equal maxima (both -inf or +inf too): no rescale
+  float s = (a.m >= b.m) ? fmaf(b.s, scale, a.s) : fmaf(a.s, scale, b.s);
+  bool nan = (a.m != a.m) || (b.m != b.m);            // fmaxf/fminf drop NaNs: carry them explicitly
+  return LseState(nan ? a.m + b.m : hi, nan ? a.m + b.m : s);
 }
 
 // Reduction functor for Sm90ColReduction (register, shuffle and smem stages).

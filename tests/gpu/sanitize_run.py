@@ -18,20 +18,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import coda_cutlass as cc  # noqa: E402
-from catalog import BY_NAME, compile_options, make_inputs  # noqa: E402
+from catalog import BY_NAME, compile_options, fit_n, make_inputs  # noqa: E402
 
 CASES = ["residual_norm_stats", "every_op", "kn_accumulate_no_d", "norm_backward", "many_reductions",
          "accumulate_D", "small_tile_config", "fp16_bias_relu", "reductions_only", "aux_only_named"]
+# the custom visitor nodes (pairs, half-width stores, packed pairs, LSE, gather, segments, indices)
+PAIRWISE_CASES = ["swiglu", "geglu_f16_half_only", "rope", "pair_generic", "lm_head_lse_gather",
+                  "lse_masked_rows_and_tiles", "swiglu_backward", "segment_sum_heads", "segment_sum_narrow"]
 SHAPES = [(129, 136, 64), (300, 264, 72), (1, 8, 8), (257, 520, 136)]
 KEYS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants", "partial_reductions")
 
 if __name__ == "__main__":
     names = sys.argv[1:] or CASES
+    if names == ["pairwise"]:
+        names = PAIRWISE_CASES
     for name in names:
         c = BY_NAME[name]
         k = cc.compile_epilogue(c.program, **{x: v for x, v in compile_options(c).items() if x in KEYS})
-        for shape in SHAPES:
-            A, W, ops = make_inputs(c, *shape, "cuda", seed=7)
+        for M, N, K in SHAPES:
+            A, W, ops = make_inputs(c, M, fit_n(c, N), K, "cuda", seed=7)
             k(A, W, **ops)
         torch.cuda.synchronize()
         print(f"ran {name} at {SHAPES}", flush=True)
