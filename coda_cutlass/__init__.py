@@ -19,7 +19,8 @@ from .errors import (BuildError, CallError, CodaError, ConfigError, DeviceError,
 from .frontend.operands import PairTile, PerCol, PerRow, Scalar, Tile
 from .frontend.primitives import (abs, accumulate, cast, col_index, col_max, col_min, col_sum, cos, exp,
                                   gather, gelu, half_width, interleave, log, maximum, minimum, pack,
-                                  pair_map, pairs, pow, reciprocal, relu, row_index, row_logsumexp,
+                                  pair_map, pairs, pow, reciprocal, relu, rotate_pairs, row_index,
+                                  row_logsumexp,
                                   row_max, row_min, row_sum, rsqrt, segment_sum, sigmoid, silu, sin,
                                   sqrt, square, tanh, total_sum, unpack, where)
 from .frontend.trace import EpilogueProgram, epilogue
@@ -30,7 +31,7 @@ __all__ = [
     "Tile", "PairTile", "PerRow", "PerCol", "Scalar", "KernelConfig",
     "abs", "accumulate", "cast", "col_index", "col_max", "col_min", "col_sum", "cos", "exp", "gather",
     "gelu", "half_width", "interleave", "log", "maximum", "minimum", "pack", "pair_map", "pairs", "pow",
-    "reciprocal", "relu", "row_index", "row_logsumexp", "row_max", "row_min", "row_sum", "rsqrt",
+    "reciprocal", "relu", "rotate_pairs", "row_index", "row_logsumexp", "row_max", "row_min", "row_sum", "rsqrt",
     "segment_sum", "sigmoid", "silu", "sin", "sqrt", "square", "tanh", "total_sum", "unpack", "where",
     "CodaError", "EpilogueError", "ConfigError", "CallError", "BuildError", "ToolchainError", "DeviceError",
 ]

@@ -168,7 +168,7 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
             if precision != "fp32":
                 a, b = a.to(pd.torch).float(), b.to(pd.torch).float()
             vals[n.id] = OPS["pack"].ref(a, b)
-        elif n.op in ("pair_first", "pair_second", "pair_merge"):
+        elif n.op in ("pair_first", "pair_second", "pair_merge", "pair_rotate"):
             shape = (M, N) if n.kind == Kind.TILE else (1, N)
             vals[n.id] = lowp(OPS[n.op].ref(*(vals[i].expand(shape) for i in n.inputs)))
         elif n.op == "const":

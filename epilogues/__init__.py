@@ -12,10 +12,10 @@ Helpers:  rstd_from_sumsq (finishes RMSNorm statistics: r = rsqrt(mean x^2 + eps
 from .activations import bias_gelu, bias_relu, rowscale_silu
 from .basic import identity, residual_add, rowscale
 from .norms import qk_norm_stats, residual_norm_stats, rmsnorm_backward, rstd_from_sumsq
-from .pairwise import geglu, reglu, rope, swiglu, swiglu_backward, swiglu_only
+from .pairwise import geglu, reglu, rope, rope_generic, swiglu, swiglu_backward, swiglu_only
 from .loss import lm_head_lse, lm_head_lse_logits
 
 __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "rowscale_silu",
            "residual_norm_stats", "rmsnorm_backward", "rstd_from_sumsq", "qk_norm_stats",
-           "swiglu", "swiglu_only", "geglu", "reglu", "swiglu_backward", "rope", "lm_head_lse",
+           "swiglu", "swiglu_only", "geglu", "reglu", "swiglu_backward", "rope", "rope_generic", "lm_head_lse",
            "lm_head_lse_logits"]

@@ -51,14 +51,20 @@ def swiglu_backward(acc, z: cc.PairTile):
     return {"D": g * s * u, "dz": cc.pack(dg, du), "zdz": cc.row_sum(g * dg + u * du)}
 
 
+@cc.epilogue
+def rope(acc, r: cc.PerRow(torch.float32), pos: cc.PerRow(torch.float32), freq: cc.PerCol(torch.float32)):
+    """QKV GEMM after an RMSNorm, with RoPE on adjacent column pairs: z = r * acc, then each pair is
+    rotated by pos[m] * freq[n] (freq is the pair's frequency on both of its columns; 0 for V
+    columns, which then pass through unchanged). One fused rotation node (cc.rotate_pairs)."""
+    return cc.rotate_pairs(acc * r, pos * freq)
+
+
 def _rotate(x, y, c, s):
     return x * c - y * s, x * s + y * c
 
 
 @cc.epilogue
-def rope(acc, r: cc.PerRow(torch.float32), pos: cc.PerRow(torch.float32), freq: cc.PerCol(torch.float32)):
-    """QKV GEMM after an RMSNorm, with RoPE on adjacent column pairs: z = r * acc, then each pair is
-    rotated by pos[m] * freq[n] (freq is the pair's frequency on both of its columns; 0 for V
-    columns, which then pass through unchanged)."""
+def rope_generic(acc, r: cc.PerRow(torch.float32), pos: cc.PerRow(torch.float32), freq: cc.PerCol(torch.float32)):
+    """rope written with the generic pair function cc.pair_map (same math, more nodes)."""
     theta = pos * freq
     return cc.pair_map(_rotate, acc * r, cc.cos(theta), cc.sin(theta))

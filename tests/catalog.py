@@ -399,6 +399,11 @@ def _rope(acc, r: cc.PerRow(torch.float32), pos: cc.PerRow(torch.float32), freq:
     return cc.pair_map(lambda x, y: (x * c - y * s, x * s + y * c), acc * r)
 
 
+@case("rope_rotate_pairs_f16", _rope_inputs, _rope_expect, dtype=torch.float16)
+def _rope_rotate(acc, r: cc.PerRow(torch.float32), pos: cc.PerRow(torch.float32), freq: cc.PerCol(torch.float32)):
+    return cc.rotate_pairs(acc * r, pos * freq)
+
+
 def _pair_generic_expect(acc, bias, r):
     e, o = _pairs(acc + bias)
     return {"D": _interleave(e * o, torch.maximum(e, o) - r[:, None]),

@@ -78,7 +78,7 @@ def test_functors_exist_in_header():
     coda = include_dir() / "coda"
     base = (coda / "functors.hpp").read_text()
     extra = (coda / "math_extra.hpp").read_text()
-    pairwise = (coda / "pairwise.hpp").read_text()
+    pairwise = (coda / "pairwise.hpp").read_text() + (coda / "rotate.hpp").read_text()
     for op in OPS.values():
         if op.name in PAIR_OPS:
             assert f"struct {op.functor}<cutlass::Array<T, N>>" in pairwise, op.name

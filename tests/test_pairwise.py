@@ -140,6 +140,8 @@ def test_rope_reference_rotates_pairs_and_passes_frequency_zero():
     freq = torch.rand(N // 2).repeat_interleave(2)
     freq[8:] = 0.0
     out = ref(E.rope, A, W, r=r, pos=pos, freq=freq)["D"]
+    generic = ref(E.rope_generic, A, W, r=r, pos=pos, freq=freq)["D"]
+    torch.testing.assert_close(out, generic, rtol=0, atol=0)
     z = gemm(A, W)
     theta = pos[:, None] * freq[None, 0::2]
     x, y = z[:, 0::2], z[:, 1::2]
@@ -215,7 +217,9 @@ def test_extra_headers_only_when_used():
     lse = lowered(E.lm_head_lse).source
     assert {"coda/logsumexp.hpp", "coda/coordinates.hpp"} <= set(included_headers(lse))
     rope = lowered(E.rope).source
-    assert "coda/math_extra.hpp" in included_headers(rope)
+    assert {"coda/rotate.hpp", "coda/math_extra.hpp"} <= set(included_headers(rope))
+    assert "coda::PairCompute<coda::pair_rotate" in rope
+    assert "coda/math_extra.hpp" in included_headers(lowered(E.rope_generic).source)
 
 
 def test_generated_nodes():

@@ -2,7 +2,7 @@
 
 Elementwise math (fp32): exp, log, sqrt, rsqrt, reciprocal, tanh, sigmoid, silu, gelu, relu, square,
 abs, maximum, minimum, pow, where, cast, cos, sin; row_index / col_index (the element's position).
-Pairwise over adjacent columns (2i, 2i+1): pairs, interleave, pair_map; half_width outputs;
+Pairwise over adjacent columns (2i, 2i+1): pairs, interleave, pair_map, rotate_pairs; half_width outputs;
 packed 16-bit pairs: unpack (cc.PairTile operands), pack (outputs).
 Reductions, returned as outputs only: row_sum/row_max/row_min (over N: one value per row),
 col_sum/col_max/col_min (over M: one value per column), total_sum (all), row_logsumexp (online
@@ -90,6 +90,17 @@ def pair_map(fn: Any, x: Any, *args: Any) -> Any:
     if not isinstance(result, tuple) or len(result) != 2:
         raise EpilogueError("cc.pair_map: the function must return a pair (out_even, out_odd)")
     return interleave(*result)
+
+
+def rotate_pairs(x: Any, theta: Any) -> Any:
+    """Rotate each column pair: ``out_2i = x_2i cos t - x_2i+1 sin t``, ``out_2i+1 = x_2i sin t +
+    x_2i+1 cos t`` with ``t = theta`` at column 2i (RoPE, with theta = pos * freq). The same as
+    ``cc.pair_map`` with a rotation, but one sine/cosine per pair and a single fused node."""
+    _pairwise_operand(x, "cc.rotate_pairs")
+    _pairwise_operand(theta, "cc.rotate_pairs")
+    if find_tracer((x, theta)) is None:
+        raise EpilogueError("cc.rotate_pairs: needs a traced value")
+    return apply("pair_rotate", x, theta)
 
 
 def half_width(value: Any) -> HalfWidth:

@@ -70,6 +70,8 @@ _OPS: list[OpDef] = [
     OpDef("pair_first", 1, "pair_first", lambda a: _pair_pick(a, 0), "x[2i] on both columns of pair i"),
     OpDef("pair_second", 1, "pair_second", lambda a: _pair_pick(a, 1), "x[2i+1] on both columns of pair i"),
     OpDef("pair_merge", 2, "pair_merge", lambda a, b: _pair_merge(a, b), "a on even columns, b on odd"),
+    OpDef("pair_rotate", 2, "pair_rotate", lambda x, t: _pair_rotate(x, t),
+          "rotate each pair (x_2i, x_2i+1) by the angle theta_2i"),
     # Packed 2 x 16-bit pairs (attrs dtype): a packed value is M x 2N, its pairs are (2j, 2j+1).
     OpDef("unpack_lo", 1, "lo", lambda a: a[..., 0::2], "the even value of each packed pair"),
     OpDef("unpack_hi", 1, "hi", lambda a: a[..., 1::2], "the odd value of each packed pair"),
@@ -87,7 +89,16 @@ def _pair_merge(a: Tensor, b: Tensor) -> Tensor:
     return torch.stack((a.unflatten(-1, (-1, 2))[..., 0], b.unflatten(-1, (-1, 2))[..., 1]), -1).flatten(-2)
 
 
-PAIR_OPS = frozenset({"pair_first", "pair_second", "pair_merge"})
+def _pair_rotate(x: Tensor, theta: Tensor) -> Tensor:
+    x, theta = torch.broadcast_tensors(x, theta)
+    p = x.unflatten(-1, (-1, 2))
+    t = theta.unflatten(-1, (-1, 2))[..., 0]
+    c, s = torch.cos(t), torch.sin(t)
+    a, b = p[..., 0], p[..., 1]
+    return torch.stack((a * c - b * s, a * s + b * c), -1).flatten(-2)
+
+
+PAIR_OPS = frozenset({"pair_first", "pair_second", "pair_merge", "pair_rotate"})
 PACK_OPS = frozenset({"unpack_lo", "unpack_hi", "pack"})
 
 OPS: dict[str, OpDef] = {op.name: op for op in _OPS}
@@ -103,7 +114,7 @@ def result_kind(op: str, kinds: "list[Kind]") -> "Kind":
     kind = Kind.SCALAR
     for k in kinds:
         kind = kind.join(k)
-    if op == "pair_merge":
+    if op in ("pair_merge", "pair_rotate"):
         kind = {Kind.ROW: Kind.TILE, Kind.SCALAR: Kind.COL}.get(kind, kind)
     return kind
 

@@ -117,6 +117,7 @@ _NODE_HEADERS = {"pair_compute": "coda/pairwise.hpp", "index": "coda/coordinates
                  "half_store": "coda/half_store.hpp", "lse_reduce": "coda/logsumexp.hpp",
                  "segment_select": "coda/math_extra.hpp"}
 _FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp",
+                    "pair_rotate": "coda/rotate.hpp",
                     "unpack_lo": "coda/pairwise.hpp", "unpack_hi": "coda/pairwise.hpp",
                     "pack": "coda/pairwise.hpp"}
 
@@ -224,9 +225,9 @@ def lower(program: Program, config: KernelConfig, dtype: DType, weight_layout: s
 
     headers: list[str] = []
     for v in vnodes:
-        h = _NODE_HEADERS.get(v.kind) or _FUNCTOR_HEADERS.get(v.params.get("op", ""))
-        if h and h not in headers:
-            headers.append(h)
+        for h in (_NODE_HEADERS.get(v.kind), _FUNCTOR_HEADERS.get(v.params.get("op", ""))):
+            if h and h not in headers:
+                headers.append(h)
     return EvtGraph(program=program, config=config, dtype=dtype, weight_layout=weight_layout,
                     nodes=tuple(vnodes), tensors=tuple(tensors), scalars=scalars,
                     element_c=element_c, c_slot=slot_of[c_operand] if c_operand else None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import EpilogueError
 from ..ir.nodes import LEAF_OPS, REDUCE_AXES, REDUCE_FNS, STORE_LAYOUTS, Kind, Program
-from ..ir.ops import OPS, PAIR_OPS, result_kind
+from ..ir.ops import OPS, result_kind
 from ..ir.printer import node_text
 
 # Hopper shared memory bounds how many tiles the epilogue can stream: each tile input or output
@@ -63,8 +63,8 @@ def validate(program: Program) -> Program:
                     un = program.nodes[u]
                     if not (un.op == "store" and un.attr("layout") == "packed"):
                         raise fail("a cc.pack(...) value can only be returned as an output", u)
-            if n.op in PAIR_OPS and any(program.nodes[i].kind in (Kind.ROW, Kind.SCALAR) for i in n.inputs) \
-                    and n.op != "pair_merge":
+            if n.op in ("pair_first", "pair_second") and \
+                    any(program.nodes[i].kind in (Kind.ROW, Kind.SCALAR) for i in n.inputs):
                 raise fail("a pair op on a per-row or scalar value (internal error: it is the value itself)", n.id)
             continue
         if n.op in ("store", "reduce"):
