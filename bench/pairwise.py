@@ -125,7 +125,45 @@ WORKLOADS = {w.name: w for w in [
              eager_swiglu_backward, "down-proj dX GEMM, packed z pairs in, dz pairs + y + z.dz out"),
 ]}
 
-PREBUILD = [(w.program, {"dtype": torch.bfloat16}) for w in WORKLOADS.values()]
+# the workloads' programs, and the identity epilogue timed beside each (our GEMM without epilogue work)
+PREBUILD = [(w.program, {"dtype": torch.bfloat16}) for w in WORKLOADS.values()] + [(E.identity, {"dtype": torch.bfloat16})]
+
+
+class GpuSampler:
+    """Samples SM clock and board power with nvidia-smi while the benchmark runs (H200s run large
+    GEMMs at the power limit, so clocks move; the summary goes into the results)."""
+
+    def __enter__(self) -> "GpuSampler":
+        import subprocess
+        import tempfile
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+                 "-lms", "200"], stdout=self.log, stderr=subprocess.DEVNULL)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+
+    def summary(self) -> str:
+        self.log.seek(0)
+        rows = []
+        for line in self.log.read().splitlines():
+            try:
+                rows.append([float(v) for v in line.split(",")])
+            except ValueError:
+                continue
+        if not rows:
+            return "not sampled"
+        def rng(i: int, unit: str) -> str:
+            v = sorted(r[i] for r in rows)
+            return f"{v[0]:.0f}-{v[-1]:.0f} {unit} (median {v[len(v) // 2]:.0f})"
+        return f"SM clock {rng(0, 'MHz')}, power {rng(1, 'W')}, temperature {rng(2, 'C')}, {len(rows)} samples"
 
 
 def make_set(w: Workload, M: int, seed: int) -> dict[str, Any]:
@@ -138,6 +176,7 @@ def make_set(w: Workload, M: int, seed: int) -> dict[str, Any]:
 
 def run(ms: list[int], names: list[str], tune: bool, rounds: int, sets_per_row: int) -> list[dict[str, Any]]:
     rows = []
+    identity = cc.compile_epilogue(E.identity, torch.bfloat16, config="tune" if tune else None)
     for name in names:
         w = WORKLOADS[name]
         default = cc.compile_epilogue(w.program, torch.bfloat16)
@@ -148,12 +187,15 @@ def run(ms: list[int], names: list[str], tune: bool, rounds: int, sets_per_row: 
             args = [a for a in sets[0] if a not in ("A", "W")]
             fns: dict[str, Callable[[dict], Any]] = {
                 "cublas": lambda x: torch.mm(x["A"], x["W"].t()),
+                "coda_identity": lambda x: identity(x["A"], x["W"]),
                 "coda_default": lambda x: default(x["A"], x["W"], **{a: x[a] for a in args}),
                 "eager": w.eager,
                 "torch_compile": compiled,
             }
             row: dict[str, Any] = {"workload": name, "what": w.what, "M": M, "N": w.N, "K": w.K,
                                    "default_config": default.config.name()}
+            if tune:
+                identity.choice(sets[0]["A"], sets[0]["W"])
             if tuned is not None:
                 choice = tuned.choice(sets[0]["A"], sets[0]["W"])
                 fns["coda_tuned"] = lambda x: tuned(x["A"], x["W"], **{a: x[a] for a in args})
@@ -161,14 +203,14 @@ def run(ms: list[int], names: list[str], tune: bool, rounds: int, sets_per_row: 
             times = interleaved(fns, sets, rounds=rounds)
             row["us"] = times
             row["ratio"] = {k: v / times["cublas"] for k, v in times.items()}
-            best = min(v for k, v in times.items() if k.startswith("coda"))
+            best = min(v for k, v in times.items() if k in ("coda_default", "coda_tuned"))
             row["ratio"]["coda_best"] = best / times["cublas"]
             rows.append(row)
             r = row["ratio"]
             tuned_text = f", tuned {r['coda_tuned']:.3f}x" if "coda_tuned" in r else ""
             print(f"{name:20s} M={M:5d} N={w.N:6d} cuBLAS {times['cublas']:9.1f} us | coda {r['coda_best']:.3f}x"
-                  f" (default {r['coda_default']:.3f}x{tuned_text}) eager {r['eager']:.3f}x"
-                  f" compile {r['torch_compile']:.3f}x", flush=True)
+                  f" (default {r['coda_default']:.3f}x{tuned_text}; identity {r['coda_identity']:.3f}x)"
+                  f" eager {r['eager']:.3f}x compile {r['torch_compile']:.3f}x", flush=True)
             del sets
             torch.cuda.empty_cache()
     return rows
@@ -179,9 +221,11 @@ def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) 
              f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, bf16. "
              "Medians of CUDA-event-timed calls queued back to back over rotating input sets, interleaved "
              "rounds; ratios are to bare cuBLAS (`torch.mm`, no epilogue) of the same GEMM in the same run. "
-             "coda = the better of the heuristic default and the autotuned config.", "",
-             "| workload | M x N x K | cuBLAS us | coda | coda default | coda tuned | eager | torch.compile | tuned config |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "coda = the better of the heuristic default and the autotuned config; coda identity = our GEMM "
+             "with no epilogue work (autotuned), i.e. the mainloop's own gap to cuBLAS. "
+             f"GPU during the run: {env.get('gpu_state', 'not sampled')}.", "",
+             "| workload | M x N x K | cuBLAS us | coda | coda default | coda tuned | coda identity | eager | torch.compile | tuned config |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         q = r["ratio"]
         tuned = f"{q['coda_tuned']:.3f}" if "coda_tuned" in q else "-"
@@ -190,7 +234,8 @@ def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) 
             c = cc.KernelConfig.from_dict(r["tuned_config"]["config"])
             cfg = f"{c.name()} r={r['tuned_config']['raster']} s={r['tuned_config']['swizzle']}"
         lines.append(f"| {r['workload']} | {r['M']}x{r['N']}x{r['K']} | {r['us']['cublas']:.1f} | **{q['coda_best']:.3f}** | "
-                     f"{q['coda_default']:.3f} | {tuned} | {q['eager']:.3f} | {q['torch_compile']:.3f} | {cfg} |")
+                     f"{q['coda_default']:.3f} | {tuned} | {q['coda_identity']:.3f} | {q['eager']:.3f} | "
+                     f"{q['torch_compile']:.3f} | {cfg} |")
     lines += ["", "Workloads:"] + [f"- {w.name}: {w.what}" for w in WORKLOADS.values()]
     path.write_text("\n".join(lines) + "\n")
 
@@ -231,7 +276,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    rows = run(args.m, args.workloads, not args.no_tune, args.rounds, args.sets)
+    with GpuSampler() as sampler:
+        rows = run(args.m, args.workloads, not args.no_tune, args.rounds, args.sets)
+    env["gpu_state"] = sampler.summary()
     (out / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1))
     write_markdown(rows, env, out / "results.md")
     write_plot(rows, out / "results.png")

@@ -24,7 +24,7 @@ from ..errors import BuildError
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..pipeline import Options, lower_program
-from ..timing import time_cuda
+from ..timing import interleaved, time_cuda
 from .space import RUNTIME_CHOICES, candidate_configs, default_config
 from .store import TuningStore, m_bucket
 
@@ -161,15 +161,15 @@ class TunedEpilogue:
         if not timings:
             raise BuildError(f"autotuning {self.name}: no candidate configuration could run")
         # The first pass is short and noisy, and the minimum of many noisy times is biased low:
-        # re-time the leaders in interleaved rounds and keep the best median.
+        # re-time the leaders call by call in alternation (same clock state) and keep the best median.
         leaders = sorted(timings, key=lambda t: t["us"])[:REFINE_TOP]
-        samples: dict[int, list[float]] = {i: [] for i in range(len(leaders))}
-        for _ in range(REFINE_ROUNDS):
-            for i, t in enumerate(leaders):
-                k = self._kernels[replace(KernelConfig.from_dict(t["config"]), raster="heuristic", swizzle=1)]
-                samples[i].append(time_cuda(_runner(k, t["raster"], t["swizzle"]), sets, warmup=1, reps=15))
+        runners = {}
         for i, t in enumerate(leaders):
-            t["us_refined"] = sorted(samples[i])[len(samples[i]) // 2]
+            k = self._kernels[replace(KernelConfig.from_dict(t["config"]), raster="heuristic", swizzle=1)]
+            runners[str(i)] = _runner(k, t["raster"], t["swizzle"])
+        refined = interleaved(runners, sets, rounds=REFINE_ROUNDS, warmup=1, reps=10)
+        for i, t in enumerate(leaders):
+            t["us_refined"] = refined[str(i)]
         best = min(leaders, key=lambda t: t["us_refined"])
         rec = {**best, "tuned": True, "seconds": round(time.monotonic() - start, 1), "timings": timings}
         self.store.put(self.key(M, N, K, device), rec)
