@@ -18,12 +18,15 @@ struct pair_rotate<cutlass::Array<T, N>> {
   CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& x,
                                                       cutlass::Array<T, N> const& theta) const {
     cutlass::Array<T, N> out;
-    scalar::cos cos_op;
-    scalar::sin sin_op;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < N; i += 2) {
-      float c = cos_op(theta[i]);
-      float s = sin_op(theta[i]);
+      float c, s;
+#if defined(__CUDA_ARCH__)
+      __sincosf(scalar::reduce_two_pi(theta[i]), &s, &c);   // one range reduction for both
+#else
+      c = cosf(theta[i]);
+      s = sinf(theta[i]);
+#endif
       out[i] = x[i] * c - x[i + 1] * s;
       out[i + 1] = x[i] * s + x[i + 1] * c;
     }
