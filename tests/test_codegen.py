@@ -160,3 +160,13 @@ def test_float_literals_round_trip_fp32(value, text):
 def test_emit_is_deterministic():
     case = CASES[2]
     assert lowered(case).source == lowered(case).source
+
+
+def test_description_round_trips_through_json_with_an_epilogue_tile():
+    """The loaded library's description (parsed JSON) must equal graph.describe() for every config,
+    including tuple-valued fields such as an explicit epilogue tile."""
+    cfg = cc.KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1, epilogue_tile=(128, 64))
+    lo = lower_program(CASES[0].program, Options.make(torch.bfloat16, config=cfg))
+    m = re.search(r'kDescription\[\] = "(.*)";', lo.source)
+    embedded = json.loads(m.group(1).encode().decode("unicode_escape"))
+    assert embedded == lo.graph.describe()

@@ -16,6 +16,7 @@ the generated C++ inside comments, never as identifiers.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from dataclasses import dataclass, field
@@ -93,6 +94,11 @@ class EvtGraph:
     headers: tuple[str, ...] = ()  # coda headers beyond the base set that the nodes need
 
     def describe(self) -> dict[str, Any]:
+        """What the kernel's coda_describe() returns (JSON types: the comparison after loading a
+        library is with this, so tuples such as an epilogue tile appear as lists)."""
+        return json.loads(json.dumps(self._describe()))
+
+    def _describe(self) -> dict[str, Any]:
         return {
             "abi": ABI_VERSION,
             "program": self.program.name,
