@@ -29,12 +29,12 @@ def finish_lse(partials: torch.Tensor) -> torch.Tensor:
 
 
 def finish_segments(partials: torch.Tensor, width: int, tile_n: int, N: int) -> torch.Tensor:
-    """[k, tiles, M] per-(tile, segment-in-tile) sums -> [M, N // width] per-segment sums."""
-    k, tiles, M = partials.shape
+    """[tiles * k, M] per-(N-tile, segment-in-tile) sums (row t * k + s) -> [M, N // width]."""
+    G, M = partials.shape
     n_seg = N // width
-    if k == 1 and width > tile_n:
+    if width > tile_n:
         per = width // tile_n
-        seg = partials[0, :n_seg * per].reshape(n_seg, per, M).sum(1)
+        seg = partials[:n_seg * per].reshape(n_seg, per, M).sum(1)
     else:
-        seg = partials.permute(1, 0, 2).reshape(tiles * k, M)[:n_seg]
+        seg = partials[:n_seg]
     return seg.t().contiguous()

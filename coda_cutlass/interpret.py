@@ -71,21 +71,20 @@ def lse_partials(x: torch.Tensor, tn: int) -> torch.Tensor:
 
 
 def segment_partials(x: torch.Tensor, width: int, tn: int) -> torch.Tensor:
-    """Per-(N-tile, segment-in-tile) row sums, shape (k, ceil(N/tn), M), k = segments per tile."""
+    """Per-(N-tile, segment-in-tile) row sums, shape (ceil(N/tn) * k, M), row t * k + s; k = segments
+    per tile (1 when a segment spans whole tiles)."""
     M, N = x.shape
     nt = -(-N // tn)
     pad = torch.zeros((M, nt * tn), dtype=x.dtype, device=x.device)
     pad[:, :N] = x
     k = segments_per_tile(width, tn)
-    if k == 1:
-        return pad.view(M, nt, tn).sum(2).t().unsqueeze(0).contiguous()
-    return pad.view(M, nt, k, width).sum(3).permute(2, 1, 0).contiguous()
+    return pad.view(M, nt * k, tn // k).sum(2).t().contiguous()
 
 
 def partial_reduce(x: torch.Tensor, fn: str, axis: str, tile: tuple[int, int], width: int = 0) -> torch.Tensor:
     """Per-tile partials as the kernel writes them: row reductions give (ceil(N/tn), M), column
     reductions (ceil(M/tm), N); a total sum gives the row partials; log-sum-exp (ceil(N/tn), M, 2);
-    segment sums (k, ceil(N/tn), M)."""
+    segment sums (ceil(N/tn) * k, M)."""
     M, N = x.shape
     tm, tn = tile
     if fn == "lse":

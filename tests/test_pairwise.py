@@ -233,14 +233,15 @@ def test_generated_nodes():
     assert "ElementC = float;" in src         # packed pairs travel as 32-bit words
 
 
-@pytest.mark.parametrize("tile_n,reductions", [(256, 2), (128, 1), (64, 1)])
-def test_segment_sum_lowering_depends_on_tile(tile_n, reductions):
+@pytest.mark.parametrize("tile_n,node", [(256, "coda::SegmentRowSum<128, TileShape>"), (128, "Sm90ColReduction"),
+                                         (64, "Sm90ColReduction")])
+def test_segment_sum_lowering_depends_on_tile(tile_n, node):
     cfg = cc.KernelConfig(tile_m=128, tile_n=tile_n, tile_k=64, cluster_m=1, cluster_n=1)
     lo = lowered(E.qk_norm_stats, config=cfg)
-    n_red = len(re.findall(r"^using Node\d+ = fusion::Sm90ColReduction", lo.source, re.M))
-    assert n_red == reductions
+    assert len(re.findall(r"^using Node\d+ = (?:fusion::)?" + re.escape(node), lo.source, re.M)) == 1
     slot = next(t for t in lo.graph.tensors if t.name == "head_sumsq")
-    assert (slot.width, slot.segments) == (128, reductions)
+    assert (slot.width, slot.segments) == (128, max(1, tile_n // 128))
+    assert ("coda/segments.hpp" in included_headers(lo.source)) == (tile_n > 128)
 
 
 def test_segment_width_must_fit_the_tile():

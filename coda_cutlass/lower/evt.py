@@ -49,7 +49,7 @@ class TensorSlot:
     layout: str = "tile"   # tile slots: "tile" (M x N), "packed" (M x 2N 16-bit pairs, passed to the
                            # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2)
     width: int = 0         # segment partials: the segment width
-    segments: int = 0      # segment partials: segments per N-tile (k of the [k, tiles, M] layout)
+    segments: int = 0      # segment partials: segments per N-tile (k of the [tiles * k, M] layout)
 
     @property
     def is_tile(self) -> bool:
@@ -121,7 +121,7 @@ MIN_VISITOR_NODES = 5
 # include exactly the original headers, so their content keys do not change).
 _NODE_HEADERS = {"pair_compute": "coda/pairwise.hpp", "index": "coda/coordinates.hpp",
                  "half_store": "coda/half_store.hpp", "lse_reduce": "coda/logsumexp.hpp",
-                 "segment_select": "coda/math_extra.hpp"}
+                 "segment_sum": "coda/segments.hpp"}
 _FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp",
                     "pair_rotate": "coda/rotate.hpp",
                     "unpack_lo": "coda/pairwise.hpp", "unpack_hi": "coda/pairwise.hpp",
@@ -247,8 +247,8 @@ def _element(slot: TensorSlot) -> DType:
 
 def _segment_nodes(n: Node, child: int, vnodes: list[VisitorNode], slot_of: dict[str, int],
                    tensors: list[TensorSlot], config: KernelConfig) -> None:
-    """A per-segment row sum: one per-tile row reduction when segments span whole N-tiles, else k
-    masked row reductions (segment s of each tile), each writing its own [tiles, M] block."""
+    """A per-segment row sum: one per-tile row reduction when segments span whole N-tiles, else one
+    coda::SegmentRowSum node keeping a sum per (row, segment of the tile), [k * tiles, M] partials."""
     slot = tensors[slot_of[n.attr("name")]]
     comment = node_text(n)
     if slot.segments == 1:
@@ -256,17 +256,8 @@ def _segment_nodes(n: Node, child: int, vnodes: list[VisitorNode], slot_of: dict
                                   {"slot": slot.index, "functor": REDUCE_FUNCTOR["sum"],
                                    "identity": REDUCE_IDENTITY["sum"]}))
         return
-    col = len(vnodes)
-    vnodes.append(VisitorNode(col, "index", (), f"column index for {comment}", {"axis": 1}))
-    tm, tn = config.tile
-    block = f"int64_t((p.N + {tn - 1}) / {tn}) * ((p.M + {tm - 1}) / {tm} * {tm})"
-    for s in range(slot.segments):
-        sel = len(vnodes)
-        vnodes.append(VisitorNode(sel, "segment_select", (col, child),
-                                  f"{comment}: keep segment {s} of {slot.segments} per tile",
-                                  {"functor": f"coda::SegmentSelect<{slot.width}, {slot.segments}, {s}>::fn"}))
-        vnodes.append(VisitorNode(len(vnodes), "segment_reduce", (sel,), f"{comment}: segment {s} sums",
-                                  {"slot": slot.index, "offset": f"{s} * {block}"}))
+    vnodes.append(VisitorNode(len(vnodes), "segment_sum", (child,), f"{comment}: {slot.segments} segments per tile",
+                              {"slot": slot.index, "width": slot.width}))
 
 
 def _visitor_node(n: Node, index: int, children: tuple[int, ...], slot_of: dict[str, int],

@@ -55,7 +55,8 @@ def slot_doc(t: TensorSlot) -> str:
         if t.reduce_fn == "lse":
             return f"fp32 (max, sum exp(x - max)) pairs of {what}, {layout} x 2"
         if t.width:
-            return f"fp32 partials of segment sums (width {t.width}), [{t.segments}] x {layout}"
+            return (f"fp32 partials of segment sums (width {t.width}), [ceil(N / tile_n) * {t.segments}, "
+                    "round_up(M, tile_m)], row t * segments + s for segment s of N-tile t")
         return f"fp32 partials of {what}, {layout}"
     role = {"input": "input", "output": "output", "inout": "accumulated output (read, then written)"}[t.role]
     if t.layout == "packed":

@@ -294,7 +294,7 @@ class CompiledEpilogue:
         if s.reduce_fn == "lse":
             shape = shape + (2,)            # (max, sum exp) per row and N-tile
         elif s.width:
-            shape = (s.segments,) + shape   # one [tiles, M] block per segment of a tile
+            shape = (shape[0] * s.segments, shape[1])   # row t * k + s: segment s of N-tile t
         return _new(shape, torch.float32, device, poison)
 
     def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
@@ -302,7 +302,7 @@ class CompiledEpilogue:
         fn, axis, dtype = self._finish_plan[name]
         n = N if axis == "col" else M
         if fn == "lse" or axis == "segment":
-            part = buf[:, :n] if fn == "lse" else buf[:, :, :n]
+            part = buf[:, :n]
             if self.partial_reductions:
                 return part
             r = finish_lse(part) if fn == "lse" else finish_segments(
@@ -329,7 +329,7 @@ class CompiledEpilogue:
                 return (_ceil_div(N, tn), M, 2), torch.float32
             if axis == "segment":
                 slot = self._slots_by_name[name]
-                return (slot.segments, _ceil_div(N, tn), M), torch.float32
+                return (_ceil_div(N, tn) * slot.segments, M), torch.float32
             return ((_ceil_div(M, tm), N) if axis == "col" else (_ceil_div(N, tn), M)), torch.float32
         if axis == "segment":
             return (M, N // self._segment_widths[name]), dtype
