@@ -215,3 +215,44 @@ def test_autotuner_tunes_once_and_remembers(tmp_path, monkeypatch):
     monkeypatch.setattr(TunedEpilogue, "tune", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("re-tuned")))
     again(A, W, **ops)
     assert again.choice(A, W)["config"] == rec["config"]
+
+
+def _library_inputs(program, M: int, N: int, K: int, seed: int) -> tuple:
+    """Fresh inputs for a library epilogue, from its operand kinds (index and position vectors by name)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = torch.bfloat16
+    A = (torch.randn(M, K, device="cuda", generator=g) * 0.5).to(bf)
+    W = (torch.randn(N, K, device="cuda", generator=g) * 0.5).to(bf)
+    ops = {}
+    for o in program.trace().operands:
+        if o.name == "target":
+            ops[o.name] = torch.randint(-1, N, (M,), device="cuda", generator=g)
+        elif o.name == "pos":
+            ops[o.name] = torch.randint(0, 8192, (M,), device="cuda", generator=g).float()
+        elif o.name == "freq":
+            ops[o.name] = 10000.0 ** -torch.rand(N, device="cuda", generator=g)
+        elif o.packed:
+            ops[o.name] = torch.randn(M, 2 * N, device="cuda", generator=g).to(bf)
+        else:
+            ops[o.name] = torch.rand(M, device="cuda", generator=g) + 0.5
+    return A, W, ops
+
+
+@pytest.mark.parametrize("name", ["swiglu", "swiglu_only", "rope", "qk_norm_stats", "lm_head_lse",
+                                  "lm_head_lse_logits", "swiglu_backward"])
+def test_every_candidate_config_of_the_pairwise_library(name):
+    """The autotuner may pick any candidate: each one, for each library epilogue with custom visitor
+    nodes (pairs, half-width stores, packed pairs, log-sum-exp, gather, segment sums), at a ragged
+    shape, under the 2x rule with poisoned outputs."""
+    from coda_cutlass import epilogues as E
+    from coda_cutlass.tuning.space import candidate_configs
+    program = getattr(E, name)
+    base = cc.compile_epilogue(program, torch.bfloat16)
+    M, N, K = 1000, 768, 520
+    for i, cfg in enumerate(candidate_configs(base.graph)):
+        k = cc.compile_epilogue(program, torch.bfloat16, config=cfg)
+        A, W, ops = _library_inputs(program, M, N, K, seed=i)
+        out = k(A, W, **clone(ops))
+        ref32 = k.reference(A.float(), W.float(), precision="fp32", **fp32_copy(ops))
+        lowp = k.reference(A, W, precision="lowp", **ops)
+        check_outputs(k, out, ref32, lowp, f"{name} {cfg.name()}")
