@@ -17,7 +17,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
-from pairwise import WORKLOADS, GpuSampler, make_set  # noqa: E402
+from pairwise import WORKLOADS, make_set  # noqa: E402
+from report import GpuSampler  # noqa: E402
 
 BASE = dict(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1)
 TILES = [None, (128, 64), (128, 32)]   # (64, 64) does not build for 2 consumer warp groups

@@ -12,7 +12,6 @@ bench/pairwise.py --all-candidates --out DIR` builds every tuning candidate ahea
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
+from report import GpuSampler, environment, ratio_bars, require_hopper, write_results  # noqa: E402
 
 D_MODEL, FFN, QKV, VOCAB, HEAD_DIM = 4096, 14336, 6144, 128256, 128
 
@@ -129,43 +129,6 @@ WORKLOADS = {w.name: w for w in [
 PREBUILD = [(w.program, {"dtype": torch.bfloat16}) for w in WORKLOADS.values()] + [(E.identity, {"dtype": torch.bfloat16})]
 
 
-class GpuSampler:
-    """Samples SM clock and board power with nvidia-smi while the benchmark runs (H200s run large
-    GEMMs at the power limit, so clocks move; the summary goes into the results)."""
-
-    def __enter__(self) -> "GpuSampler":
-        import subprocess
-        import tempfile
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".csv", delete=False)
-        try:
-            self.proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
-                 "-lms", "200"], stdout=self.log, stderr=subprocess.DEVNULL)
-        except OSError:
-            self.proc = None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait()
-
-    def summary(self) -> str:
-        self.log.seek(0)
-        rows = []
-        for line in self.log.read().splitlines():
-            try:
-                rows.append([float(v) for v in line.split(",")])
-            except ValueError:
-                continue
-        if not rows:
-            return "not sampled"
-        def rng(i: int, unit: str) -> str:
-            v = sorted(r[i] for r in rows)
-            return f"{v[0]:.0f}-{v[-1]:.0f} {unit} (median {v[len(v) // 2]:.0f})"
-        return f"SM clock {rng(0, 'MHz')}, power {rng(1, 'W')}, temperature {rng(2, 'C')}, {len(rows)} samples"
-
-
 def make_set(w: Workload, M: int, seed: int) -> dict[str, Any]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = {"A": (torch.randn(M, w.K, device="cuda", generator=g) * 0.5).to(torch.bfloat16),
@@ -241,23 +204,10 @@ def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) 
 
 
 def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    labels = [f"{r['workload']}\nM={r['M']}" for r in rows]
-    series = [("coda_best", "coda"), ("torch_compile", "torch.compile"), ("eager", "eager")]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 5))
-    width = 0.27
-    for i, (key, label) in enumerate(series):
-        ax.bar([x + (i - 1) * width for x in range(len(rows))], [r["ratio"][key] for r in rows], width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("time / bare cuBLAS GEMM")
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, rotation=60, fontsize=8)
-    ax.legend()
-    ax.set_title("Pairwise / LSE epilogues vs bare cuBLAS (H200, bf16, Llama-3-8B shapes)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ratio_bars(rows, [f"{r['workload']}\nM={r['M']}" for r in rows],
+               [("coda_best", "coda"), ("torch_compile", "torch.compile"), ("eager", "eager")],
+               "Pairwise / LSE epilogues vs bare cuBLAS (H200, bf16, Llama-3-8B shapes)", path,
+               figsize=(max(8, len(rows) * 0.9), 5), rotation=60, fontsize=8)
 
 
 def main() -> None:
@@ -269,20 +219,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sets", type=int, default=2, help="rotating input sets per workload")
     args = ap.parse_args()
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        sys.exit("bench/pairwise.py needs a Hopper GPU (sm_90)")
-    from run import environment
-    torch.backends.cuda.matmul.allow_tf32 = False
+    require_hopper("bench/pairwise.py")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
     with GpuSampler() as sampler:
         rows = run(args.m, args.workloads, not args.no_tune, args.rounds, args.sets)
     env["gpu_state"] = sampler.summary()
-    (out / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1))
-    write_markdown(rows, env, out / "results.md")
-    write_plot(rows, out / "results.png")
-    print(f"wrote {out}/results.json, results.md, results.png")
+    write_results(out, env, rows, write_markdown, write_plot)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,6 @@ Writes results.json, results.md and results.png (time ratio to bare cuBLAS per w
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -22,10 +19,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
+from report import environment, ratio_bars, require_hopper, write_results  # noqa: E402
 
 D_MODEL, FFN, QKV = 4096, 14336, 6144
 SHAPES = {  # name: (N, K)
@@ -81,17 +80,6 @@ def make_set(M: int, N: int, K: int, operands: dict[str, str], seed: int) -> dic
         elif kind == "row32":
             x[name] = torch.rand(M, device="cuda", generator=g) + 0.5
     return x
-
-
-def environment() -> dict[str, Any]:
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True).stdout.strip()
-    except OSError:
-        driver = "?"
-    return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "coda_cutlass": cc.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def run(ms: list[int], epilogue_names: list[str], shape_names: list[str], tune: bool, rounds: int
@@ -155,25 +143,12 @@ def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) 
 
 
 def write_plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    labels = [f"{r['shape']} M={r['M']//1024}k\n{r['epilogue']}" for r in rows]
-    series = [("coda_fused", "coda fused"), ("coda_identity", "coda identity"), ("torch_compile", "torch.compile"),
-              ("eager", "eager")]
-    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 0.55), 5.5))
-    width = 0.2
-    for i, (key, label) in enumerate(series):
-        ax.bar([x + (i - 1.5) * width for x in range(len(rows))], [r["ratio"][key] for r in rows], width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("time / bare cuBLAS GEMM")
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, rotation=90, fontsize=7)
-    ax.set_ylim(0.8, max(2.0, max(r["ratio"]["eager"] for r in rows) * 1.05))
-    ax.legend()
-    ax.set_title("Fused GEMM + epilogue vs bare cuBLAS (H200, bf16, Llama-3-8B shapes)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ratio_bars(rows, [f"{r['shape']} M={r['M']//1024}k\n{r['epilogue']}" for r in rows],
+               [("coda_fused", "coda fused"), ("coda_identity", "coda identity"), ("torch_compile", "torch.compile"),
+                ("eager", "eager")],
+               "Fused GEMM + epilogue vs bare cuBLAS (H200, bf16, Llama-3-8B shapes)", path,
+               figsize=(max(10, len(rows) * 0.55), 5.5), rotation=90, fontsize=7,
+               ylim=(0.8, max(2.0, max(r["ratio"]["eager"] for r in rows) * 1.05)))
 
 
 def main() -> None:
@@ -185,17 +160,12 @@ def main() -> None:
     ap.add_argument("--no-tune", action="store_true", help="use the heuristic default config")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        sys.exit("bench/run.py needs a Hopper GPU (sm_90)")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    require_hopper("bench/run.py")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
     rows = run(args.m, args.epilogues, args.shapes, not args.no_tune, args.rounds)
-    (out / "results.json").write_text(json.dumps({"environment": env, "results": rows}, indent=1))
-    write_markdown(rows, env, out / "results.md")
-    write_plot(rows, out / "results.png")
-    print(f"wrote {out}/results.json, results.md, results.png")
+    write_results(out, env, rows, write_markdown, write_plot)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,14 @@ def split_options(opts: Mapping[str, Any]) -> tuple[Options, dict[str, Any]]:
     return Options.make(**gen), {k: opts[k] for k in BUILD_OPTIONS if k in opts}
 
 
+def with_candidate_configs(items: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[tuple[Any, dict[str, Any]]]:
+    """(program, options) pairs -> one pair per autotuning candidate config of each program (to
+    build every candidate ahead of time, e.g. for prebuilt kernels)."""
+    from .tuning.space import candidate_configs
+    return [(p, {**o, "config": c}) for p, o in items
+            for c in candidate_configs(lower_program(p, split_options(o)[0]).graph)]
+
+
 def emit(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
          config: KernelConfig | None = None, input_dtypes: Mapping[str, Any] | None = None,
          output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None) -> str:

@@ -64,11 +64,8 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
             print(path)
         return 0
     if args.all_candidates:     # every autotuning candidate config of every program
-        from .api import split_options
-        from .pipeline import lower_program
-        from .tuning.space import candidate_configs
-        items = [(p, {**o, "config": c}) for p, o in items
-                 for c in candidate_configs(lower_program(p, split_options(o)[0]).graph)]
+        from .api import with_candidate_configs
+        items = with_candidate_configs(items)
     kernels = compile_many(items, jobs=args.jobs)
     for k in kernels:
         path = export_prebuilt(k, args.out)

@@ -10,12 +10,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 import coda_cutlass as cc  # noqa: E402
 from catalog import PREBUILD as CATALOG  # noqa: E402
 from pairwise import PREBUILD as BENCH  # noqa: E402
-from coda_cutlass.api import split_options  # noqa: E402
-from coda_cutlass.pipeline import lower_program  # noqa: E402
-from coda_cutlass.tuning.space import candidate_configs  # noqa: E402
+from coda_cutlass.api import with_candidate_configs  # noqa: E402
 
-items = list(CATALOG)
-for program, opts in BENCH:
-    base = lower_program(program, split_options(opts)[0])
-    items += [(program, {**opts, "config": c}) for c in candidate_configs(base.graph)]
+items = list(CATALOG) + with_candidate_configs(BENCH)
 cc.compile_many(items, jobs=int(sys.argv[1]) if len(sys.argv) > 1 else None, skip_failed=True)

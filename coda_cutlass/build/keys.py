@@ -13,7 +13,6 @@ import hashlib
 import json
 import re
 from functools import lru_cache
-from pathlib import Path
 
 from .. import __version__
 from ..lower.evt import ABI_VERSION

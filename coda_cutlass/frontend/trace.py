@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 from ..errors import EpilogueError
-from ..ir.nodes import Kind, Node, Operand, Program, make_attrs, renumber
+from ..ir.nodes import Kind, Operand, Program, make_attrs, renumber
 from .operands import OperandSpec, resolve_spec
 from .values import Accumulate, HalfWidth, ReductionResult, Tracer, Value, apply
 
@@ -136,14 +136,23 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
     kwargs.update(consts)
 
     sig_names = list(inspect.signature(program.fn).parameters)
-    try:
-        with tracer:
+    with tracer:    # cc.* functions without a traced argument (cc.col_index()) find the trace here
+        try:
             result = program.fn(acc, **{k: kwargs[k] for k in sig_names[1:]})
-    except EpilogueError as e:
-        if e.program is None:    # raised by a cc.* function that had no trace to name
-            raise EpilogueError(e.reason, program=program.name, node=e.node) from None
-        raise
+        except EpilogueError as e:
+            if e.program is None:    # raised by a cc.* function that had no trace to name
+                raise EpilogueError(e.reason, program=program.name, node=e.node) from None
+            raise
+        outputs = _record_outputs(tracer, program, result, operands)
 
+    nodes = [n for n in tracer.nodes if not (n.op == "reduce" and not n.attr("name"))]
+    prog = Program(name=program.name, operands=tuple(operands), nodes=renumber(nodes),
+                   outputs=tuple(outputs), source=program.source)
+    return prog
+
+
+def _record_outputs(tracer: Tracer, program: EpilogueProgram, result: Any, operands: list[Operand]) -> list[str]:
+    """Record the returned outputs as sinks; returns their names in order."""
     if isinstance(result, (Value, Accumulate, HalfWidth)):
         result = {"D": result}
     if isinstance(result, ReductionResult):
@@ -166,13 +175,8 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
             raise tracer.error(f"output '{name}' has the same name as an operand; pick another name "
                                "(accumulated outputs are passed by their output name)")
         outputs.append(name)
-        with tracer:
-            _record_output(tracer, name, value, operands)
-
-    nodes = [n for n in tracer.nodes if not (n.op == "reduce" and not n.attr("name"))]
-    prog = Program(name=program.name, operands=tuple(operands), nodes=renumber(nodes),
-                   outputs=tuple(outputs), source=program.source)
-    return prog
+        _record_output(tracer, name, value, operands)
+    return outputs
 
 
 def _record_output(tracer: Tracer, name: str, value: Any, operands: list[Operand]) -> None:

@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .nodes import Kind
+
 Tensor = torch.Tensor
 
 
@@ -107,10 +109,9 @@ UNARY = tuple(op.name for op in _OPS if op.arity == 1 and op.name != "cast" and 
 BINARY = tuple(op.name for op in _OPS if op.arity == 2 and op.name not in PAIR_OPS | PACK_OPS)
 
 
-def result_kind(op: str, kinds: "list[Kind]") -> "Kind":
+def result_kind(op: str, kinds: list[Kind]) -> Kind:
     """The kind of an op's result: the broadcast of its inputs, except that interleaving two values
     that do not vary along N gives one that does."""
-    from .nodes import Kind
     kind = Kind.SCALAR
     for k in kinds:
         kind = kind.join(k)

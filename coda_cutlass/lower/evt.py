@@ -206,9 +206,6 @@ def lower(program: Program, config: KernelConfig, dtype: DType, weight_layout: s
         if d_node is not None and n.id == d_node.id:
             continue
         children = tuple(index_of[i] for i in n.inputs)
-        if n.op == "reduce" and n.attr("axis") == "segment":
-            _segment_nodes(n, children[0], vnodes, slot_of, tensors, config)
-            continue
         v = _visitor_node(n, len(vnodes), children, slot_of, c_operand, scalars, program, tensors)
         index_of[n.id] = v.index
         vnodes.append(v)
@@ -243,21 +240,6 @@ def lower(program: Program, config: KernelConfig, dtype: DType, weight_layout: s
 def _element(slot: TensorSlot) -> DType:
     """The kernel's element type of a tile slot: packed 16-bit pairs travel as one 32-bit word."""
     return F32 if slot.layout == "packed" else slot.dtype
-
-
-def _segment_nodes(n: Node, child: int, vnodes: list[VisitorNode], slot_of: dict[str, int],
-                   tensors: list[TensorSlot], config: KernelConfig) -> None:
-    """A per-segment row sum: one per-tile row reduction when segments span whole N-tiles, else one
-    coda::SegmentRowSum node keeping a sum per (row, segment of the tile), [k * tiles, M] partials."""
-    slot = tensors[slot_of[n.attr("name")]]
-    comment = node_text(n)
-    if slot.segments == 1:
-        vnodes.append(VisitorNode(len(vnodes), "row_reduce", (child,), comment,
-                                  {"slot": slot.index, "functor": REDUCE_FUNCTOR["sum"],
-                                   "identity": REDUCE_IDENTITY["sum"]}))
-        return
-    vnodes.append(VisitorNode(len(vnodes), "segment_sum", (child,), f"{comment}: {slot.segments} segments per tile",
-                              {"slot": slot.index, "width": slot.width}))
 
 
 def _visitor_node(n: Node, index: int, children: tuple[int, ...], slot_of: dict[str, int],
@@ -300,6 +282,12 @@ def _visitor_node(n: Node, index: int, children: tuple[int, ...], slot_of: dict[
         return VisitorNode(index, kind, children, comment, {"slot": slot.index, "element": _element(slot)})
     if n.op == "reduce" and n.attr("fn") == "lse":
         return VisitorNode(index, "lse_reduce", children, comment, {"slot": slot_of[n.attr("name")]})
+    if n.op == "reduce" and n.attr("axis") == "segment":
+        slot = tensors[slot_of[n.attr("name")]]
+        if slot.segments > 1:   # several segments per tile: per-(row, segment) sums in one node
+            return VisitorNode(index, "segment_sum", children, f"{comment}: {slot.segments} segments per tile",
+                               {"slot": slot.index, "width": slot.width})
+        # else segments span whole tiles: a plain per-tile row sum, summed per segment afterwards
     if n.op == "reduce":
         fn, axis = n.attr("fn"), n.attr("axis")
         kind = "col_reduce" if axis == "col" else "row_reduce"

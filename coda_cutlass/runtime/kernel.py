@@ -20,8 +20,7 @@ from ..build.builder import BuildResult
 from ..config import KernelConfig
 from ..dtypes import as_dtype
 from ..errors import CallError, DeviceError
-from ..finish import finish_lse, finish_segments
-from ..interpret import REDUCTION_IDENTITY, interpret
+from ..interpret import REDUCTION_IDENTITY, finish_partials, interpret
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..lower.evt import TensorSlot
@@ -63,6 +62,11 @@ def _ceil_div(a: int, b: int) -> int:
 def _layout_cols(layout: str, N: int) -> int:
     """Columns of a tile tensor: M x N, packed pairs M x 2N, half width M x N/2."""
     return 2 * N if layout == "packed" else (N // 2 if layout == "half" else N)
+
+
+def _kernel_ld(layout: str, ld: int) -> int:
+    """The row stride the kernel gets: packed 16-bit pairs are addressed as 32-bit words."""
+    return ld // 2 if layout == "packed" else ld
 
 
 # CODA_CUTLASS_POISON=1 fills every buffer the runtime allocates with NaN before the launch, so an
@@ -115,10 +119,9 @@ class CompiledEpilogue:
         self._raster = _RASTER[self.config.raster]
         self._finish_plan = {name: (n.attr("fn"), n.attr("axis"), as_dtype(n.attr("out_dtype", "f32")).torch)
                              for name, n in self._reductions.items()}
-        # Output column count per tile slot layout, and programs whose index values must stay exact.
-        self._uses_index = any(n.op == "index" for n in self.ir.nodes) or any(
-            s.width for s in self.graph.tensors)
+        # Programs whose element indices must stay exact in fp32 (and segment widths must divide N).
         self._segment_widths = {s.name: s.width for s in self.graph.tensors if s.width}
+        self._uses_index = any(n.op == "index" for n in self.ir.nodes) or bool(self._segment_widths)
         # Registered now, not on first use: torch.compile cannot trace op registration.
         from .torch_op import register
         self._op = register(self)
@@ -183,7 +186,7 @@ class CompiledEpilogue:
         if device is None or device.index not in _READY_DEVICES:
             ensure_gpu(device, self.name)
         M, N, K, lda, ldw = checks.check_gemm(A, W, self.dtype, self.weight_layout)
-        if self._uses_index or self._segment_widths:
+        if self._uses_index:
             self._check_indexed_shape(M, N)
         if device.index != torch.cuda.current_device():
             with torch.cuda.device(device):     # the kernel launches on the current device
@@ -217,8 +220,7 @@ class CompiledEpilogue:
                 else:
                     t = _new((M, cols), s.dtype.torch, device, poison)
                     lds[i] = cols
-                if s.layout == "packed":
-                    lds[i] //= 2        # the kernel addresses 32-bit words
+                lds[i] = _kernel_ld(s.layout, lds[i])
                 results[name] = t
             elif role == "partials":
                 t = self._partial_buffer(s, M, N, device, poison)
@@ -226,9 +228,8 @@ class CompiledEpilogue:
             else:
                 t = operands[name]
                 if s.kind == Kind.TILE:
-                    lds[i] = checks.check_tile(name, t, M, _layout_cols(s.layout, N), s.dtype, device)
-                    if s.layout == "packed":
-                        lds[i] //= 2
+                    lds[i] = _kernel_ld(s.layout, checks.check_tile(name, t, M, _layout_cols(s.layout, N),
+                                                                     s.dtype, device))
                 else:
                     self._check_tensor(name, s.kind, t, s.dtype, M, N, device)
                 if role == "inout":
@@ -305,8 +306,8 @@ class CompiledEpilogue:
             part = buf[:, :n]
             if self.partial_reductions:
                 return part
-            r = finish_lse(part) if fn == "lse" else finish_segments(
-                part, self._segment_widths[name], self.config.tile_n, N)
+            r = finish_partials(part, fn, axis, width=self._segment_widths.get(name, 0),
+                                tile_n=self.config.tile_n, N=N)
             return r if dtype is torch.float32 else r.to(dtype)
         if self.partial_reductions:
             return buf[:, :n]

@@ -12,7 +12,6 @@ from math import gcd
 
 from ..config import KernelConfig
 from ..errors import ConfigError, EpilogueError
-from ..ir.nodes import Kind
 from ..finish import check_segment_tiling
 from ..lower.evt import EvtGraph
 
