@@ -78,12 +78,15 @@ def test_errors():
 
     def half_in_math(acc):
         return cc.half_width(acc) + 1.0
-    with pytest.raises((cc.EpilogueError, TypeError)):
-        cc.epilogue(half_in_math).trace()
+    err(half_in_math, r"cc.half_width\(...\) may only appear as a value of the returned dict")
 
-    def half_accumulate(acc):
+    def accumulate_in_math(acc):
+        return {"o": cc.accumulate(acc) * 2.0}
+    err(accumulate_in_math, r"cc.accumulate\(...\) may only appear as a value of the returned dict")
+
+    def half_of_pack(acc):
         return {"o": cc.half_width(cc.pack(acc, acc))}
-    err(half_accumulate, "half width")
+    err(half_of_pack, "half width")
 
     def gather_bad(acc, c: cc.PerCol(torch.int32)):
         return {"g": cc.gather(acc, c)}

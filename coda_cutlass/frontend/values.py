@@ -268,20 +268,34 @@ class ReductionResult:
         raise EpilogueError("unexpected torch function on a reduction result")
 
 
-class HalfWidth:
+class _OutputMarker:
+    """Wraps a value that may only be a value of the returned dict (cc.half_width, cc.accumulate)."""
+
+    __slots__ = ("value",)
+    marker = ""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def _misuse(self, *_: Any) -> Any:
+        raise EpilogueError(f"{self.marker}(...) may only appear as a value of the returned dict, not in an "
+                            "expression; apply it to the finished value")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _misuse
+    __truediv__ = __rtruediv__ = __pow__ = __rpow__ = __neg__ = __abs__ = _misuse
+    __lt__ = __le__ = __gt__ = __ge__ = __bool__ = __float__ = _misuse
+
+
+class HalfWidth(_OutputMarker):
     """``cc.half_width(v)`` in the returned dict: an M x N/2 output holding v's value on the even
     column of each pair (2i, 2i+1), written at column i."""
 
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
+    __slots__ = ()
+    marker = "cc.half_width"
 
 
-class Accumulate:
+class Accumulate(_OutputMarker):
     """``cc.accumulate(v)`` in the returned dict: the output tensor is passed in and updated in place."""
 
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
+    __slots__ = ()
+    marker = "cc.accumulate"
