@@ -18,6 +18,21 @@ struct pair_rotate<cutlass::Array<T, N>> {
   CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& x,
                                                       cutlass::Array<T, N> const& theta) const {
     cutlass::Array<T, N> out;
+    // A fragment whose angles are all exactly 0 (RoPE's V columns, freq 0) skips the trig: on
+    // those tiles the test is warp-uniform and the branch is real. x * 1 - y * 0 is what the
+    // rotation computes for a zero angle (sin 0 = 0, cos 0 = 1 exactly), so both paths give the
+    // same bits, including for inf / NaN inputs.
+    bool any_angle = false;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; i += 2) any_angle |= theta[i] != T(0);
+    if (!any_angle) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < N; i += 2) {
+        out[i] = x[i] - x[i + 1] * T(0);
+        out[i + 1] = x[i] * T(0) + x[i + 1];
+      }
+      return out;
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < N; i += 2) {
       float c, s;
