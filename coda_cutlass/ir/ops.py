@@ -51,7 +51,7 @@ _OPS: list[OpDef] = [
     OpDef("tanh", 1, "tanh", torch.tanh, "hyperbolic tangent"),
     OpDef("sigmoid", 1, "sigmoid", torch.sigmoid, "1 / (1 + e^-a)"),
     OpDef("silu", 1, "silu", F.silu, "a * sigmoid(a)"),
-    OpDef("gelu", 1, "gelu_erf", F.gelu, "GELU, exact (erf) form"),
+    OpDef("gelu", 1, "gelu_exact", F.gelu, "GELU, exact (erf) form"),
     OpDef("gelu_tanh", 1, "gelu_tanh", lambda a: F.gelu(a, approximate="tanh"), "GELU, tanh approximation"),
     OpDef("relu", 1, "relu", torch.relu, "max(a, 0)"),
     OpDef("square", 1, "square", torch.square, "a * a"),

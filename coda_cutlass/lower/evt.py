@@ -122,7 +122,7 @@ MIN_VISITOR_NODES = 5
 _NODE_HEADERS = {"pair_compute": "coda/pairwise.hpp", "index": "coda/coordinates.hpp",
                  "half_store": "coda/half_store.hpp", "lse_reduce": "coda/logsumexp.hpp",
                  "segment_sum": "coda/segments.hpp"}
-_FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp",
+_FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp", "gelu": "coda/gelu.hpp",
                     "pair_rotate": "coda/rotate.hpp",
                     "unpack_lo": "coda/pairwise.hpp", "unpack_hi": "coda/pairwise.hpp",
                     "pack": "coda/pairwise.hpp"}
