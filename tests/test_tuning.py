@@ -99,3 +99,15 @@ def test_programs_too_heavy_for_the_default_get_a_smaller_tile_or_a_clear_error(
     with pytest.raises(cc.EpilogueError, match="shared memory"):
         lower_program(impossible, Options.make(torch.bfloat16, input_dtypes=f32,
                                                output_dtypes={f"o{i}": torch.float32 for i in range(1, 7)}))
+
+
+def test_refinement_retimes_the_best_variant_of_every_configuration():
+    from coda_cutlass.tuning.tuner import refinement_leaders
+    a, b, c = ({"tile_n": n} for n in (256, 128, 64))
+    timings = [{"config": a, "raster": "m", "swizzle": s, "us": 100.0 + s} for s in (1, 2, 4, 8)]
+    timings += [{"config": b, "raster": r, "swizzle": 1, "us": u} for r, u in (("m", 130.0), ("n", 120.0))]
+    timings += [{"config": c, "raster": "n", "swizzle": 2, "us": 150.0}]
+    leaders = refinement_leaders(timings, 4)
+    # the 4 fastest (all variants of a), then the fastest variant of b and of c
+    assert [t["us"] for t in leaders] == [101.0, 102.0, 104.0, 108.0, 120.0, 150.0]
+    assert len(refinement_leaders(timings, 10)) == len(timings)
