@@ -1,11 +1,12 @@
-"""Probe: does an explicit epilogue subtile (instead of CUTLASS's EpilogueTileAuto) speed up the
-epilogue of cooperative 128x256 kernels, and what does skipping the trig on V tiles save? Times
-RoPE and identity on the QKV shape with each epilogue tile against cuBLAS, calls alternating
-(bench/pairwise.py's method). `rope_*_noskip` runs the same kernel with the V frequencies set to
-1e-30 instead of 0: every fragment then takes the sincos path (the rotation is still the identity
-to fp32 precision), which is what RoPE cost before V fragments skipped it.
-
-    python bench/epilogue_tile_probe.py
+"""Probe: what do the RoPE node's shortcuts save, and does an explicit epilogue subtile (instead of
+CUTLASS's EpilogueTileAuto) speed up cooperative 128x256 kernels? Times RoPE and identity on the
+QKV shape against cuBLAS, calls alternating (bench/pairwise.py's method), with three frequency
+vectors on the same kernel:
+  rope_*            Llama frequencies: V columns (freq 0) skip the trig, and the second head of each
+                    256-wide tile reuses the first head's cos/sin (same angles);
+  rope_*_noreuse    odd heads' frequencies scaled by (1 + 1e-6): angles differ, nothing is reused;
+  rope_*_noshortcut as noreuse, and V frequencies 1e-30 instead of 0: every pair takes the sincos
+                    path (what RoPE cost before either shortcut).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
-from pairwise import WORKLOADS, make_set  # noqa: E402
+from pairwise import HEAD_DIM, WORKLOADS, make_set  # noqa: E402
 from report import GpuSampler  # noqa: E402
 
 BASE = dict(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1)
@@ -30,9 +31,13 @@ TILES = [None, (128, 64)]   # 128x32 measured the same as auto; 64x64 does not b
 def main() -> None:
     w = WORKLOADS["rope"]
     sets = [make_set(w, 8192, s) for s in (1, 2)]
+    head = torch.arange(sets[0]["freq"].numel(), device="cuda") // HEAD_DIM
     for x in sets:
-        x["freq_noskip"] = torch.where(x["freq"] == 0, torch.full_like(x["freq"], 1e-30), x["freq"])
-    args = [a for a in sets[0] if a not in ("A", "W", "freq_noskip")]
+        odd = (head % 2 == 1).float()
+        x["freq_noreuse"] = x["freq"] * (1 + 1e-6 * odd)
+        v = torch.where(x["freq"] == 0, 1e-30 * (1 + odd), torch.zeros_like(odd))
+        x["freq_noshortcut"] = x["freq_noreuse"] + v
+    args = [a for a in sets[0] if a not in ("A", "W") and not a.startswith("freq_")]
     fns = {"cublas": lambda x: torch.mm(x["A"], x["W"].t())}
     for et in TILES:
         cfg = cc.KernelConfig(**BASE, epilogue_tile=et)
@@ -40,13 +45,14 @@ def main() -> None:
         ident = cc.compile_epilogue(E.identity, torch.bfloat16, config=cfg)
         tag = "auto" if et is None else f"{et[0]}x{et[1]}"
         fns[f"rope_{tag}"] = lambda x, k=rope: k(x["A"], x["W"], raster="m", swizzle=4, **{a: x[a] for a in args})
-        fns[f"rope_{tag}_noskip"] = lambda x, k=rope: k(x["A"], x["W"], raster="m", swizzle=4,
-                                                      **{a: x[a] for a in args if a != "freq"}, freq=x["freq_noskip"])
+        for variant in ("noreuse", "noshortcut"):
+            fns[f"rope_{tag}_{variant}"] = lambda x, k=rope, f=f"freq_{variant}": k(
+                x["A"], x["W"], raster="m", swizzle=4, **{a: x[a] for a in args if a != "freq"}, freq=x[f])
         fns[f"identity_{tag}"] = lambda x, k=ident: k(x["A"], x["W"], raster="m", swizzle=4)
     with GpuSampler() as gpu:
         times = interleaved(fns, sets, rounds=4, reps=20)
     for name, us in times.items():
-        print(f"{name:16s} {us:8.1f} us  {us / times['cublas']:.3f}x")
+        print(f"{name:22s} {us:8.1f} us  {us / times['cublas']:.3f}x")
     print(gpu.summary())
 
 

@@ -399,7 +399,7 @@ def _rope(acc, r: cc.PerRow(torch.float32), pos: cc.PerRow(torch.float32), freq:
     return cc.pair_map(lambda x, y: (x * c - y * s, x * s + y * c), acc * r)
 
 
-@case("rope_rotate_pairs_f16", _rope_inputs, _rope_expect, dtype=torch.float16)
+@case("rope_rotate_pairs_f16", _rope_inputs, _rope_expect, dtype=torch.float16, nvcc_ci=True)
 def _rope_rotate(acc, r: cc.PerRow(torch.float32), pos: cc.PerRow(torch.float32), freq: cc.PerCol(torch.float32)):
     return cc.rotate_pairs(acc * r, pos * freq)
 

@@ -221,7 +221,7 @@ def test_extra_headers_only_when_used():
     assert {"coda/logsumexp.hpp", "coda/coordinates.hpp"} <= set(included_headers(lse))
     rope = lowered(E.rope).source
     assert {"coda/rotate.hpp", "coda/math_extra.hpp"} <= set(included_headers(rope))
-    assert "coda::PairCompute<coda::pair_rotate" in rope
+    assert "coda::PairRotate<float, ElementCompute, RoundStyle>" in rope
     assert "coda/math_extra.hpp" in included_headers(lowered(E.rope_generic).source)
 
 

@@ -238,6 +238,38 @@ def _library_inputs(program, M: int, N: int, K: int, seed: int) -> tuple:
     return A, W, ops
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope_reusing_angles_across_heads_matches_the_reference(head_dim):
+    """coda::PairRotate reuses a thread's cos/sin in epilogue subtile n + EPI_N/2 when its angles there
+    equal those of subtile n (heads with the same frequencies). Llama-style head-periodic frequencies
+    with V columns (freq 0), a few perturbed frequencies (so only some lanes of a warp can reuse), a
+    ragged M and N tail, every candidate config, 2x rule with poisoned outputs."""
+    from coda_cutlass import epilogues as E
+    from coda_cutlass.tuning.space import candidate_configs
+    M, N, K = 1000, 1536 + 2 * head_dim, 520
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    inv = 500000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32, device="cuda") / head_dim)
+    freq = inv.repeat_interleave(2).repeat(N // head_dim)
+    freq[N - 256:] = 0.0                                         # V
+    bumped = torch.randint(N // 2, N - 256, (5,), device="cuda", generator=g) // 2 * 2
+    freq[bumped] *= 1.001
+    freq[bumped + 1] = freq[bumped]
+    A = (torch.randn(M, K, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    W = (torch.randn(N, K, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    ops = {"r": torch.rand(M, device="cuda", generator=g) + 0.5,
+           "pos": torch.randint(0, 8192, (M,), device="cuda", generator=g).float(), "freq": freq}
+    base = cc.compile_epilogue(E.rope, torch.bfloat16)
+    for cfg in candidate_configs(base.graph):
+        k = cc.compile_epilogue(E.rope, torch.bfloat16, config=cfg)
+        out = k(A, W, **clone(ops))
+        ref32 = k.reference(A.float(), W.float(), precision="fp32", **fp32_copy(ops))
+        lowp = k.reference(A, W, precision="lowp", **ops)
+        check_outputs(k, out, ref32, lowp, f"rope head_dim {head_dim} {cfg.name()}")
+        # V columns (freq 0) are the row-scaled GEMM, not rotated
+        v = (A.float() @ W.float().t())[:, N - 256:] * ops["r"][:, None]
+        assert (out["D"][:, N - 256:].float() - v).abs().max() <= 0.02 * v.abs().max()
+
+
 @pytest.mark.parametrize("name", ["swiglu", "swiglu_only", "rope", "qk_norm_stats", "lm_head_lse",
                                   "lm_head_lse_logits", "swiglu_backward"])
 def test_every_candidate_config_of_the_pairwise_library(name):
