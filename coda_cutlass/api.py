@@ -67,7 +67,7 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
         dtype: GEMM operand dtype, ``torch.bfloat16`` or ``torch.float16``; accumulation is fp32.
         weight_layout: ``"nk"``: W is (N, K) as in ``nn.Linear`` (acc = A @ W.T); ``"kn"``: W is (K, N).
         config: a ``KernelConfig`` to pin (tile, cluster, schedule, raster, swizzle); None for the
-            heuristic default (128x256x64, cluster 2x1, cooperative); ``"tune"`` for a ``TunedEpilogue``
+            heuristic default (128x128x64, cluster 1x2, ping-pong); ``"tune"`` for a ``TunedEpilogue``
             that autotunes per (N, K, M bucket) on first use and remembers the choice on disk.
         input_dtypes: dtype per operand name (default: ``dtype``; scalars are fp32).
         output_dtypes: dtype per output name (default: ``dtype`` for tiles, fp32 for reductions).

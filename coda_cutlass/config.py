@@ -2,7 +2,9 @@
 knobs (raster order, swizzle) that are not.
 
 Measured on the H200 (GPU.md): 128x256x64 cooperative with a 2x1 or 1x2 cluster lands within a
-few percent of cuBLAS on Llama shapes; the untuned 128x128 1x1 is 1.17-1.40x with an EVT.
+few percent of cuBLAS on Llama shapes in short runs; the untuned 128x128 1x1 is 1.17-1.40x with an
+EVT. In long runs at the card's power limit the autotuner picks ping-pong 128x128 (cluster 1x2 or
+2x1) for nearly every epilogue, which is therefore the default (tuning/space.py).
 """
 
 from __future__ import annotations
