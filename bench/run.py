@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
-from report import environment, ratio_bars, require_hopper, write_results  # noqa: E402
+from report import GpuSampler, environment, ratio_bars, require_hopper, write_results  # noqa: E402
 
 D_MODEL, FFN, QKV = 4096, 14336, 6144
 SHAPES = {  # name: (N, K)
@@ -107,9 +107,10 @@ def run(ms: list[int], epilogue_names: list[str], shape_names: list[str], tune: 
                 if tune:    # tune (or load the stored choice) before anything is timed
                     fused.choice(sets[0]["A"], sets[0]["W"])
                     ident.choice(sets[0]["A"], sets[0]["W"])
-                times = interleaved(fns, sets, rounds=rounds)
+                with GpuSampler() as gpu:   # per row: cuBLAS itself moves with the clock (RESULTS.md)
+                    times = interleaved(fns, sets, rounds=rounds)
                 row = {"M": M, "N": N, "K": K, "shape": shape, "epilogue": name, "us": times,
-                       "ratio": {k: v / times["cublas"] for k, v in times.items()}}
+                       "ratio": {k: v / times["cublas"] for k, v in times.items()}, "gpu": gpu.summary()}
                 if tune:
                     row["config"] = fused.choice(sets[0]["A"], sets[0]["W"])
                     row["config"] = {k: row["config"][k] for k in ("config", "raster", "swizzle", "tuned")}
@@ -127,7 +128,8 @@ def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) 
              f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, bf16. "
              "Times are medians of CUDA-event-timed calls queued back to back over 2 rotating input sets, "
              "in interleaved rounds; "
-             "ratios are to bare cuBLAS (`torch.mm`) of the same GEMM in the same run.", "",
+             "ratios are to bare cuBLAS (`torch.mm`) of the same GEMM in the same run. "
+             f"GPU during the run: {env.get('gpu_state', 'not sampled')} (per row: `gpu` in results.json).", "",
              "| M | GEMM (N x K) | epilogue | cuBLAS us | coda identity | coda fused | eager | torch.compile | config |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -164,7 +166,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    rows = run(args.m, args.epilogues, args.shapes, not args.no_tune, args.rounds)
+    with GpuSampler() as sampler:
+        rows = run(args.m, args.epilogues, args.shapes, not args.no_tune, args.rounds)
+    env["gpu_state"] = sampler.summary()
     write_results(out, env, rows, write_markdown, write_plot)
 
 
