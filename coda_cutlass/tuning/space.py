@@ -115,8 +115,8 @@ FALLBACKS: tuple[KernelConfig, ...] = (
 # The heuristic default: ping-pong 128x128x64, cluster 1x2. In the third session's benchmark runs
 # (H200 at its 700 W limit, Llama-3-8B shapes, 47 workloads run 2-4 times) the tuner picked
 # ping-pong 128x128 for 110 of 114 tuned kernels (74 with cluster 1x2), while cooperative 128x256
-# (the earlier default, best in short runs at full clock) cost 1.04-1.43 x the tuned kernel on
-# epilogues with exp / sigmoid / log-sum-exp work (docs/RESULTS.md).
+# (the earlier default, best in short runs at full clock) cost 1.02-1.76 x the tuned kernel on the
+# pairwise / log-sum-exp workloads (docs/RESULTS.md).
 DEFAULT = KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong")
 assert DEFAULT in CANDIDATES
 
