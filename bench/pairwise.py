@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
-from report import GpuSampler, environment, ratio_bars, require_hopper, write_results  # noqa: E402
+from report import (GpuSampler, config_label, environment, machine_line, ratio_bars,  # noqa: E402
+                    require_hopper, write_results)
 
 D_MODEL, FFN, QKV, VOCAB, HEAD_DIM = 4096, 14336, 6144, 128256, 128
 
@@ -181,7 +182,7 @@ def run(ms: list[int], names: list[str], tune: bool, rounds: int, sets_per_row: 
 
 def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
     lines = [f"# coda-cutlass pairwise / LSE benchmark ({env['date']})", "",
-             f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, bf16. "
+             machine_line(env) +
              "Medians of CUDA-event-timed calls queued back to back over rotating input sets, interleaved "
              "rounds; ratios are to bare cuBLAS (`torch.mm`, no epilogue) of the same GEMM in the same run. "
              "coda = the better of the heuristic default and the autotuned config; coda identity = our GEMM "
@@ -192,10 +193,7 @@ def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) 
     for r in rows:
         q = r["ratio"]
         tuned = f"{q['coda_tuned']:.3f}" if "coda_tuned" in q else "-"
-        cfg = ""
-        if "tuned_config" in r:
-            c = cc.KernelConfig.from_dict(r["tuned_config"]["config"])
-            cfg = f"{c.name()} r={r['tuned_config']['raster']} s={r['tuned_config']['swizzle']}"
+        cfg = config_label(r.get("tuned_config"))
         lines.append(f"| {r['workload']} | {r['M']}x{r['N']}x{r['K']} | {r['us']['cublas']:.1f} | **{q['coda_best']:.3f}** | "
                      f"{q['coda_default']:.3f} | {tuned} | {q['coda_identity']:.3f} | {q['eager']:.3f} | "
                      f"{q['torch_compile']:.3f} | {cfg} |")

@@ -28,6 +28,19 @@ def environment() -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def machine_line(env: dict[str, Any]) -> str:
+    """The environment sentence that opens a results table."""
+    return f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, bf16. "
+
+
+def config_label(choice: dict[str, Any] | None) -> str:
+    """A tuner choice (config, raster, swizzle) as one table cell ("" when there is none)."""
+    if not choice:
+        return ""
+    c = cc.KernelConfig.from_dict(choice["config"])
+    return f"{c.name()} r={choice['raster']} s={choice['swizzle']}"
+
+
 def require_hopper(script: str) -> None:
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         sys.exit(f"{script} needs a Hopper GPU (sm_90)")

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
-from report import GpuSampler, environment, ratio_bars, require_hopper, write_results  # noqa: E402
+from report import (GpuSampler, config_label, environment, machine_line, ratio_bars,  # noqa: E402
+                    require_hopper, write_results)
 
 D_MODEL, FFN, QKV = 4096, 14336, 6144
 SHAPES = {  # name: (N, K)
@@ -125,7 +126,7 @@ def run(ms: list[int], epilogue_names: list[str], shape_names: list[str], tune: 
 
 def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
     lines = [f"# coda-cutlass benchmark ({env['date']})", "",
-             f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, bf16. "
+             machine_line(env) +
              "Times are medians of CUDA-event-timed calls queued back to back over 2 rotating input sets, "
              "in interleaved rounds; "
              "ratios are to bare cuBLAS (`torch.mm`) of the same GEMM in the same run. "
@@ -134,10 +135,7 @@ def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) 
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         q = r["ratio"]
-        cfg = ""
-        if "config" in r:
-            c = cc.KernelConfig.from_dict(r["config"]["config"])
-            cfg = f"{c.name()} r={r['config']['raster']} s={r['config']['swizzle']}"
+        cfg = config_label(r.get("config"))
         lines.append(f"| {r['M']} | {r['shape']} {r['N']}x{r['K']} | {r['epilogue']} | {r['us']['cublas']:.1f} | "
                      f"{q['coda_identity']:.3f} | **{q['coda_fused']:.3f}** | {q['eager']:.3f} | "
                      f"{q['torch_compile']:.3f} | {cfg} |")

@@ -60,6 +60,11 @@ REDUCE_AXES = ("row", "col", "all", "segment")
 STORE_LAYOUTS = ("tile", "packed", "half")
 
 
+def layout_columns(layout: str, N: int) -> int:
+    """Columns of a tile tensor of this layout: M x N, packed pairs M x 2N, half width M x N/2."""
+    return 2 * N if layout == "packed" else (N // 2 if layout == "half" else N)
+
+
 @dataclass(frozen=True)
 class Node:
     id: int

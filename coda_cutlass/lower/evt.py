@@ -123,7 +123,6 @@ _NODE_HEADERS = {"pair_compute": "coda/pairwise.hpp", "index": "coda/coordinates
                  "half_store": "coda/half_store.hpp", "lse_reduce": "coda/logsumexp.hpp",
                  "segment_sum": "coda/segments.hpp", "pair_rotate": "coda/rotate.hpp"}
 _FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp", "gelu": "coda/gelu.hpp",
-                    "pair_rotate": "coda/rotate.hpp",
                     "unpack_lo": "coda/pairwise.hpp", "unpack_hi": "coda/pairwise.hpp",
                     "pack": "coda/pairwise.hpp"}
 
@@ -268,10 +267,10 @@ def _visitor_node(n: Node, index: int, children: tuple[int, ...], slot_of: dict[
                            {"functor": f"coda::Unpack<{half.cpp}>::{OPS[n.op].functor}", "element": F32,
                             "op": n.op})
     if n.op == "pair_rotate":   # its own node: reuses cos/sin across the tile (coda/rotate.hpp)
-        return VisitorNode(index, "pair_rotate", children, comment, {"element": F32, "op": n.op})
+        return VisitorNode(index, "pair_rotate", children, comment, {"element": F32})
     if n.op in PAIR_OPS:
         return VisitorNode(index, "pair_compute", children, comment,
-                           {"functor": f"coda::{OPS[n.op].functor}", "element": F32, "op": n.op})
+                           {"functor": f"coda::{OPS[n.op].functor}", "element": F32})
     if n.op in OPS:
         out = as_dtype(n.attr("dtype")) if n.op == "cast" else F32
         params = {"functor": f"coda::{OPS[n.op].functor}", "element": out}

@@ -21,7 +21,7 @@ from ..config import KernelConfig
 from ..dtypes import as_dtype
 from ..errors import CallError, DeviceError
 from ..interpret import REDUCTION_IDENTITY, finish_partials, interpret
-from ..ir.nodes import Kind
+from ..ir.nodes import Kind, layout_columns
 from ..ir.printer import format_program
 from ..lower.evt import TensorSlot
 from ..pipeline import Lowered
@@ -57,11 +57,6 @@ def ensure_gpu(device: torch.device | None, what: str) -> None:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _layout_cols(layout: str, N: int) -> int:
-    """Columns of a tile tensor: M x N, packed pairs M x 2N, half width M x N/2."""
-    return 2 * N if layout == "packed" else (N // 2 if layout == "half" else N)
 
 
 def _kernel_ld(layout: str, ld: int) -> int:
@@ -212,7 +207,7 @@ class CompiledEpilogue:
             role, name, i = s.role, s.name, s.index
             if role == "output":
                 t = out.get(name) if out else None
-                cols = _layout_cols(s.layout, N)
+                cols = layout_columns(s.layout, N)
                 if t is not None:
                     lds[i] = checks.check_tile(f"out['{name}']", t, M, cols, s.dtype, device)
                     written = written or {}
@@ -228,7 +223,7 @@ class CompiledEpilogue:
             else:
                 t = operands[name]
                 if s.kind == Kind.TILE:
-                    lds[i] = _kernel_ld(s.layout, checks.check_tile(name, t, M, _layout_cols(s.layout, N),
+                    lds[i] = _kernel_ld(s.layout, checks.check_tile(name, t, M, layout_columns(s.layout, N),
                                                                      s.dtype, device))
                 else:
                     self._check_tensor(name, s.kind, t, s.dtype, M, N, device)
@@ -302,16 +297,12 @@ class CompiledEpilogue:
         """Finish fp32 partials [tiles, padded length] with one small deterministic torch reduction."""
         fn, axis, dtype = self._finish_plan[name]
         n = N if axis == "col" else M
-        if fn == "lse" or axis == "segment":
-            part = buf[:, :n]
-            if self.partial_reductions:
-                return part
-            r = finish_partials(part, fn, axis, width=self._segment_widths.get(name, 0),
-                                tile_n=self.config.tile_n, N=N)
-            return r if dtype is torch.float32 else r.to(dtype)
         if self.partial_reductions:
             return buf[:, :n]
-        if axis == "all":
+        if fn == "lse" or axis == "segment":
+            r = finish_partials(buf[:, :n], fn, axis, width=self._segment_widths.get(name, 0),
+                                tile_n=self.config.tile_n, N=N)
+        elif axis == "all":
             r = buf[:, :n].sum()
         elif fn == "sum":
             r = torch.sum(buf, 0)[:n]     # reduce the padded buffer (contiguous), then slice

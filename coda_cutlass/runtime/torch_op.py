@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..ir.nodes import Kind
+from ..ir.nodes import Kind, layout_columns
 
 if TYPE_CHECKING:
     from .kernel import CompiledEpilogue
@@ -88,8 +88,7 @@ def _fake_output(k: "CompiledEpilogue", name: str, A: torch.Tensor, W: torch.Ten
     N = W.shape[0] if k.weight_layout == "nk" else W.shape[1]
     node = k.ir.sink(name)
     if node.op == "store":
-        from .kernel import _layout_cols
-        return A.new_empty((M, _layout_cols(node.attr("layout", "tile"), N)), dtype=node.dtype.torch)
+        return A.new_empty((M, layout_columns(node.attr("layout", "tile"), N)), dtype=node.dtype.torch)
     shape, dtype = k.reduction_result(name, M, N)
     return A.new_empty(shape, dtype=dtype)
 
