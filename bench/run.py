@@ -1,6 +1,7 @@
 """The benchmark suite (issue 3): fused GEMM + epilogue kernels against bare cuBLAS, our own identity
 epilogue, eager PyTorch and torch.compile doing the same work, on Llama-3-8B shapes, all timed in
-the same run (interleaved rounds, rotating input sets, CUDA events, medians).
+the same run (calls interleaved one by one in a shuffled order, rotating input sets, CUDA events,
+medians).
 
     python bench/run.py --out bench/results            # everything (tunes on first use)
     python bench/run.py --m 8192 --epilogues identity norm_stats --no-tune
@@ -128,7 +129,7 @@ def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) 
     lines = [f"# coda-cutlass benchmark ({env['date']})", "",
              machine_line(env) +
              "Times are medians of CUDA-event-timed calls queued back to back over 2 rotating input sets, "
-             "in interleaved rounds; "
+             "one by one in a freshly shuffled order every pass; "
              "ratios are to bare cuBLAS (`torch.mm`) of the same GEMM in the same run. "
              f"GPU during the run: {env.get('gpu_state', 'not sampled')} (per row: `gpu` in results.json).", "",
              "| M | GEMM (N x K) | epilogue | cuBLAS us | coda identity | coda fused | eager | torch.compile | config |",
@@ -158,7 +159,7 @@ def main() -> None:
     ap.add_argument("--epilogues", nargs="+", default=list(EPILOGUES), choices=list(EPILOGUES))
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--no-tune", action="store_true", help="use the heuristic default config")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     require_hopper("bench/run.py")
     out = Path(args.out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 from typing import Any, Callable, Sequence
 
@@ -27,28 +28,59 @@ def time_cuda(fn: Callable[[Any], Any], inputs: Sequence[Any], *, warmup: int = 
     return statistics.median(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends))
 
 
+ORDERS = ("shuffle", "rotate")
+
+
+def call_order(names: Sequence[str], passes: int, order: str = "shuffle", seed: int = 0) -> list[str]:
+    """The sequence in which ``interleaved`` calls the functions: ``passes`` passes, each calling every
+    name once.
+
+    ``"shuffle"`` (default): a fresh seeded permutation every pass, so every function follows every
+    other about equally often. ``"rotate"``: the order shifted by one each pass; the cyclic order is
+    then fixed, so a function almost always runs right after the same neighbour, and a neighbour that
+    leaves the GPU cooler or its L2 full of dirty lines biases that one function (measured on an
+    H200: up to 13% on cuBLAS, see docs/RESULTS.md)."""
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    names = list(names)
+    rng = random.Random(seed)
+    seq: list[str] = []
+    for p in range(passes):
+        if order == "rotate":
+            shift = p % len(names)
+            seq += names[shift:] + names[:shift]
+        else:
+            perm = names[:]
+            rng.shuffle(perm)
+            seq += perm
+    return seq
+
+
 def interleaved(fns: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], *, rounds: int = 5,
-                warmup: int = 5, reps: int = 20) -> dict[str, float]:
+                warmup: int = 5, reps: int = 20, order: str = "shuffle",
+                before: Callable[[Any], Any] | None = None) -> dict[str, float]:
     """Times several functions against each other; returns each one's median in microseconds.
 
-    The calls alternate one by one (A B C A B C ..., the order rotating every pass), all queued back
-    to back with an event pair around each and no synchronisation in between. Every function then
-    runs in the same clock, power and thermal state: timing each in its own batch lets a batch of
-    memory-bound kernels run at higher clocks than a batch of back-to-back GEMMs at the power limit,
-    which skews ratios by several percent on an H200."""
+    The calls alternate one by one (``rounds * reps`` passes, each calling every function once, in the
+    order ``call_order`` gives), all queued back to back with an event pair around each and no
+    synchronisation in between. Every function then runs in the same clock, power and thermal state:
+    timing each in its own batch lets a batch of memory-bound kernels run at higher clocks than a
+    batch of back-to-back GEMMs at the power limit, which skews ratios by several percent on an H200.
+    ``before``, when given, is queued untimed ahead of every timed call (a fixed predecessor)."""
     names = list(fns)
     for fn in fns.values():
         for i in range(warmup):
             fn(inputs[i % len(inputs)])
     torch.cuda.synchronize()
     events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {k: [] for k in names}
-    for p in range(rounds * reps):
-        shift = p % len(names)
-        for name in names[shift:] + names[:shift]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fns[name](inputs[p % len(inputs)])
-            end.record()
-            events[name].append((start, end))
+    for i, name in enumerate(call_order(names, rounds * reps, order)):
+        x = inputs[(i // len(names)) % len(inputs)]
+        if before is not None:
+            before(x)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fns[name](x)
+        end.record()
+        events[name].append((start, end))
     torch.cuda.synchronize()
     return {k: statistics.median(s.elapsed_time(e) * 1000.0 for s, e in v) for k, v in events.items()}
