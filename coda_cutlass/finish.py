@@ -38,3 +38,21 @@ def finish_segments(partials: torch.Tensor, width: int, tile_n: int, N: int) -> 
     else:
         seg = partials[:n_seg]
     return seg.t().contiguous()
+
+
+_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def sum_tiles(partials: torch.Tensor) -> torch.Tensor:
+    """[tiles, L] fp32 partials -> [L] sums over the tiles, as one cuBLAS matrix-vector product
+    with a ones vector: deterministic like torch.sum, and cheaper right after a GEMM on an H200
+    (M = 8192, 32 tiles: 6.4 us against 10.7 us for torch.sum over the tile dimension, with a
+    4.1 us launch floor; bench/finish_probe.py)."""
+    tiles = partials.shape[0]
+    key = (tiles, partials.device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = torch.ones(tiles, dtype=partials.dtype, device=partials.device)
+        if not (partials.is_cuda and torch.cuda.is_current_stream_capturing()):   # no graph-pool memory
+            _ONES[key] = ones
+    return torch.mv(partials.t(), ones)

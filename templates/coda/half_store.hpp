@@ -15,45 +15,21 @@
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 
 #include "coda/pairwise.hpp"
+#include "coda/pointer_node.hpp"
 
 namespace coda {
 
 template <class Element>
-struct HalfWidthStore {
-  struct SharedStorage {};
-  struct Arguments {
-    Element* ptr = nullptr;
-    int64_t ld = 0;   // row stride of the M x N/2 output, in elements
-  };
-  using Params = Arguments;
+struct HalfWidthStoreArguments {
+  Element* ptr = nullptr;
+  int64_t ld = 0;   // row stride of the M x N/2 output, in elements
+};
 
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const& args) {
-    return args.ptr != nullptr;
-  }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_HOST_DEVICE HalfWidthStore() {}
-  CUTLASS_HOST_DEVICE HalfWidthStore(Params const& params, SharedStorage const&) : params(params) {}
-  Params params;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
+template <class Element>
+struct HalfWidthStore : PointerNode<HalfWidthStoreArguments<Element>> {
+  using Base = PointerNode<HalfWidthStoreArguments<Element>>;
+  using Base::Base;
+  using typename Base::Params;
 
   template <class CoordTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
@@ -90,9 +66,9 @@ struct HalfWidthStore {
     auto [M, N, K, L] = args.problem_shape_mnkl;
     int row_origin = int(M) - int(cute::get<0>(args.residue_tCcD));
     int col_origin = int(N) - int(cute::get<1>(args.residue_tCcD));
-    Element* row0 = params.ptr + int64_t(row_origin) * params.ld;
+    Element* row0 = this->params.ptr + int64_t(row_origin) * this->params.ld;
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
-        row0, params.ld, col_origin, args.tCcD, args.residue_tCcD);
+        row0, this->params.ld, col_origin, args.tCcD, args.residue_tCcD);
   }
 };
 

@@ -2,14 +2,14 @@
 //
 // rotate(x, theta): out_2i = x_2i cos t - x_2i+1 sin t, out_2i+1 = x_2i sin t + x_2i+1 cos t with
 // t = theta_2i (the angle of the pair's even column). One sine/cosine per pair instead of per
-// element, and no separate pair split/merge nodes. Runs in a coda::PairCompute-style node, so the
-// fragment layout (pairs in adjacent registers) is checked at compile time.
+// element, and no separate pair split/merge nodes. The fragment layout (pairs in adjacent registers)
+// is checked at compile time, as for coda::PairCompute.
 //
-// coda::PairRotate (the node kernels use) also reuses sines and cosines across the tile: a thread
-// holds the same rows and column offsets in epilogue subtile n and n + EPI_N/2, so when its angles
-// there are bitwise equal to those it computed for subtile n (RoPE: a 256-wide tile holds two heads
-// with the same frequencies) it takes the cached cos/sin instead of evaluating them again. The test
-// is exact, so the result is the same bits either way; it only saves work.
+// coda::PairRotate also reuses sines and cosines across the tile: a thread holds the same rows and
+// column offsets in epilogue subtile n and n + EPI_N/2, so when its angles there are bitwise equal
+// to those it computed for subtile n (RoPE: a 256-wide tile holds two heads with the same
+// frequencies) it takes the cached cos/sin instead of evaluating them again. The test is exact, so
+// the result is the same bits either way; it only saves work.
 #pragma once
 
 #include "coda/math_extra.hpp"
@@ -31,43 +31,10 @@ CUTLASS_HOST_DEVICE void pair_sincos(float theta, float& s, float& c) {   // one
 
 }  // namespace detail
 
-template <class T> struct pair_rotate;
-template <class T, int N>
-struct pair_rotate<cutlass::Array<T, N>> {
-  static_assert(N % 2 == 0, "pair ops need an even fragment size");
-  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& x,
-                                                      cutlass::Array<T, N> const& theta) const {
-    cutlass::Array<T, N> out;
-    // A fragment whose angles are all exactly 0 (RoPE's V columns, freq 0) skips the trig: on
-    // those tiles the test is warp-uniform and the branch is real. x * 1 - y * 0 is what the
-    // rotation computes for a zero angle (sin 0 = 0, cos 0 = 1 exactly), so both paths give the
-    // same bits, including for inf / NaN inputs.
-    bool any_angle = false;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; i += 2) any_angle |= theta[i] != T(0);
-    if (!any_angle) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < N; i += 2) {
-        out[i] = x[i] - x[i + 1] * T(0);
-        out[i + 1] = x[i] * T(0) + x[i + 1];
-      }
-      return out;
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; i += 2) {
-      float c, s;
-      detail::pair_sincos(theta[i], s, c);   // one range reduction for both
-      out[i] = x[i] * c - x[i + 1] * s;
-      out[i + 1] = x[i] * s + x[i + 1] * c;
-    }
-    return out;
-  }
-};
-
+// The node is a plain visitor (no arguments, smem or loads) with its own consumer callbacks.
 template <class ElementOutput, class ElementCompute, cutlass::FloatRoundStyle RoundStyle>
-struct PairRotate : PairCompute<pair_rotate, ElementOutput, ElementCompute, RoundStyle> {
-  using Base = PairCompute<pair_rotate, ElementOutput, ElementCompute, RoundStyle>;
-  using Base::Base;
+struct PairRotate : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
+  using cutlass::epilogue::fusion::Sm90VisitorImpl<>::Sm90VisitorImpl;
 
   // Per thread: the angles and cos/sin of the first EPI_N/2 subtiles (for each EPI_M row block),
   // kept in registers (every index is a compile-time constant once the collective's subtile loops
@@ -110,7 +77,11 @@ struct PairRotate : PairCompute<pair_rotate, ElementOutput, ElementCompute, Roun
       }
       float c[P], s[P];
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < P; ++i) { c[i] = 1.0f; s[i] = 0.0f; }   // all angles 0 (V columns): no trig
+      for (int i = 0; i < P; ++i) { c[i] = 1.0f; s[i] = 0.0f; }
+      // A fragment whose angles are all exactly 0 (RoPE's V columns, freq 0) skips the trig: on
+      // those tiles the test is warp-uniform and the branch is real. x * 1 - y * 0 is what the
+      // rotation computes for a zero angle (sin 0 = 0, cos 0 = 1 exactly), so both paths give the
+      // same bits, including for inf / NaN inputs.
       if (any_angle) {
         if (cached) {
           CUTLASS_PRAGMA_UNROLL

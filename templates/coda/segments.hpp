@@ -17,6 +17,7 @@
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 
 #include "coda/pairwise.hpp"
+#include "coda/pointer_node.hpp"
 
 namespace coda {
 
@@ -57,42 +58,17 @@ CUTE_HOST_DEVICE constexpr int n_lane_span(int mask) {
 
 }  // namespace detail
 
+struct SegmentRowSumArguments {
+  float* ptr = nullptr;   // partials [ceil(N / TileN) * K, M_pad]
+};
+
 template <int Width, class CtaTileShapeMNK>
-struct SegmentRowSum {
+struct SegmentRowSum : PointerNode<SegmentRowSumArguments> {
+  using PointerNode<SegmentRowSumArguments>::PointerNode;
   static constexpr int TileM = cute::size<0>(CtaTileShapeMNK{});
   static constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
   static_assert(Width % 8 == 0 && TileN % Width == 0, "segment width must be a multiple of 8 dividing the tile");
   static constexpr int K = TileN / Width;   // segments per tile
-
-  struct SharedStorage {};
-  struct Arguments {
-    float* ptr = nullptr;   // partials [ceil(N / TileN) * K, M_pad]
-  };
-  using Params = Arguments;
-
-  template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
-  template <class ProblemShape>
-  static bool can_implement(ProblemShape const&, Arguments const& args) { return args.ptr != nullptr; }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_HOST_DEVICE SegmentRowSum() {}
-  CUTLASS_HOST_DEVICE SegmentRowSum(Params const& params, SharedStorage const&) : params(params) {}
-  Params params;
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
 
   template <class RegTensor, class GmemTensor, class CoordTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {

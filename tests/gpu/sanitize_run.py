@@ -21,7 +21,8 @@ import coda_cutlass as cc  # noqa: E402
 from catalog import BY_NAME, compile_options, fit_n, make_inputs  # noqa: E402
 
 CASES = ["residual_norm_stats", "every_op", "kn_accumulate_no_d", "norm_backward", "many_reductions",
-         "accumulate_D", "small_tile_config", "fp16_bias_relu", "reductions_only", "aux_only_named"]
+         "accumulate_D", "small_tile_config", "fp16_bias_relu", "reductions_only", "aux_only_named",
+         "row_max_min"]
 # the custom visitor nodes (pairs, half-width stores, packed pairs, LSE, gather, segments, indices)
 PAIRWISE_CASES = ["swiglu", "geglu_f16_half_only", "rope", "rope_rotate_pairs_f16", "pair_generic", "lm_head_lse_gather",
                   "lse_masked_rows_and_tiles", "swiglu_backward", "segment_sum_heads", "segment_sum_narrow"]
