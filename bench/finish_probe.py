@@ -30,6 +30,7 @@ N, K, TILES = 4096, 4096, 32
 
 def main() -> None:
     require_hopper("bench/finish_probe.py")
+    residual = cc.compile_epilogue(E.residual_add, torch.bfloat16)
     full = cc.compile_epilogue(E.residual_norm_stats, torch.bfloat16)
     partial = cc.compile_epilogue(E.residual_norm_stats, torch.bfloat16, partial_reductions=True)
     for M in (8192, 16384):
@@ -42,6 +43,8 @@ def main() -> None:
         alt = torch.mv(sets[0]["buf"].t(), sets[0]["ones"])
         print(f"M={M}: max |mv - sum| / max |sum| = {float((alt - ref).abs().max() / ref.abs().max()):.2e}")
         fns = {
+            "cublas": lambda x: torch.mm(x["A"], x["W"].t()),
+            "residual": lambda x: residual(x["A"], x["W"], resid=x["resid"]),
             "launch_floor": lambda x: x["tiny"].zero_(),
             "torch_sum_dim0": lambda x: torch.sum(x["buf"], 0),
             "mv_ones": lambda x: torch.mv(x["buf"].t(), x["ones"]),
@@ -50,7 +53,7 @@ def main() -> None:
         }
         times = interleaved(fns, sets, rounds=2, reps=40, before=lambda x: torch.mm(x["A"], x["W"].t()))
         for name, us in times.items():
-            print(f"  {name:22s} {us:8.1f} us")
+            print(f"  {name:22s} {us:8.1f} us  {us / times['cublas']:.3f}x cuBLAS")
 
 
 if __name__ == "__main__":
