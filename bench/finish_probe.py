@@ -1,11 +1,9 @@
 """Probe: what does finishing a reduction after the GEMM cost, and which call is cheapest? The
-kernel writes fp32 partials [ceil(N / tile_n), M_pad] (one row per N-tile); reductions the kernel
-does not finish itself are summed over the tiles by a second launch. Each candidate is timed right
-after an untimed bare GEMM of out-proj shape (as in a training step), calls shuffled, on M = 8192
-and 16384 (32 N-tiles), next to the smallest possible launch (zeroing 4 bytes) and to the whole
-norm-statistics call with and without the runtime's finishing step (`partial_reductions=True`).
-Since the per-row sum is finished inside the kernel (templates/coda/finish_rows.hpp) those two
-calls launch the same single kernel; before, the difference was the finishing launch (~9 us).
+kernel writes fp32 partials [ceil(N / tile_n), M_pad] (one row per N-tile); the runtime sums them
+over the tiles with a second launch. Each candidate is timed right after an untimed bare GEMM of
+out-proj shape (as in a training step), calls shuffled, on M = 8192 and 16384 (32 N-tiles), next
+to cuBLAS, the smallest possible launch (zeroing 4 bytes) and the whole norm-statistics call with
+and without the runtime's finishing step (`partial_reductions=True`).
 
     python bench/finish_probe.py
 """

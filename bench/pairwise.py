@@ -1,6 +1,7 @@
 """Benchmarks of the pairwise / log-sum-exp epilogues (issue 4) on Llama-3-8B shapes, bf16: each
 fused kernel against bare cuBLAS of the same GEMM, eager PyTorch and torch.compile doing the same
-work, all timed in one run (interleaved rounds, rotating input sets, CUDA-event medians).
+work, all timed in one run (calls interleaved in a shuffled order, rotating input sets, CUDA-event
+medians).
 
     python bench/pairwise.py --out bench/results_pairwise          # tunes on first use
     python bench/pairwise.py --workloads swiglu rope --no-tune
@@ -184,7 +185,8 @@ def write_markdown(rows: list[dict[str, Any]], env: dict[str, Any], path: Path) 
     lines = [f"# coda-cutlass pairwise / LSE benchmark ({env['date']})", "",
              machine_line(env) +
              "Medians of CUDA-event-timed calls queued back to back over rotating input sets, interleaved "
-             "rounds; ratios are to bare cuBLAS (`torch.mm`, no epilogue) of the same GEMM in the same run. "
+             "one by one in a freshly shuffled order every pass; ratios are to bare cuBLAS (`torch.mm`, no "
+             "epilogue) of the same GEMM in the same run. "
              "coda = the better of the heuristic default and the autotuned config; coda identity = our GEMM "
              "with no epilogue work (autotuned), i.e. the mainloop's own gap to cuBLAS. "
              f"GPU during the run: {env.get('gpu_state', 'not sampled')}.", "",
@@ -214,7 +216,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[8192])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--no-tune", action="store_true", help="time the heuristic default config only")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sets", type=int, default=2, help="rotating input sets per workload")
     args = ap.parse_args()
     require_hopper("bench/pairwise.py")

@@ -61,39 +61,6 @@ def test_node_kinds_map_to_cutlass_names():
     assert "Sm90Compute<coda::identity, ElementD" in src
 
 
-def test_row_reductions_are_finished_in_the_kernel():
-    """Per-row sum / max / min get coda::FinishedRowReduction with an output slot each and one
-    shared counter slot (offset per node); column, total, LSE and segment reductions keep partials."""
-    @cc.epilogue
-    def p(acc):
-        return {"D": acc, "s": cc.row_sum(acc), "m": cc.row_max(acc), "c": cc.col_sum(acc),
-                "t": cc.total_sum(acc), "l": cc.row_logsumexp(acc), "h": cc.segment_sum(acc, 64)}
-    lo = lower_program(p, Options.make(dtype=torch.bfloat16))
-    slots = {(t.name, t.role): t for t in lo.graph.tensors}
-    assert {n for n, r in slots if r == "finished"} == {"s", "m"}
-    assert [t.name for t in lo.graph.tensors if t.role == "counters"] == ["row-block counters"]
-    assert {n for n, r in slots if r == "partials"} == {"s", "m", "c", "t", "l", "h"}
-    finals = [v for v in lo.graph.nodes if v.kind == "row_reduce_final"]
-    assert [v.params["counters_offset"] for v in finals] == [0, 1]
-    assert "coda/finish_rows.hpp" in lo.graph.headers
-    src = lo.source
-    assert src.count("coda::FinishedRowReduction<") == 2
-    assert re.search(r"FinishedRowReduction<\s*fusion::Sm90ColReduction<\s*cutlass::maximum", src)
-    counters = slots[("row-block counters", "counters")].index
-    assert f"static_cast<unsigned*>(p.tensors[{counters}])}}" in src                 # first node: offset 0
-    assert f"static_cast<unsigned*>(p.tensors[{counters}]) + 1 * cute::ceil_div(p.M" in src
-    roles = [t["role"] for t in lo.graph.describe()["tensors"]]
-    assert roles.count("finished") == 2 and roles.count("counters") == 1
-
-
-def test_programs_without_row_reductions_keep_their_sources():
-    """No counters slot and no finishing header unless a row reduction needs them."""
-    lo = lower_program(cc.epilogue(lambda acc: {"D": acc, "c": cc.col_sum(acc)}, name="cs"),
-                       Options.make(dtype=torch.bfloat16))
-    assert all(t.role not in ("finished", "counters") for t in lo.graph.tensors)
-    assert "finish_rows" not in lo.source
-
-
 @pytest.mark.parametrize("op,functor", [
     ("exp", "coda::exp"), ("log", "coda::log"), ("sqrt", "coda::sqrt"), ("rsqrt", "coda::rsqrt"),
     ("reciprocal", "coda::reciprocal"), ("tanh", "coda::tanh"), ("sigmoid", "coda::sigmoid"),

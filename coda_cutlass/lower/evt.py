@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import KernelConfig
-from ..dtypes import F32, I32, DType, as_dtype
+from ..dtypes import F32, DType, as_dtype
 from ..errors import ConfigError, EpilogueError
 from ..finish import check_segment_tiling, segments_per_tile
 from ..ir.nodes import Kind, Node, Program
@@ -41,9 +41,7 @@ class TensorSlot:
     """One device pointer of the host ABI."""
     index: int
     name: str         # the operand or output it carries (documentation only)
-    role: str         # "input", "output", "inout" (accumulated output), "partials" (per-tile fp32
-                      # partials of a reduction), "finished" (a row reduction the kernel finishes
-                      # itself, length M) or "counters" (the row-block counters those use)
+    role: str         # "input", "output", "inout" (accumulated output) or "partials"
     kind: Kind        # TILE, ROW (length M), COL (length N); partials: ROW for row/total, COL for col
     dtype: DType
     reduce_fn: str | None = None
@@ -70,17 +68,11 @@ class TensorSlot:
         return d
 
 
-def finished_in_kernel(fn: str, axis: str) -> bool:
-    """Reductions the kernel finishes itself (coda/finish_rows.hpp): plain per-row sum / max / min.
-    Column reductions, totals, log-sum-exp and segment sums are finished by the runtime."""
-    return axis == "row" and fn in REDUCE_FUNCTOR
-
-
 @dataclass(frozen=True)
 class VisitorNode:
     index: int
     kind: str                      # acc, src, aux_load, row_vec, col_vec, scalar, const, compute,
-                                   # aux_store, row_reduce, row_reduce_final, col_reduce, d_store, ...
+                                   # aux_store, row_reduce, col_reduce, d_store
     children: tuple[int, ...]
     comment: str
     params: dict[str, Any] = field(default_factory=dict)
@@ -129,8 +121,7 @@ MIN_VISITOR_NODES = 5
 # include exactly the original headers, so their content keys do not change).
 _NODE_HEADERS = {"pair_compute": "coda/pairwise.hpp", "index": "coda/coordinates.hpp",
                  "half_store": "coda/half_store.hpp", "lse_reduce": "coda/logsumexp.hpp",
-                 "segment_sum": "coda/segments.hpp", "pair_rotate": "coda/rotate.hpp",
-                 "row_reduce_final": "coda/finish_rows.hpp"}
+                 "segment_sum": "coda/segments.hpp", "pair_rotate": "coda/rotate.hpp"}
 _FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp", "gelu": "coda/gelu.hpp",
                     "unpack_lo": "coda/pairwise.hpp", "unpack_hi": "coda/pairwise.hpp",
                     "pack": "coda/pairwise.hpp"}
@@ -199,11 +190,6 @@ def lower(program: Program, config: KernelConfig, dtype: DType, weight_layout: s
             slot_of[name] = len(tensors)
             tensors.append(TensorSlot(len(tensors), name, "partials", Kind.COL if axis == "col" else Kind.ROW,
                                       F32, n.attr("fn"), axis, width=width, segments=segments))
-            if finished_in_kernel(n.attr("fn"), axis):
-                tensors.append(TensorSlot(len(tensors), name, "finished", Kind.ROW,
-                                          as_dtype(n.attr("out_dtype", "f32")), n.attr("fn"), axis))
-    if any(t.role == "finished" for t in tensors):
-        tensors.append(TensorSlot(len(tensors), "row-block counters", "counters", Kind.ROW, I32))
     scalars = tuple(o.name for o in program.operands
                     if o.kind == Kind.SCALAR and any(n.op == "scalar" and n.attr("operand") == o.name
                                                      for n in program.nodes))
@@ -303,15 +289,6 @@ def _visitor_node(n: Node, index: int, children: tuple[int, ...], slot_of: dict[
             return VisitorNode(index, "segment_sum", children, f"{comment}: {slot.segments} segments per tile",
                                {"slot": slot.index, "width": slot.width})
         # else segments span whole tiles: a plain per-tile row sum, summed per segment afterwards
-    if n.op == "reduce" and finished_in_kernel(n.attr("fn"), n.attr("axis")):
-        finished = [t for t in tensors if t.role == "finished"]
-        out = next(t for t in finished if t.name == n.attr("name"))
-        counters = next(t for t in tensors if t.role == "counters")
-        return VisitorNode(index, "row_reduce_final", children, f"{comment} (finished in the kernel)",
-                           {"slot": slot_of[n.attr("name")], "functor": REDUCE_FUNCTOR[n.attr("fn")],
-                            "identity": REDUCE_IDENTITY[n.attr("fn")], "out_slot": out.index,
-                            "element": out.dtype, "counters_slot": counters.index,
-                            "counters_offset": finished.index(out)})
     if n.op == "reduce":
         fn, axis = n.attr("fn"), n.attr("axis")
         kind = "col_reduce" if axis == "col" else "row_reduce"

@@ -58,11 +58,6 @@ def slot_doc(t: TensorSlot) -> str:
             return (f"fp32 partials of segment sums (width {t.width}), [ceil(N / tile_n) * {t.segments}, "
                     "round_up(M, tile_m)], row t * segments + s for segment s of N-tile t")
         return f"fp32 partials of {what}, {layout}"
-    if t.role == "finished":
-        return f"{t.reduce_axis}_{t.reduce_fn} finished in the kernel, {t.dtype.name} [M]"
-    if t.role == "counters":
-        return ("u32 [row reductions finished in the kernel, ceil(M / tile_m)]: zero before the launch, "
-                "zero again after it")
     role = {"input": "input", "output": "output", "inout": "accumulated output (read, then written)"}[t.role]
     if t.layout == "packed":
         return f"{role} {t.dtype.name} [M, 2N] interleaved pairs, read as [M, N] 32-bit words (ld in words)"
@@ -72,7 +67,7 @@ def slot_doc(t: TensorSlot) -> str:
 
 
 def slot_check(t: TensorSlot) -> str:
-    if t.role in ("partials", "counters"):
+    if t.role == "partials":
         return "coda::SlotKind::Partials, 4"
     if t.layout == "packed":
         return "coda::SlotKind::Tile, 4"    # 32-bit words holding a pair each

@@ -1,9 +1,8 @@
 """``CompiledEpilogue``: a built kernel, callable from PyTorch.
 
 ``k(A, W, **operands)`` checks every argument, allocates the outputs, launches the fused GEMM
-once on the current stream, finishes the reductions the kernel leaves as per-tile partials (one
-small deterministic torch or cuBLAS call each; per-row sum / max / min the kernel finishes itself)
-and returns a dict of outputs. Accumulated outputs are passed in by name and updated in place.
+once on the current stream, finishes the reductions (one small deterministic torch or cuBLAS call
+each) and returns a dict of outputs. Accumulated outputs are passed in by name and updated in place.
 Under ``torch.compile`` the same call goes through a registered ``torch.library`` custom op.
 """
 
@@ -28,7 +27,6 @@ from ..ir.printer import format_program
 from ..lower.evt import TensorSlot
 from ..pipeline import Lowered
 from . import checks
-from .counters import row_block_counters
 from .library import KernelLibrary, load
 
 _RASTER = {"heuristic": 0, "m": 1, "n": 2}
@@ -101,9 +99,7 @@ class CompiledEpilogue:
         self.outputs = self.ir.outputs
         self.inout = tuple(n.attr("name") for n in self.ir.nodes if n.op == "store" and n.attr("accumulate"))
         self.operands = tuple(o for o in self.ir.operands if o.name not in self.inout)
-        self._slots_by_name = {t.name: t for t in self.graph.tensors if t.role not in ("finished", "counters")}
-        # Row reductions the kernel finishes itself: their partials are only returned on request.
-        self._finished_in_kernel = frozenset(t.name for t in self.graph.tensors if t.role == "finished")
+        self._slots_by_name = {t.name: t for t in self.graph.tensors}
         self._reductions = {n.attr("name"): n for n in self.ir.nodes if n.op == "reduce"}
         # Precomputed call plan (the eager path runs on every launch).
         self._arg_names = tuple(o.name for o in self.operands) + self.inout
@@ -225,11 +221,6 @@ class CompiledEpilogue:
             elif role == "partials":
                 t = self._partial_buffer(s, M, N, device, poison)
                 partials.append((name, t))
-            elif role == "finished":
-                t = results[name] = _new((M,), s.dtype.torch, device, poison)
-            elif role == "counters":
-                t = row_block_counters(device, current_stream(device),
-                                       len(self._finished_in_kernel) * _ceil_div(M, self.config.tile_m))
             else:
                 t = operands[name]
                 if s.kind == Kind.TILE:
@@ -270,8 +261,7 @@ class CompiledEpilogue:
                 f"{self.name}: the kernel refused the call before launch: {lib.status_string(status)} "
                 f"(M={M}, N={N}, K={K})")
         for name, buf in partials:
-            if self.partial_reductions or name not in self._finished_in_kernel:
-                results[name] = self._finish(name, buf, M, N)
+            results[name] = self._finish(name, buf, M, N)
         return {name: results[name] for name in self.outputs}
 
     def _check_tensor(self, name: str, kind: Kind, t: Any, dtype, M: int, N: int, device: torch.device) -> int:

@@ -5,8 +5,7 @@ writes is poisoned with NaN first; for every output
     max|out - ref32| <= 2 * max|ref_lowp - ref32| + 1e-6,
 with ref32 the interpreter in fp32 on fp32 copies and ref_lowp the same math at the operand
 precision. Two runs give bitwise-equal results; one call launches exactly one GEMM kernel plus one
-small finishing reduction per reduction output the kernel does not finish itself (per-row sum /
-max / min are finished in the kernel: see the tests at the end).
+small finishing reduction per finished reduction output.
 """
 
 from __future__ import annotations
@@ -123,8 +122,7 @@ def test_one_gemm_launch_per_call(kernels, case, monkeypatch):
     names = count_kernels(lambda: k(A, W, **ops))
     gemm = [n for n in names if "cutlass" in n or "device_kernel" in n]
     assert len(gemm) == 1, names
-    in_kernel = {t.name for t in k.graph.tensors if t.role == "finished"}
-    reductions = [n for n in k.ir.nodes if n.op == "reduce" and n.attr("name") not in in_kernel]
+    reductions = [n for n in k.ir.nodes if n.op == "reduce"]
     if k.partial_reductions:
         assert len(names) == 1, names
     elif all(r.attr("fn") in ("sum", "max", "min") and r.attr("axis") != "segment" for r in reductions):
@@ -290,63 +288,3 @@ def test_every_candidate_config_of_the_pairwise_library(name):
         ref32 = k.reference(A.float(), W.float(), precision="fp32", **fp32_copy(ops))
         lowp = k.reference(A, W, precision="lowp", **ops)
         check_outputs(k, out, ref32, lowp, f"{name} {cfg.name()}")
-
-
-# ------------------------------------------------------------------ row reductions finished in the kernel
-
-def _sequential(partials: torch.Tensor, fn) -> torch.Tensor:
-    """The kernel's final pass: N-tiles combined one by one in order, in fp32."""
-    acc = partials[0].clone()
-    for t in range(1, partials.shape[0]):
-        acc = fn(acc, partials[t])
-    return acc
-
-
-@pytest.mark.parametrize("M", [1000, 8192, 129])
-def test_in_kernel_finish_equals_the_ordered_sum_of_its_own_partials(M):
-    """The last CTA of each row block combines the row block's partials in N-tile order: bitwise the
-    same as doing that in fp32 on the partials the same kernel returns with partial_reductions."""
-    case = BY_NAME["row_max_min"]
-    opts = {k: v for k, v in compile_options(case).items() if k in BUILD_KEYS}
-    finished = cc.compile_epilogue(case.program, **opts)
-    partial = cc.compile_epilogue(case.program, **{**opts, "partial_reductions": True})
-    assert finished.key == partial.key        # one kernel: the partials stay in their buffer
-    N = 776 if M != 8192 else 4096
-    A, W, ops = make_inputs(case, M, N, 520, "cuda", seed=seed_of("finish", (M, N, 520)))
-    out, parts = finished(A, W, **ops), partial(A, W, **ops)
-    assert torch.equal(out["mx"], _sequential(parts["mx"], torch.maximum)[:M])
-    assert torch.equal(out["mn"], _sequential(parts["mn"], torch.minimum)[:M])
-    k = BY_NAME["small_tile_config"]
-    ks = cc.compile_epilogue(k.program, **{kk: v for kk, v in compile_options(k).items() if kk in BUILD_KEYS})
-    kp = cc.compile_epilogue(k.program, **{**{kk: v for kk, v in compile_options(k).items() if kk in BUILD_KEYS},
-                                           "partial_reductions": True})
-    A, W, ops = make_inputs(k, M, N, 520, "cuda", seed=seed_of("finish-sum", (M, N, 520)))
-    assert torch.equal(ks(A, W, **ops)["s"], _sequential(kp(A, W, **ops)["s"], torch.add)[:M])
-
-
-def test_in_kernel_finish_leaves_the_counters_at_zero_and_streams_apart():
-    """Counters are zero again after every launch (atomicInc wraps on the last arrival), calls on
-    two streams at once use separate counters, and a larger M grows the buffer."""
-    from coda_cutlass.runtime import counters as counters_module
-    case = BY_NAME["row_max_min"]
-    k = cc.compile_epilogue(case.program, **{kk: v for kk, v in compile_options(case).items() if kk in BUILD_KEYS})
-    inputs = [make_inputs(case, M, 776, 520, "cuda", seed=seed_of("streams", (M,))) for M in (1000, 3000, 20000)]
-    expected = [k(A, W, **ops) for A, W, ops in inputs]
-    torch.cuda.synchronize()
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for _ in range(3):
-        got = [None, None]
-        for i, s in enumerate(streams):
-            with torch.cuda.stream(s):
-                A, W, ops = inputs[i]
-                got[i] = [k(A, W, **ops) for _ in range(4)]
-        torch.cuda.synchronize()
-        for i in range(2):
-            for out in got[i]:
-                for name in ("mx", "mn"):
-                    assert torch.equal(out[name], expected[i][name]), (i, name)
-    bufs = counters_module._BUFFERS
-    assert len(bufs) >= 3                    # the default stream and the two side streams
-    assert max(b.numel() for b in bufs.values()) >= 2 * -(-20000 // k.config.tile_m)
-    for buf in bufs.values():
-        assert int(buf.abs().sum()) == 0
