@@ -1,6 +1,7 @@
-"""Finishing steps of the cross-tile reductions whose per-tile partials need more than a plain
-sum/max/min: online log-sum-exp and per-segment sums. Shared by the runtime (on the kernel's
-partials) and the reference interpreter (on its own partials), so both finish the same way.
+"""Finishing steps of cross-tile reductions. Online log-sum-exp and per-segment sums need more
+than a plain sum/max/min; they are shared by the runtime (on the kernel's partials) and the
+reference interpreter (on its own partials), so both finish the same way. ``sum_tiles`` is the
+runtime's cheaper plain sum over tiles (the interpreter keeps torch.sum; they agree to fp32 rounding).
 """
 
 from __future__ import annotations

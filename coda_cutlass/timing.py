@@ -39,7 +39,8 @@ def call_order(names: Sequence[str], passes: int, order: str = "shuffle", seed: 
     other about equally often. ``"rotate"``: the order shifted by one each pass; the cyclic order is
     then fixed, so a function almost always runs right after the same neighbour, and a neighbour that
     leaves the GPU cooler or its L2 full of dirty lines biases that one function (measured on an
-    H200: up to 13% on cuBLAS, see docs/RESULTS.md)."""
+    H200: cuBLAS about 10% faster after a memory-bound neighbour than after a GEMM, see
+    docs/RESULTS.md)."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     names = list(names)
