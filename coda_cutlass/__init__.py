@@ -25,9 +25,11 @@ from .frontend.primitives import (abs, accumulate, cast, col_index, col_max, col
                                   sqrt, square, tanh, total_sum, unpack, where)
 from .frontend.trace import EpilogueProgram, epilogue
 from .api import compile_epilogue, compile_many, emit, reference
+from .maps import compile_map, emit_map, map_reference
 
 __all__ = [
     "__version__", "epilogue", "EpilogueProgram", "compile_epilogue", "compile_many", "emit", "reference",
+    "compile_map", "emit_map", "map_reference",
     "Tile", "PairTile", "PerRow", "PerCol", "Scalar", "KernelConfig",
     "abs", "accumulate", "cast", "col_index", "col_max", "col_min", "col_sum", "cos", "exp", "gather",
     "gelu", "half_width", "interleave", "log", "maximum", "minimum", "pack", "pair_map", "pairs", "pow",

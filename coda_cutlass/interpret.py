@@ -117,8 +117,12 @@ def finish_partials(partials: torch.Tensor, fn: str, axis: str, *, width: int = 
 
 def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapping[str, Any], *,
               weight_layout: str = "nk", precision: str = "kernel",
-              partial_tile: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+              partial_tile: tuple[int, int] | None = None, acc: torch.Tensor | None = None
+              ) -> dict[str, torch.Tensor]:
     """Evaluate a typed program. Returns a dict output name -> tensor, like the compiled kernel.
+
+    With ``acc`` (an (M, N) tensor), the program runs on it instead of on ``A @ W.T`` (a map
+    kernel's reference; A and W are then ignored and may be None).
 
     With ``partial_tile=(tm, tn)``, reductions are returned as per-tile partials (see
     ``partial_reduce``) instead of finished values.
@@ -128,9 +132,13 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
     if weight_layout not in ("nk", "kn"):
         raise ValueError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
     gemm_dtype = as_dtype(program.meta.get("gemm_dtype", "bf16"))
-    M = A.shape[0]
-    N = W.shape[0] if weight_layout == "nk" else W.shape[1]
-    dev = A.device
+    if acc is not None:
+        M, N = acc.shape
+        dev = acc.device
+    else:
+        M = A.shape[0]
+        N = W.shape[0] if weight_layout == "nk" else W.shape[1]
+        dev = A.device
 
     def lowp(x: torch.Tensor) -> torch.Tensor:
         return x.to(gemm_dtype.torch).float() if precision == "lowp" else x
@@ -151,7 +159,9 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
     vals: dict[int, torch.Tensor] = {}
     outs: dict[str, torch.Tensor] = {}
     for n in program.nodes:
-        if n.op == "acc":
+        if n.op == "acc" and acc is not None:
+            vals[n.id] = acc.float()
+        elif n.op == "acc":
             vals[n.id] = gemm_lowp(A, W, weight_layout, gemm_dtype) if precision == "lowp" \
                 else gemm_fp32(A, W, weight_layout)
         elif n.op in ("load", "scalar"):

@@ -6,6 +6,8 @@ Forward:  residual_norm_stats (out-proj / down-proj), rowscale (the consumer of 
           lm_head_lse (LM head: log-sum-exp and target logit), qk_norm_stats (per-head sum of
           squares), bias_gelu, residual_add, identity.
 Backward: rmsnorm_backward (the norm-backward dX GEMM epilogue), swiglu_backward (down-proj dX).
+Training a Llama block (coda_cutlass.nn; block.py): swiglu_backward_scaled, norm_backward(_first),
+          cross_entropy_backward; norm_stats and rope_backward are map kernels (no GEMM).
 Helpers:  rstd_from_sumsq (finishes RMSNorm statistics: r = rsqrt(mean x^2 + eps)).
 """
 
@@ -14,8 +16,11 @@ from .basic import identity, residual_add, rowscale
 from .norms import qk_norm_stats, residual_norm_stats, rmsnorm_backward, rstd_from_sumsq
 from .pairwise import geglu, reglu, rope, rope_generic, swiglu, swiglu_backward, swiglu_only
 from .loss import lm_head_lse, lm_head_lse_logits
+from .block import (cross_entropy_backward, norm_backward, norm_backward_first, norm_stats, rope_backward,
+                    swiglu_backward_scaled)
 
 __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "rowscale_silu",
            "residual_norm_stats", "rmsnorm_backward", "rstd_from_sumsq", "qk_norm_stats",
            "swiglu", "swiglu_only", "geglu", "reglu", "swiglu_backward", "rope", "rope_generic", "lm_head_lse",
-           "lm_head_lse_logits"]
+           "lm_head_lse_logits", "swiglu_backward_scaled", "norm_backward", "norm_backward_first", "norm_stats",
+           "rope_backward", "cross_entropy_backward"]

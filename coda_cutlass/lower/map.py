@@ -1,0 +1,184 @@
+"""Lowering for map kernels: an epilogue program applied to an existing M x N tensor, no GEMM.
+
+The program's ``acc`` is the tensor ``X`` the kernel is called with. The same language and the same
+typed IR as GEMM epilogues; only the code generator differs: a plain CUDA kernel in which each
+thread evaluates the IR nodes in order on 8 consecutive columns of one row (templates/map.cu.j2,
+templates/coda/map_kernel.hpp). Used where a Transformer needs memory-bound work with no GEMM in
+front of it: the first RMSNorm's statistics (after the embedding) and the RoPE backward on the
+attention gradients.
+
+Node placement: values that do not vary along M (scalars, constants, per-column vectors and math on
+them) are computed once per thread before the row loop; per-row and per-element values inside it.
+A value that varies along N is an 8-element array, one that does not is a single float.
+
+Supported: every elementwise op and cast, the pair ops (pairs, interleave, pair_map, rotate_pairs),
+row/col indices, tile / per-row / per-column / scalar operands, tile outputs (full or half width),
+accumulated outputs, and row reductions (sum, max, min, gather) and total sums as per-(row,
+256-column tile) partials. Refused with an error naming the node: packed pairs, log-sum-exp,
+segment sums and column reductions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..dtypes import F32, DType, as_dtype
+from ..errors import EpilogueError
+from ..ir.nodes import Kind, Node, Program
+from ..ir.ops import OPS, PACK_OPS
+from ..ir.printer import node_text
+from .evt import REDUCE_IDENTITY, float_literal
+
+MAP_ABI_VERSION = 1
+TILE_N = 256          # columns per partial (templates/coda/map_kernel.hpp kTileN)
+
+_REDUCE_FUNCTOR = {"sum": "coda::scalar::add", "max": "coda::scalar::maximum", "min": "coda::scalar::minimum"}
+# Functors defined outside functors.hpp, and the header each needs.
+_FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp", "pair_rotate": "coda/math_extra.hpp",
+                    "gelu": "coda/gelu.hpp"}
+
+
+@dataclass(frozen=True)
+class MapSlot:
+    """One tensor of the host ABI of a map kernel."""
+    index: int
+    name: str
+    role: str          # "acc" (the input X), "input", "output", "inout", "partials"
+    kind: Kind         # TILE, ROW (length M), COL (length N); partials: ROW
+    dtype: DType
+    layout: str = "tile"          # tile outputs: "tile" (M x N) or "half" (M x N/2)
+    reduce_fn: str | None = None
+    reduce_axis: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        d = {"index": self.index, "name": self.name, "role": self.role, "kind": self.kind.value,
+             "dtype": self.dtype.name}
+        if self.layout != "tile":
+            d["layout"] = self.layout
+        if self.reduce_fn:
+            d["reduce"] = f"{self.reduce_axis}_{self.reduce_fn}"
+        return d
+
+
+@dataclass(frozen=True)
+class MapNode:
+    """One IR node as the map template emits it."""
+    id: int
+    op: str                    # the template macro: see map.cu.j2
+    vector: bool               # an 8-element array (varies along N) or one float
+    hoisted: bool              # computed before the row loop (does not vary along M)
+    inputs: tuple[tuple[int, bool], ...]   # (node id, is vector)
+    comment: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MapGraph:
+    program: Program
+    dtype: DType               # dtype of X (and the default of tile operands)
+    slots: tuple[MapSlot, ...]
+    scalars: tuple[str, ...]
+    nodes: tuple[MapNode, ...]
+    headers: tuple[str, ...]
+
+    def describe(self) -> dict[str, Any]:
+        return json.loads(json.dumps({
+            "abi": f"map-{MAP_ABI_VERSION}", "program": self.program.name, "dtype": self.dtype.name,
+            "slots": [s.describe() for s in self.slots], "scalars": list(self.scalars),
+            "outputs": list(self.program.outputs)}))
+
+
+def _refuse(program: Program, n: Node, why: str) -> EpilogueError:
+    return EpilogueError(f"map kernels (no GEMM) do not support {why}; use it in a GEMM epilogue",
+                         program=program.name, node=n.label)
+
+
+def lower_map(program: Program, dtype: DType) -> MapGraph:
+    """Typed IR -> the map kernel's slots and nodes. Raises EpilogueError for unsupported nodes."""
+    accumulated = {n.attr("name") for n in program.nodes if n.op == "store" and n.attr("accumulate")}
+    slots: list[MapSlot] = [MapSlot(0, "acc", "acc", Kind.TILE, dtype)]
+    slot_of: dict[str, int] = {}
+    live = {n.attr("operand") for n in program.nodes if n.op == "load"}
+    for o in program.operands:
+        if o.kind == Kind.SCALAR or o.name not in live:
+            continue
+        if o.packed:
+            raise EpilogueError(f"operand '{o.name}': map kernels do not read packed pairs (cc.PairTile)",
+                                program=program.name)
+        slot_of[o.name] = len(slots)
+        role = "inout" if o.name in accumulated else "input"
+        slots.append(MapSlot(len(slots), o.name, role, o.kind, o.dtype or dtype))
+    for name in program.outputs:
+        n = program.sink(name)
+        if n.op == "store":
+            if name in accumulated:
+                continue
+            slot_of[name] = len(slots)
+            slots.append(MapSlot(len(slots), name, "output", Kind.TILE, n.dtype, layout=n.attr("layout", "tile")))
+        else:
+            slot_of[name] = len(slots)
+            out = as_dtype(n.attr("out_dtype", "f32"))   # partials are fp32; the finished result is this
+            slots.append(MapSlot(len(slots), name, "partials", Kind.ROW, out, reduce_fn=n.attr("fn"),
+                                 reduce_axis=n.attr("axis")))
+    scalars = tuple(o.name for o in program.operands
+                    if o.kind == Kind.SCALAR and any(n.op == "scalar" and n.attr("operand") == o.name
+                                                     for n in program.nodes))
+
+    vector: dict[int, bool] = {}
+    nodes: list[MapNode] = []
+    headers: set[str] = set()
+    for n in program.nodes:
+        vec = n.kind in (Kind.TILE, Kind.COL)
+        hoisted = n.kind in (Kind.SCALAR, Kind.COL)
+        vector[n.id] = vec
+        ins = tuple((i, vector[i]) for i in n.inputs)
+        op, params = _node(program, n, slot_of, scalars)
+        if n.op in _FUNCTOR_HEADERS:
+            headers.add(_FUNCTOR_HEADERS[n.op])
+        if n.is_sink:
+            hoisted = False
+        nodes.append(MapNode(n.id, op, vec, hoisted, ins, node_text(n), params))
+    return MapGraph(program, dtype, tuple(slots), scalars, tuple(nodes), tuple(sorted(headers)))
+
+
+def _node(program: Program, n: Node, slot_of: dict[str, int], scalars: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
+    if n.op == "acc":
+        return "tile_load", {"slot": 0}
+    if n.op == "load":
+        slot = slot_of[n.attr("operand")]
+        kind = {Kind.TILE: "tile_load", Kind.ROW: "row_load", Kind.COL: "col_load"}[n.kind]
+        return kind, {"slot": slot, "element": _cpp(n.dtype)}
+    if n.op == "scalar":
+        return "scalar", {"index": scalars.index(n.attr("operand"))}
+    if n.op == "const":
+        return "const", {"literal": float_literal(n.attr("value"))}
+    if n.op == "index":
+        return ("row_index" if n.attr("axis") == "row" else "col_index"), {}
+    if n.op in PACK_OPS:
+        raise _refuse(program, n, "packed pairs (cc.unpack / cc.pack)")
+    if n.op == "cast":
+        return "cast", {"element": as_dtype(n.attr("dtype")).cpp}
+    if n.op in ("pair_first", "pair_second", "pair_merge", "pair_rotate"):
+        return n.op, {}
+    if n.op in OPS:
+        return "fn", {"functor": f"coda::scalar::{OPS[n.op].functor}"}
+    if n.op == "store":
+        if n.attr("layout", "tile") not in ("tile", "half"):
+            raise _refuse(program, n, f"'{n.attr('layout')}' outputs")
+        op = "half_store" if n.attr("layout") == "half" else "store"
+        return op, {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype)}
+    if n.op == "reduce":
+        fn, axis = n.attr("fn"), n.attr("axis")
+        if fn == "lse":
+            raise _refuse(program, n, "log-sum-exp reductions")
+        if axis not in ("row", "all"):
+            raise _refuse(program, n, f"{axis} reductions")
+        return "row_reduce", {"slot": slot_of[n.attr("name")], "functor": _REDUCE_FUNCTOR[fn],
+                              "identity": REDUCE_IDENTITY[fn]}
+    raise _refuse(program, n, f"op '{n.op}'")
+
+
+def _cpp(dtype: DType | None) -> str:
+    return (dtype or F32).cpp

@@ -1,0 +1,151 @@
+"""``LlamaBlock``: a Llama decoder layer whose every non-attention op runs in a GEMM epilogue or a
+map kernel, forward and backward (a ``torch.autograd.Function``).
+
+    block = cc.nn.LlamaBlock.from_hf(hf_layer)          # or LlamaBlock(dim, heads, kv_heads, ffn)
+    y = block(x)                                         # x: (B, S, D) bf16 / fp16 on a Hopper GPU
+    y.sum().backward()
+
+On a machine without a Hopper GPU (or with fp32 tensors) the same module runs the same programs
+through the reference interpreter, so CPU tests check its math against a plain torch block.
+Weights are kept in the kernels' layout (RoPE pairs adjacent in W_qkv, gate/up rows interleaved);
+``from_hf`` / ``to_hf`` convert.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from .attention import Attention
+from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
+from .runner import Runner, default_runner
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """The standard RoPE frequencies theta^(-2i / head_dim), i < head_dim / 2."""
+    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+
+def column_frequencies(inv_freq: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """RoPE frequency of every column of the fused (pair-adjacent) QKV output: each pair's frequency
+    on both of its columns, for the q and k heads; 0 on v (not rotated)."""
+    head = inv_freq.to(torch.float32).repeat_interleave(2)
+    return torch.cat((head.repeat(n_heads + n_kv_heads), torch.zeros(n_kv_heads * head.numel())))
+
+
+_POSITIONS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    key = (batch, seq, device)
+    pos = _POSITIONS.get(key)
+    if pos is None:
+        pos = torch.arange(seq, dtype=torch.float32, device=device).repeat(batch)
+        if not (pos.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _POSITIONS[key] = pos
+    return pos
+
+
+class BlockFunction(torch.autograd.Function):
+    """(x, h, r) -> (x2[, h2, r2]) for one block; the weights' gradients come from the epilogues."""
+
+    @staticmethod
+    def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, g_next, step: Step):  # type: ignore[override]
+        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
+        x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
+        ctx.step, ctx.saved, ctx.weights = step, saved, w
+        if h2 is None:
+            return x2
+        ctx.mark_non_differentiable(h2, r2)
+        return x2, h2, r2
+
+    @staticmethod
+    def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
+        dx, g = block_backward(ctx.step, ctx.saved, ctx.weights, dx2.contiguous())
+        ctx.saved = None
+        return dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, None, None
+
+
+class LlamaBlock(nn.Module):
+    """A Llama decoder layer (pre-norm RMSNorm -> QKV + RoPE -> causal GQA attention -> out-proj +
+    residual -> RMSNorm -> gate/up + SwiGLU -> down + residual) in the kernels' weight layout."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *, head_dim: int | None = None,
+                 eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
+                 attention: str = "sdpa", device: Any = None, dtype: Any = None):
+        super().__init__()
+        head_dim = head_dim or dim // n_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        self.dims = BlockDims(dim, n_heads, n_kv_heads, head_dim, ffn_dim, float(eps))
+        kw = {"device": device, "dtype": dtype}
+        d = self.dims
+        self.attn_norm = nn.Parameter(torch.ones(dim, **kw))
+        self.qkv = nn.Parameter(torch.empty(d.qkv_width, dim, **kw))
+        self.o = nn.Parameter(torch.empty(dim, d.q_width, **kw))
+        self.mlp_norm = nn.Parameter(torch.ones(dim, **kw))
+        self.gate_up = nn.Parameter(torch.empty(2 * ffn_dim, dim, **kw))
+        self.down = nn.Parameter(torch.empty(dim, ffn_dim, **kw))
+        inv = rope_inv_freq(head_dim, rope_theta) if inv_freq is None else inv_freq
+        self.register_buffer("inv_freq", inv.to(torch.float32).to(device), persistent=False)   # per RoPE pair
+        self.register_buffer("rope_freq", column_frequencies(inv, n_heads, n_kv_heads).to(device), persistent=False)
+        self.attention = Attention(attention)
+        self.runner: Runner | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for w in (self.qkv, self.o, self.gate_up, self.down):
+            nn.init.normal_(w, std=1.0 / math.sqrt(w.shape[1]))
+        nn.init.ones_(self.attn_norm)
+        nn.init.ones_(self.mlp_norm)
+
+    def extra_repr(self) -> str:
+        d = self.dims
+        return (f"dim={d.dim}, heads={d.n_heads}, kv_heads={d.n_kv_heads}, head_dim={d.head_dim}, "
+                f"ffn={d.ffn_dim}, eps={d.eps}, attention={self.attention.backend}")
+
+    # ------------------------------------------------------------------ running
+    def get_runner(self) -> Runner:
+        if self.runner is None:
+            self.runner = default_runner(self.qkv.device, self.qkv.dtype)
+        return self.runner
+
+    def step(self, batch: int, seq: int, runner: Runner | None = None) -> Step:
+        return Step(self.dims, runner or self.get_runner(), self.attention, batch, seq,
+                    positions(batch, seq, self.qkv.device), self.rope_freq)
+
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down, self.attn_norm, self.mlp_norm)
+
+    def run(self, step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
+            g_next: torch.Tensor | None) -> Any:
+        """The block on an (M, D) stream with its normed copy h and rstd r (as a stack calls it)."""
+        return BlockFunction.apply(x, h, r, *self.weights(), g_next, step)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, S, D) -> (B, S, D)."""
+        if x.dim() != 3 or x.shape[-1] != self.dims.dim:
+            raise ValueError(f"LlamaBlock expects (batch, seq, {self.dims.dim}) input, got {tuple(x.shape)}")
+        B, S, D = x.shape
+        step = self.step(B, S)
+        x2d = x.reshape(B * S, D)
+        with torch.no_grad():
+            h, r = first_norm(step, x2d.detach().contiguous(), self.attn_norm)
+        return self.run(step, x2d.contiguous(), h, r, None).view(B, S, D)
+
+    # ------------------------------------------------------------------ Hugging Face
+    @classmethod
+    def from_hf(cls, layer: Any, config: Any = None, *, attention: str = "sdpa") -> "LlamaBlock":
+        """A block with the weights of a transformers ``LlamaDecoderLayer`` (q/k rows permuted to
+        adjacent RoPE pairs, q/k/v fused, gate/up interleaved). RoPE frequencies come from the
+        layer's config (``rope_theta``, and ``rope_scaling`` through transformers when set)."""
+        from .hf import block_from_hf
+        return block_from_hf(cls, layer, config, attention)
+
+    def to_hf(self, layer: Any) -> Any:
+        """Copy this block's weights into a transformers ``LlamaDecoderLayer`` (inverse of from_hf)."""
+        from .hf import block_to_hf
+        return block_to_hf(self, layer)

@@ -1,0 +1,173 @@
+"""How the block's kernels run: compiled GEMM + epilogue kernels on a Hopper GPU, or the torch
+reference interpreter anywhere else (the same programs, so CPU tests check the GPU code path's math).
+
+Every launch names its *site* ("qkv", "down.dgrad", ...): the kernel configuration is chosen per
+site (a ``KernelPlan``, e.g. from the in-sequence tuner), and an optional ``Recorder`` brackets each
+launch with CUDA events to time it inside the block's own sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..config import KernelConfig
+from ..interpret import interpret
+from ..maps import compile_map, map_reference
+from ..pipeline import Options, typed_ir
+from ..tuning.space import default_config
+
+REFERENCE_TILE = (128, 128)     # partial-reduction layout the reference runner reproduces
+MAP_TILE = (1, 256)             # map kernels: one partial per (row, 256-column tile)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A site's kernel configuration and its runtime raster order / swizzle."""
+    config: KernelConfig
+    raster: str = "heuristic"
+    swizzle: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": self.config.build_key, "raster": self.raster, "swizzle": self.swizzle}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Choice":
+        return cls(KernelConfig.from_dict(d["config"]), d.get("raster", "heuristic"), int(d.get("swizzle", 1)))
+
+
+@dataclass
+class Recorder:
+    """CUDA events around every launch: site -> list of (start, end) pairs."""
+    events: dict[str, list[tuple[Any, Any]]] = field(default_factory=dict)
+
+    def around(self, site: str, fn: Callable[[], Any]) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        self.events.setdefault(site, []).append((start, end))
+        return out
+
+    def times_us(self) -> dict[str, list[float]]:
+        torch.cuda.synchronize()
+        return {k: [s.elapsed_time(e) * 1000.0 for s, e in v] for k, v in self.events.items()}
+
+    def clear(self) -> None:
+        self.events.clear()
+
+
+class Runner:
+    """The interface the block's forward and backward call."""
+    recorder: Recorder | None = None
+
+    def gemm(self, site: str, program: Any, A: torch.Tensor, W: torch.Tensor, *, layout: str = "nk",
+             partial: bool = False, **operands: Any) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def map(self, site: str, program: Any, X: torch.Tensor, *, partial: bool = False,
+            out: dict[str, torch.Tensor] | None = None, **operands: Any) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def timed(self, site: str, fn: Callable[[], Any]) -> Any:
+        """Plain torch work (cuBLAS weight gradients, attention), timed when a recorder is set."""
+        return fn() if self.recorder is None else self.recorder.around(site, fn)
+
+
+class ReferenceRunner(Runner):
+    """The torch interpreter, on whatever device the tensors are (fp32 tensors: exact math)."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, precision: str | None = None):
+        self.dtype = dtype
+        self.precision = precision
+        self._ir: dict[tuple[str, str], Any] = {}
+
+    def _typed(self, program: Any) -> Any:
+        key = (program.name, str(self.dtype))
+        ir = self._ir.get(key)
+        if ir is None:
+            ir = self._ir[key] = typed_ir(program, Options.make(self.dtype))
+        return ir
+
+    def _precision(self, t: torch.Tensor) -> str:
+        return self.precision or ("fp32" if t.dtype == torch.float32 else "kernel")
+
+    def gemm(self, site, program, A, W, *, layout="nk", partial=False, **operands):
+        return interpret(self._typed(program), A, W, operands, weight_layout=layout, precision=self._precision(A),
+                         partial_tile=REFERENCE_TILE if partial else None)
+
+    def map(self, site, program, X, *, partial=False, out=None, **operands):
+        if not partial:
+            res = map_reference(program, X, dtype=self.dtype, precision=self._precision(X), **operands)
+        else:
+            M = X.shape[0] * X.shape[1] if X.dim() in (3, 4) else X.shape[0]
+            flat = {k: (v.reshape(M, -1) if isinstance(v, torch.Tensor) and v.dim() > 2 else v)
+                    for k, v in operands.items()}
+            res = interpret(self._typed(program), None, None, flat, precision=self._precision(X),  # type: ignore[arg-type]
+                            partial_tile=MAP_TILE, acc=X.reshape(M, -1))
+        for name, t in (out or {}).items():
+            t.copy_(res[name].reshape(t.shape))
+            res[name] = t
+        return res
+
+
+class KernelRunner(Runner):
+    """Compiled kernels on a Hopper GPU. ``plan`` maps a site to its Choice (default: the heuristic
+    default configuration); kernels are compiled (or fetched from the cache) on first use."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, plan: dict[str, Choice] | None = None,
+                 cache_dir: Any = None, verbose: bool | None = None):
+        self.dtype = dtype
+        self.plan: dict[str, Choice] = dict(plan or {})
+        self.cache_dir = cache_dir
+        self.verbose = verbose
+        self._gemms: dict[tuple[Any, ...], Any] = {}
+        self._maps: dict[tuple[Any, ...], Any] = {}
+        self._defaults: dict[tuple[str, str], KernelConfig] = {}
+
+    def choice(self, site: str, program: Any, layout: str) -> Choice:
+        c = self.plan.get(site)
+        if c is not None:
+            return c
+        key = (program.name, layout)
+        cfg = self._defaults.get(key)
+        if cfg is None:
+            from ..pipeline import lower_program
+            cfg = self._defaults[key] = lower_program(program, Options.make(self.dtype, layout)).options.config \
+                or default_config()
+        return Choice(cfg)
+
+    def kernel(self, program: Any, layout: str, partial: bool, config: KernelConfig) -> Any:
+        from ..api import compile_epilogue
+        key = (program.name, id(program), layout, partial, config.name())
+        k = self._gemms.get(key)
+        if k is None:
+            k = self._gemms[key] = compile_epilogue(program, self.dtype, weight_layout=layout, config=config,
+                                                    partial_reductions=partial, cache_dir=self.cache_dir,
+                                                    verbose=self.verbose)
+        return k
+
+    def gemm(self, site, program, A, W, *, layout="nk", partial=False, **operands):
+        c = self.choice(site, program, layout)
+        k = self.kernel(program, layout, partial, c.config)
+        run = lambda: k(A, W, raster=c.raster, swizzle=c.swizzle, **operands)  # noqa: E731
+        return run() if self.recorder is None else self.recorder.around(site, run)
+
+    def map(self, site, program, X, *, partial=False, out=None, **operands):
+        key = (program.name, id(program), partial)
+        k = self._maps.get(key)
+        if k is None:
+            k = self._maps[key] = compile_map(program, self.dtype, partial_reductions=partial,
+                                              cache_dir=self.cache_dir, verbose=self.verbose)
+        run = lambda: k(X, out=out, **operands)  # noqa: E731
+        return run() if self.recorder is None else self.recorder.around(site, run)
+
+
+def default_runner(device: torch.device, dtype: torch.dtype) -> Runner:
+    """Kernels on a Hopper GPU, the reference interpreter elsewhere (CPU, fp32, other GPUs)."""
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) \
+            and torch.cuda.get_device_capability(device) == (9, 0):
+        return KernelRunner(dtype)
+    return ReferenceRunner(dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)

@@ -1,0 +1,128 @@
+// coda-cutlass: device and host helpers of map kernels (an epilogue program applied to an existing
+// M x N tensor, no GEMM): vector loads and stores of 8 consecutive columns, the strided views that
+// let a kernel read e.g. attention gradients laid out as (B, H, S, head_dim) as if they were
+// (B * S) x (H * head_dim), warp reductions, and the launch.
+//
+// Work split: a warp owns one row at a time; lane l of the warp holds columns n0 .. n0 + 7 of that
+// row, n0 = 256 * blockIdx.y + 8 * l, so one warp covers a 256-wide column tile. A block of 8 warps
+// walks 32 rows. Row reductions are per (row, 256-wide column tile) partials, finished on the host.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "cutlass/numeric_types.h"
+#include "coda/functors.hpp"
+
+namespace coda {
+namespace map {
+
+constexpr int kVec = 8;                   // columns per thread (one 16-byte vector of 16-bit values)
+constexpr int kWarps = 8;                 // warps per block
+constexpr int kRowsPerBlock = 32;         // rows per block (each warp takes every 8th row)
+constexpr int kTileN = 32 * kVec;         // columns per block: one warp-wide column tile
+
+// Element (m, n) of a view is at
+//   (m / inner_m) * outer_m + (m % inner_m) * stride_m + (n / inner_n) * outer_n + (n % inner_n)
+// elements from its base. A plain row-major matrix: inner_m = M, stride_m = ld, inner_n = N.
+// A (B, S, H, D) tensor seen as (B*S) x (H*D): inner_m = S, inner_n = D and the strides of B, S, H.
+struct View {
+  int64_t outer_m, stride_m, inner_m, outer_n, inner_n;
+};
+
+CUTLASS_DEVICE int64_t row_offset(View const& v, int64_t m) {
+  return (m / v.inner_m) * v.outer_m + (m % v.inner_m) * v.stride_m;
+}
+CUTLASS_DEVICE int64_t col_offset(View const& v, int64_t n) {
+  return (n / v.inner_n) * v.outer_n + (n % v.inner_n);
+}
+
+template <class T> CUTLASS_DEVICE float to_float(T x) { return float(x); }
+template <class T> CUTLASS_DEVICE T from_float(float x) { return T(x); }   // round to nearest even
+
+// Round through T and back (a cast in the middle of a program).
+template <class T> CUTLASS_DEVICE float round_to(float x) { return float(T(x)); }
+
+// 8 consecutive elements (16-bit: one 16-byte load; fp32: two).
+template <class T>
+CUTLASS_DEVICE void load8(void const* base, int64_t offset, float (&out)[kVec]) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "tile elements are 16 or 32 bits");
+  T const* p = static_cast<T const*>(base) + offset;
+  if constexpr (sizeof(T) == 2) {
+    uint4 raw = *reinterpret_cast<uint4 const*>(p);
+    T const* e = reinterpret_cast<T const*>(&raw);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVec; ++i) out[i] = to_float(e[i]);
+  } else {
+    float4 a = reinterpret_cast<float4 const*>(p)[0];
+    float4 b = reinterpret_cast<float4 const*>(p)[1];
+    out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+    out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+  }
+}
+
+template <class T>
+CUTLASS_DEVICE void store8(void* base, int64_t offset, float const (&in)[kVec]) {
+  T* p = static_cast<T*>(base) + offset;
+  if constexpr (sizeof(T) == 2) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVec; ++i) e[i] = from_float<T>(in[i]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  } else {
+    reinterpret_cast<float4*>(p)[0] = make_float4(in[0], in[1], in[2], in[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(in[4], in[5], in[6], in[7]);
+  }
+}
+
+// The even columns of 8 (half-width output: column i of the output from the pair 2i, 2i + 1).
+template <class T>
+CUTLASS_DEVICE void store_even4(void* base, int64_t offset, float const (&in)[kVec]) {
+  T* p = static_cast<T*>(base) + offset;
+  if constexpr (sizeof(T) == 2) {
+    uint2 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVec / 2; ++i) e[i] = from_float<T>(in[2 * i]);
+    *reinterpret_cast<uint2*>(p) = raw;
+  } else {
+    *reinterpret_cast<float4*>(p) = make_float4(in[0], in[2], in[4], in[6]);
+  }
+}
+
+// One element of a per-row or per-column vector (any dtype: index vectors are read as fp32).
+template <class T>
+CUTLASS_DEVICE float load1(void const* base, int64_t i) {
+  return float(static_cast<T const*>(base)[i]);
+}
+
+template <class F>
+CUTLASS_DEVICE float warp_reduce(float x) {
+  F f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int d = 16; d > 0; d >>= 1) x = f(x, __shfl_xor_sync(0xffffffffu, x, d));
+  return x;
+}
+
+// ---- host side ---------------------------------------------------------------------------------
+
+enum Status : int { kOk = 0, kBadShape = 1, kNullPointer = 2, kLaunch = 8 };
+
+inline const char* status_string(int status) {
+  switch (status) {
+    case kOk: return "ok";
+    case kBadShape: return "M and N must be positive and N a multiple of 8";
+    case kNullPointer: return "a required tensor pointer is null";
+    case kLaunch: return "the kernel launch failed";
+    default: return "unknown status";
+  }
+}
+
+inline dim3 grid(int64_t M, int64_t N) {
+  return dim3(static_cast<unsigned>((M + kRowsPerBlock - 1) / kRowsPerBlock),
+              static_cast<unsigned>((N + kTileN - 1) / kTileN));
+}
+
+}  // namespace map
+}  // namespace coda
