@@ -21,7 +21,7 @@ from torch import nn
 
 from .attention import Attention
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
-from .runner import Runner, default_runner
+from .runner import KernelRunner, Runner, default_runner
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -113,9 +113,17 @@ class LlamaBlock(nn.Module):
             self.runner = default_runner(self.qkv.device, self.qkv.dtype)
         return self.runner
 
+    def context(self) -> str:
+        """The model widths that decide kernel shapes (the key of in-sequence tuning plans)."""
+        d = self.dims
+        return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}"
+
     def step(self, batch: int, seq: int, runner: Runner | None = None) -> Step:
-        return Step(self.dims, runner or self.get_runner(), self.attention, batch, seq,
-                    positions(batch, seq, self.qkv.device), self.rope_freq)
+        runner = runner or self.get_runner()
+        if isinstance(runner, KernelRunner):
+            runner.prepare(self.context(), batch * seq)
+        return Step(self.dims, runner, self.attention, batch, seq, positions(batch, seq, self.qkv.device),
+                    self.rope_freq)
 
     def weights(self) -> tuple[torch.Tensor, ...]:
         return (self.qkv, self.o, self.gate_up, self.down, self.attn_norm, self.mlp_norm)

@@ -116,7 +116,7 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
         f3 = run.gemm("down", E.residual_norm_stats, y, w.down, partial=True, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)                         # R2
     else:
-        x2, h2, r2 = run.gemm("down", E.residual_add, y, w.down, resid=x1)["D"], None, None
+        x2, h2, r2 = run.gemm("down.last", E.residual_add, y, w.down, resid=x1)["D"], None, None
     return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx)
 
 

@@ -120,12 +120,28 @@ class KernelRunner(Runner):
     def __init__(self, dtype: torch.dtype = torch.bfloat16, plan: dict[str, Choice] | None = None,
                  cache_dir: Any = None, verbose: bool | None = None):
         self.dtype = dtype
-        self.plan: dict[str, Choice] = dict(plan or {})
+        self._explicit: dict[str, Choice] = dict(plan or {})
+        self.plan: dict[str, Choice] = dict(self._explicit)
         self.cache_dir = cache_dir
         self.verbose = verbose
         self._gemms: dict[tuple[Any, ...], Any] = {}
         self._maps: dict[tuple[Any, ...], Any] = {}
         self._defaults: dict[tuple[str, str], KernelConfig] = {}
+        self._stored: dict[tuple[str, int], dict[str, Choice] | None] = {}
+        self._prepared: tuple[str, int] | None = None
+
+    def prepare(self, context: str, M: int) -> None:
+        """Use the in-sequence tuned plan stored for this model context and M bucket, if there is
+        one (a plan passed to the constructor or tuned in this process takes precedence)."""
+        from ..tuning.store import m_bucket
+        from .tuning import load_plan
+        key = (context, m_bucket(M))
+        if key == self._prepared:
+            return
+        if key not in self._stored:
+            self._stored[key] = load_plan(context, self.dtype, M, self.cache_dir)
+        self.plan = {**(self._stored[key] or {}), **self._explicit}
+        self._prepared = key
 
     def choice(self, site: str, program: Any, layout: str) -> Choice:
         c = self.plan.get(site)

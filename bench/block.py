@@ -1,0 +1,334 @@
+"""The Llama block benchmark (issue 11): one decoder block, forward and forward+backward, as the
+training step runs it, against eager PyTorch, torch.compile (default and max-autotune) and the
+bare cuBLAS GEMMs of the same block, all in one process.
+
+    python bench/block.py --out bench/results_block                      # 8B and 70B widths, M 8192/16384
+    python bench/block.py --widths 8b --tokens 8192 --tune --no-max-autotune
+
+Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through SDPA):
+- eager / compile / max-autotune: a standard Llama block (separate q/k/v and gate/up weights,
+  half-split RoPE, F.rms_norm), plain autograd; torch.compile and mode="max-autotune-no-cudagraphs".
+- coda: coda_cutlass.nn in a stack (the norm statistics come in from the previous block and the
+  next block's go out of the down-proj epilogue), every non-attention op in an epilogue.
+- cublas: the same 12 GEMMs (plain torch.mm, cuBLAS) and the same attention, in the block's
+  order, and nothing else: the floor the fused kernels are held to, per GEMM and in total.
+Timing: >= 50 back-to-back iterations per variant after warm-up, CUDA events around each
+iteration, variants visited in a fresh shuffled order every round (same clock and power state).
+Per-site times (CUDA events around each launch inside the sequence) and a profiler pass give the
+per-kernel table and the non-attention device time. Writes results.json and results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from coda_cutlass.nn import KernelRunner, LlamaBlock, Recorder  # noqa: E402
+from coda_cutlass.nn.block import BlockFunction  # noqa: E402
+from coda_cutlass.nn.functional import first_norm  # noqa: E402
+from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
+from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
+from report import GpuSampler, environment, machine_line, require_hopper  # noqa: E402
+
+WIDTHS = {
+    "8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336),
+    "70b": dict(dim=8192, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672),
+}
+SEQ = 4096
+ATTENTION_NAMES = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")
+
+
+def is_attention(kernel: str) -> bool:
+    k = kernel.lower()
+    return any(n in k for n in ATTENTION_NAMES)
+
+
+class Workload:
+    """One block at one width and token count, with every variant's inputs."""
+
+    def __init__(self, width: str, M: int, device: torch.device, max_autotune: bool):
+        torch.manual_seed(0)
+        self.width, self.M = width, M
+        self.batch, self.seq = M // SEQ, SEQ
+        dims = WIDTHS[width]
+        block = LlamaBlock(**dims, eps=1e-5, device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for w in (block.qkv, block.o, block.gate_up, block.down):
+                w.normal_(0.0, 0.02)
+            block.attn_norm.normal_(1.0, 0.1)
+            block.mlp_norm.normal_(1.0, 0.1)
+        self.block = block
+        self.runner = KernelRunner(torch.bfloat16)
+        block.runner = self.runner
+        D = dims["dim"]
+        self.g_next = (torch.randn(D, device=device) * 0.1 + 1).to(torch.bfloat16)
+        x = torch.randn(M, D, device=device, dtype=torch.bfloat16)
+        self.step = block.step(self.batch, self.seq)
+        with torch.no_grad():
+            self.h, self.r = first_norm(self.step, x, block.attn_norm)
+        self.x = x.requires_grad_()
+        self.dy = torch.randn(M, D, device=device, dtype=torch.bfloat16)
+        # the standard block
+        self.w = standard_weights(block)
+        self.x3 = x.detach().view(self.batch, self.seq, D).clone().requires_grad_()
+        self.dy3 = self.dy.view(self.batch, self.seq, D)
+        self.inv = block.inv_freq
+        fn = lambda x3, *ws: standard_block(x3, dict(zip(self.w, ws)), block.dims, self.inv)  # noqa: E731
+        self.eager_fn = fn
+        self.compiled = torch.compile(fn)
+        self.compiled_max = torch.compile(fn, mode="max-autotune-no-cudagraphs") if max_autotune else None
+        self.skeleton = Skeleton(self, device)
+
+    def params(self) -> list[torch.Tensor]:
+        return list(self.block.parameters()) + list(self.w.values()) + [self.x, self.x3]
+
+    def zero_grad(self) -> None:
+        for p in self.params():
+            p.grad = None
+
+    # ---- variants: fwd(), fwd_bwd()
+    def coda(self, backward: bool) -> None:
+        if backward:
+            x2, _, _ = self.block.run(self.step, self.x, self.h, self.r, self.g_next)
+            x2.backward(self.dy)
+        else:
+            with torch.no_grad():
+                self.block.run(self.step, self.x, self.h, self.r, self.g_next)
+
+    def standard(self, fn: Callable[..., torch.Tensor], backward: bool) -> None:
+        if backward:
+            fn(self.x3, *self.w.values()).backward(self.dy3)
+        else:
+            with torch.no_grad():
+                fn(self.x3, *self.w.values())
+
+    def variants(self) -> dict[str, Callable[[bool], None]]:
+        v: dict[str, Callable[[bool], None]] = {
+            "eager": lambda b: self.standard(self.eager_fn, b),
+            "compile": lambda b: self.standard(self.compiled, b),
+            "coda": self.coda,
+            "cublas": self.skeleton.run,
+        }
+        if self.compiled_max is not None:
+            v["max-autotune"] = lambda b: self.standard(self.compiled_max, b)
+        return v
+
+
+class Skeleton:
+    """The block's 12 GEMMs (cuBLAS through torch.mm) and its attention, in the coda block's order,
+    with every site timed like the coda runner's."""
+
+    def __init__(self, wl: Workload, device: torch.device):
+        b, d = wl.block, wl.block.dims
+        M = wl.M
+        rnd = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+        self.wl = wl
+        self.h, self.x = wl.h, wl.x.detach()
+        self.y, self.dz, self.dqkv = rnd(M, d.ffn_dim), rnd(M, 2 * d.ffn_dim), rnd(M, d.qkv_width)
+        self.W = {"qkv": b.qkv.detach(), "o": b.o.detach(), "gu": b.gate_up.detach(), "down": b.down.detach()}
+        self.recorder: Recorder | None = None
+
+    def _t(self, site: str, fn: Callable[[], Any]) -> Any:
+        return fn() if self.recorder is None else self.recorder.around(site, fn)
+
+    def run(self, backward: bool) -> None:
+        W, h, x, step = self.W, self.h, self.x, self.wl.step
+        with torch.no_grad():
+            qkv = self._t("qkv", lambda: h @ W["qkv"].t())
+            o, ctx = self._t("attention.fwd", lambda: step.attention.forward(qkv, step.batch, step.seq, step.dims))
+            x1 = self._t("o", lambda: o @ W["o"].t())
+            self._t("gate_up", lambda: x1 @ W["gu"].t())
+            x2 = self._t("down", lambda: self.y @ W["down"].t())
+            if not backward:
+                return
+            self._t("down.dgrad", lambda: x2 @ W["down"])
+            self._t("down.wgrad", lambda: x2.t() @ self.y)
+            dx1 = self._t("gate_up.dgrad", lambda: self.dz @ W["gu"])
+            self._t("gate_up.wgrad", lambda: self.dz.t() @ x1)
+            da = self._t("o.dgrad", lambda: dx1 @ W["o"])
+            self._t("o.wgrad", lambda: dx1.t() @ o)
+            self._t("attention.bwd", lambda: step.attention.backward(ctx, da))
+            self._t("qkv.dgrad", lambda: self.dqkv @ W["qkv"])
+            self._t("qkv.wgrad", lambda: self.dqkv.t() @ h)
+
+
+def time_rounds(wl: Workload, names: list[str], backward: bool, rounds: int, iters: int, seed: int) -> dict[str, list[float]]:
+    """Per-iteration times (ms) of each variant; variants visited in a shuffled order each round."""
+    fns = wl.variants()
+    rng = random.Random(seed)
+    events: dict[str, list[tuple[Any, Any]]] = {n: [] for n in names}
+    for _ in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        for n in order:
+            for _ in range(iters):
+                wl.zero_grad()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                fns[n](backward)
+                e.record()
+                events[n].append((s, e))
+    torch.cuda.synchronize()
+    return {n: [s.elapsed_time(e) for s, e in v] for n, v in events.items()}
+
+
+def site_times(wl: Workload, rounds: int, iters: int) -> dict[str, dict[str, float]]:
+    """Median time per site (us) of the coda block and the cuBLAS skeleton, fwd+bwd, alternating."""
+    rec = {"coda": Recorder(), "cublas": Recorder()}
+    for _ in range(rounds):
+        for name in ("coda", "cublas"):
+            for _ in range(iters):
+                wl.zero_grad()
+                if name == "coda":
+                    wl.runner.recorder = rec["coda"]
+                    wl.coda(True)
+                    wl.runner.recorder = None
+                else:
+                    wl.skeleton.recorder = rec["cublas"]
+                    wl.skeleton.run(True)
+                    wl.skeleton.recorder = None
+    return {n: {site: statistics.median(v) for site, v in r.times_us().items()} for n, r in rec.items()}
+
+
+def device_breakdown(wl: Workload, names: list[str], iters: int) -> dict[str, dict[str, float]]:
+    """Profiler pass: device time per fwd+bwd iteration (us), split into attention and the rest,
+    and for the rest into GEMM-like kernels and others."""
+    from torch.profiler import ProfilerActivity, profile
+    fns = wl.variants()
+    out: dict[str, dict[str, float]] = {}
+    for n in names:
+        fns[n](True)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                wl.zero_grad()
+                fns[n](True)
+            torch.cuda.synchronize()
+        tot = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
+        kernels: dict[str, float] = {}
+        for ev in prof.events():
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = ev.time_range.elapsed_us() / iters
+            name = ev.name
+            kernels[name] = kernels.get(name, 0.0) + us
+            low = name.lower()
+            if is_attention(name):
+                tot["attention"] += us
+            elif any(k in low for k in ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "device_kernel")):
+                tot["gemm"] += us
+            else:
+                tot["other"] += us
+        tot["non_attention"] = tot["gemm"] + tot["other"]
+        tot["top"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:12])  # type: ignore[assignment]
+        out[n] = tot
+    return out
+
+
+def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    t0 = time.monotonic()
+    wl = Workload(width, M, device, args.max_autotune)
+    names = list(wl.variants())
+    print(f"[{width} M={M}] warm-up / compile ...", flush=True)
+    for n in names:
+        for backward in (False, True):
+            for _ in range(2):
+                wl.zero_grad()
+                wl.variants()[n](backward)
+    torch.cuda.synchronize()
+    print(f"[{width} M={M}] ready in {time.monotonic() - t0:.0f} s", flush=True)
+    tuned = None
+    if args.tune:
+        print(f"[{width} M={M}] in-sequence tuning ...", flush=True)
+        tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), context=wl.block.context(),
+                                 M=M, iters=args.tune_iters, warmup=1, verbose=True)
+    res: dict[str, Any] = {"width": width, "M": M, "batch": wl.batch, "seq": wl.seq}
+    for backward in (False, True):
+        times = time_rounds(wl, names, backward, args.rounds, args.iters, seed=M + backward)
+        res["fwd_bwd" if backward else "fwd"] = {n: {"median_ms": statistics.median(v), "mean_ms": statistics.fmean(v),
+                                                     "n": len(v)} for n, v in times.items()}
+    res["sites"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4))
+    res["device"] = device_breakdown(wl, names, iters=3)
+    res["plan"] = {s: c.to_json() for s, c in wl.runner.plan.items()}
+    if tuned:
+        res["tuning"] = {k: tuned[k] for k in ("before_us", "after_us", "seconds")}
+    res["seconds"] = round(time.monotonic() - t0, 1)
+    del wl
+    torch.cuda.empty_cache()
+    return res
+
+
+SITE_ORDER = ["qkv", "o", "gate_up", "down", "down.dgrad", "gate_up.dgrad", "qkv.dgrad"]
+
+
+def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
+    lines = [f"# Llama block benchmark\n\n{machine_line(env)}{env.get('sampler', '')}\n"]
+    lines.append("| width | M | variant | fwd ms | fwd+bwd ms | fwd+bwd vs compile | non-attention device us | vs cuBLAS GEMMs |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        comp = r["fwd_bwd"]["compile"]["median_ms"]
+        floor = r["device"]["cublas"]["non_attention"]
+        for n in r["fwd_bwd"]:
+            fb = r["fwd_bwd"][n]["median_ms"]
+            dev = r["device"].get(n, {})
+            na = dev.get("non_attention", float("nan"))
+            lines.append(f"| {r['width']} | {r['M']} | {n} | {r['fwd'][n]['median_ms']:.2f} | {fb:.2f} | "
+                         f"{comp / fb - 1:+.1%} | {na:.0f} | {na / floor:.3f} |")
+    lines.append("\nPer fused kernel inside the block's sequence (fwd+bwd, median us), against the same GEMM on cuBLAS "
+                 "in the same sequence:\n")
+    lines.append("| width | M | site | coda us | cuBLAS us | ratio | config |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in results:
+        for s in SITE_ORDER:
+            c, b = r["sites"]["coda"].get(s), r["sites"]["cublas"].get(s)
+            if c is None or b is None:
+                continue
+            plan = r["plan"].get(s)
+            cfg = "default" if plan is None else f"{plan['config']} r={plan['raster']} s={plan['swizzle']}"
+            lines.append(f"| {r['width']} | {r['M']} | {s} | {c:.0f} | {b:.0f} | {c / b:.3f} | {cfg} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--widths", nargs="+", default=["8b", "70b"], choices=list(WIDTHS))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[8192, 16384])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10, help="iterations per variant per round (rounds x iters >= 50)")
+    ap.add_argument("--tune", action="store_true", help="tune the coda block's kernels in its own sequence first")
+    ap.add_argument("--tune-iters", type=int, default=4)
+    ap.add_argument("--no-max-autotune", dest="max_autotune", action="store_false")
+    ap.add_argument("--out", type=Path, default=Path("bench/results_block"))
+    args = ap.parse_args()
+    require_hopper("bench/block.py")
+    device = torch.device("cuda")
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    results = []
+    with GpuSampler() as sampler:
+        for width in args.widths:
+            for M in args.tokens:
+                results.append(run_workload(width, M, args, device))
+                (args.out / "results.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    env["sampler"] = sampler.summary()
+    (args.out / "results.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    text = markdown(results, env)
+    (args.out / "results.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

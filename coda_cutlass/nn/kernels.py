@@ -1,0 +1,38 @@
+"""Every GEMM + epilogue kernel the Llama block and model launch, by site (for prebuilding them,
+e.g. into a wheel, and for tuning). Map kernels are not listed: they build in seconds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import epilogues as E
+
+# site -> (program, weight layout)
+SITES: dict[str, tuple[Any, str]] = {
+    "qkv": (E.rope, "nk"),
+    "o": (E.residual_norm_stats, "nk"),
+    "gate_up": (E.swiglu, "nk"),
+    "down": (E.residual_norm_stats, "nk"),
+    "down.last": (E.residual_add, "nk"),
+    "down.dgrad": (E.swiglu_backward_scaled, "kn"),
+    "gate_up.dgrad": (E.norm_backward, "kn"),
+    "qkv.dgrad": (E.norm_backward, "kn"),
+    "lm_head": (E.lm_head_lse, "nk"),
+    "lm_head.logits": (E.rowscale, "nk"),
+    "lm_head.recompute": (E.cross_entropy_backward, "nk"),
+    "lm_head.dgrad": (E.norm_backward_first, "kn"),
+}
+
+
+def prebuild_items(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> list[tuple[Any, dict]]:
+    """(program, options) of every distinct kernel, default configuration, per dtype."""
+    seen: set[tuple[str, str, torch.dtype]] = set()
+    items = []
+    for program, layout in SITES.values():
+        for dtype in dtypes:
+            if (program.name, layout, dtype) not in seen:
+                seen.add((program.name, layout, dtype))
+                items.append((program, {"dtype": dtype, "weight_layout": layout}))
+    return items

@@ -1,0 +1,137 @@
+"""In-sequence tuning: choose each site's kernel configuration where the kernel really runs, inside
+the training step's own sequence of GEMMs and attention, sustained.
+
+Timed alone, a fused kernel's best configuration and its ratio to cuBLAS differ from what it gets
+inside a block: there the GPU runs GEMMs back to back at its power limit and each kernel follows
+its real neighbours (measured on an H200: cuBLAS itself is ~10% faster right after a memory-bound
+kernel than after a GEMM). So the tuner runs the whole step repeatedly and times every site with
+CUDA events around its launch, changing one site's configuration at a time (coordinate descent,
+largest sites first), then its raster order and swizzle. The plan is stored in the tuning cache,
+keyed by GPU, dtype, model widths and M bucket, and found again by later processes.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..build.progress import say
+from ..config import KernelConfig
+from ..pipeline import Options, lower_program
+from ..tuning.space import RUNTIME_CHOICES, candidate_configs
+from ..tuning.store import TuningStore, m_bucket
+from .runner import Choice, KernelRunner, Recorder
+
+
+@dataclass(frozen=True)
+class Site:
+    """One launch point of the step: its program, weight layout and reduction mode."""
+    name: str
+    program: Any
+    layout: str
+    partial: bool
+
+
+def plan_key(context: str, dtype: torch.dtype, M: int) -> str:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return f"inseq|{props.name}|sm{props.major}{props.minor}|cuda{torch.version.cuda}|{dtype}|{context}|M{m_bucket(M)}"
+
+
+def load_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None) -> dict[str, Choice] | None:
+    rec = TuningStore(cache_dir).get(plan_key(context, dtype, M))
+    if not isinstance(rec, dict) or not isinstance(rec.get("sites"), dict):
+        return None
+    return {site: Choice.from_json(c) for site, c in rec["sites"].items()}
+
+
+def discover_sites(runner: KernelRunner, step: Callable[[], Any]) -> list[Site]:
+    """Run the step once and list the GEMM sites it launches, in launch order."""
+    seen: dict[str, Site] = {}
+    original = runner.gemm
+
+    def spy(site, program, A, W, *, layout="nk", partial=False, **ops):
+        seen.setdefault(site, Site(site, program, layout, partial))
+        return original(site, program, A, W, layout=layout, partial=partial, **ops)
+
+    runner.gemm = spy  # type: ignore[method-assign]
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        del runner.gemm
+    return list(seen.values())
+
+
+def _site_times(runner: KernelRunner, step: Callable[[], Any], iters: int, warmup: int) -> dict[str, float]:
+    for _ in range(warmup):
+        step()
+    rec = Recorder()
+    runner.recorder = rec
+    try:
+        for _ in range(iters):
+            step()
+    finally:
+        runner.recorder = None
+    return {site: statistics.median(v) for site, v in rec.times_us().items()}
+
+
+def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: str, M: int, iters: int = 6,
+                     warmup: int = 2, runtime: bool = True, candidates: Callable[[Site], list[KernelConfig]] | None = None,
+                     cache_dir: Any = None, jobs: int | None = None, verbose: bool | None = None,
+                     store: bool = True) -> dict[str, Any]:
+    """Tune every GEMM site of ``step`` (a callable running one full step through ``runner``) in
+    the step's own sequence. Returns {"sites": {site: choice}, "timings": ...} and stores it."""
+    from ..api import compile_many
+    start = time.monotonic()
+    sites = discover_sites(runner, step)
+    cands = {s.name: (candidates(s) if candidates else
+                      candidate_configs(lower_program(s.program, Options.make(runner.dtype, s.layout)).graph))
+             for s in sites}
+    items = [(s.program, {"weight_layout": s.layout, "config": c, "partial_reductions": s.partial,
+                          "cache_dir": cache_dir}) for s in sites for c in cands[s.name]]
+    say(f"in-sequence tuning of {len(sites)} sites: building {len(items)} candidate kernels", verbose)
+    built = compile_many(items, runner.dtype, jobs=jobs, verbose=verbose, skip_failed=True)
+    usable: dict[str, list[KernelConfig]] = {s.name: [] for s in sites}
+    i = 0
+    for s in sites:
+        for c in cands[s.name]:
+            k = built[i]
+            i += 1
+            if k is not None:
+                runner._gemms[(s.program.name, id(s.program), s.layout, s.partial, c.name())] = k
+                usable[s.name].append(c)
+    base = _site_times(runner, step, iters, warmup)
+    order = sorted(sites, key=lambda s: -base.get(s.name, 0.0))
+    timings: dict[str, list[dict[str, Any]]] = {}
+    for s in order:
+        best: tuple[float, Choice] | None = None
+        rows = timings.setdefault(s.name, [])
+        for c in usable[s.name]:
+            runner.plan[s.name] = Choice(c)
+            us = _site_times(runner, step, iters, warmup)[s.name]
+            rows.append({"config": c.name(), "raster": "heuristic", "swizzle": 1, "us": round(us, 1)})
+            if best is None or us < best[0]:
+                best = (us, Choice(c))
+        assert best is not None, f"no candidate of site {s.name} could be built"
+        if runtime:
+            for raster, swizzle in RUNTIME_CHOICES:
+                choice = Choice(best[1].config, raster, swizzle)
+                runner.plan[s.name] = choice
+                us = _site_times(runner, step, iters, warmup)[s.name]
+                rows.append({"config": choice.config.name(), "raster": raster, "swizzle": swizzle, "us": round(us, 1)})
+                if us < best[0]:
+                    best = (us, choice)
+        runner.plan[s.name] = best[1]
+        say(f"  {s.name}: {best[1].config.name()} raster={best[1].raster} swizzle={best[1].swizzle} "
+            f"{best[0]:.0f} us (untuned {base.get(s.name, float('nan')):.0f} us)", verbose)
+    final = _site_times(runner, step, iters, warmup)
+    rec = {"sites": {s: c.to_json() for s, c in runner.plan.items()}, "before_us": base, "after_us": final,
+           "timings": timings, "seconds": round(time.monotonic() - start, 1)}
+    if store:
+        TuningStore(cache_dir).put(plan_key(context, runner.dtype, M), json.loads(json.dumps(rec)))
+    return rec

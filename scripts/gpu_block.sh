@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The Llama block work on a Hopper machine (each stage bounded in time):
+#   scripts/gpu_block.sh OUTDIR STAGE...      stages: build export tests train bench
+#   build   the block's kernels: default configs (bf16, fp16) and the tuning candidates (bf16), in
+#           parallel; kernels found on $CODA_CUTLASS_PREBUILT_PATH are not rebuilt
+#   export  the kernel cache as prebuilt kernels, xz-compressed into OUTDIR (to carry to a later run)
+#   tests   tests/gpu/test_nn_gpu.py;  train  examples/train_llama.py;  bench  bench/block.py $BENCH_ARGS
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?OUTDIR}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$out/$name.log" 2>&1; echo "rc=$?"; tail -n 30 "$out/$name.log"; }
+for s in "$@"; do
+  case "$s" in
+    build) run build 480 python3 -c '
+import sys, torch
+import coda_cutlass as cc
+from coda_cutlass import epilogues as E
+from coda_cutlass.api import with_candidate_configs
+from coda_cutlass.nn.kernels import SITES, prebuild_items
+block = ["qkv", "o", "gate_up", "down.dgrad", "gate_up.dgrad"]
+items = prebuild_items() + with_candidate_configs(
+    [(SITES[s][0], {"dtype": torch.bfloat16, "weight_layout": SITES[s][1]}) for s in block])
+cc.compile_many(items, skip_failed=True)
+for dt in (torch.bfloat16, torch.float16):
+    for p in (E.norm_stats, E.rope_backward):
+        cc.compile_map(p, dt, verbose=False)' ;;
+    export) mkdir -p /tmp/prebuilt-export && python3 -m coda_cutlass cache --export /tmp/prebuilt-export | tail -n 2
+            (cd /tmp/prebuilt-export && ls | split -n l/2 - /tmp/part. && for p in /tmp/part.*; do
+               tar -cf - -T "$p" | xz -T16 -6 > "$out/prebuilt-$(basename "$p").tar.xz"; done); ls -la "$out"/prebuilt-* ;;
+    tests) run tests 300 python3 -m pytest -q -p no:logging tests/gpu/test_nn_gpu.py ;;
+    train) run train 240 python3 examples/train_llama.py --out "$out/train" ;;
+    bench) run bench 560 python3 bench/block.py --out "$out/bench" ${BENCH_ARGS:-} ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
