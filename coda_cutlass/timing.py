@@ -85,3 +85,33 @@ def interleaved(fns: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], *, 
         events[name].append((start, end))
     torch.cuda.synchronize()
     return {k: statistics.median(s.elapsed_time(e) * 1000.0 for s, e in v) for k, v in events.items()}
+
+
+def sustained(fns: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], *, burst: int = 40, skip: int = 10,
+              rounds: int = 3, seed: int = 0) -> dict[str, float]:
+    """Times each function in the state a long run of similar kernels puts the GPU in: bursts of
+    ``burst`` back-to-back calls of one function (the first ``skip`` untimed), bursts of the
+    functions in a shuffled order each round; returns each one's median in microseconds.
+
+    ``interleaved`` gives every function the same neighbours; here each is its own neighbour, as a
+    GEMM is inside a block's sequence of GEMMs at the card's power limit (a kernel that moves more
+    bytes or does more math per FLOP then also runs at a lower clock)."""
+    names = list(fns)
+    rng = random.Random(seed)
+    events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {k: [] for k in names}
+    for _ in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        for name in order:
+            for i in range(burst):
+                x = inputs[i % len(inputs)]
+                if i < skip:
+                    fns[name](x)
+                    continue
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name](x)
+                end.record()
+                events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {k: statistics.median(s.elapsed_time(e) * 1000.0 for s, e in v) for k, v in events.items()}

@@ -123,6 +123,7 @@ _NODE_HEADERS = {"pair_compute": "coda/pairwise.hpp", "index": "coda/coordinates
                  "half_store": "coda/half_store.hpp", "lse_reduce": "coda/logsumexp.hpp",
                  "segment_sum": "coda/segments.hpp", "pair_rotate": "coda/rotate.hpp"}
 _FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp", "gelu": "coda/gelu.hpp",
+                    "exp": "coda/exp_math.hpp", "sigmoid": "coda/exp_math.hpp", "silu": "coda/exp_math.hpp",
                     "unpack_lo": "coda/pairwise.hpp", "unpack_hi": "coda/pairwise.hpp",
                     "pack": "coda/pairwise.hpp"}
 

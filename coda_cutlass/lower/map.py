@@ -37,7 +37,8 @@ TILE_N = 256          # columns per partial (templates/coda/map_kernel.hpp kTile
 _REDUCE_FUNCTOR = {"sum": "coda::scalar::add", "max": "coda::scalar::maximum", "min": "coda::scalar::minimum"}
 # Functors defined outside functors.hpp, and the header each needs.
 _FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp", "pair_rotate": "coda/math_extra.hpp",
-                    "gelu": "coda/gelu.hpp"}
+                    "gelu": "coda/gelu.hpp", "exp": "coda/exp_math.hpp", "sigmoid": "coda/exp_math.hpp",
+                    "silu": "coda/exp_math.hpp"}
 
 
 @dataclass(frozen=True)

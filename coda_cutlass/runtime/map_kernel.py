@@ -69,7 +69,8 @@ def logical_shape(name: str, t: Any) -> tuple[int, int]:
                     f"{tuple(t.shape)}")
 
 
-def tile_view(name: str, t: torch.Tensor, M: int, N: int, dtype: torch.dtype, device: torch.device) -> list[int]:
+def tile_view(name: str, t: torch.Tensor, M: int, N: int, dtype: torch.dtype, device: torch.device,
+              half: bool = False) -> list[int]:
     """The 5-int strided view (outer_m, stride_m, inner_m, outer_n, inner_n) of a tile argument."""
     if t.dtype != dtype:
         raise CallError(f"{name}: dtype is {t.dtype}, the kernel was compiled for {dtype}")
@@ -86,11 +87,13 @@ def tile_view(name: str, t: torch.Tensor, M: int, N: int, dtype: torch.dtype, de
         view = [st[0], st[1], max(t.shape[1], 1), 0, N]
     else:
         view = [st[0], st[1], max(t.shape[1], 1), st[2], t.shape[3]]
-    if view[4] % 8 or any(s % 8 for s in (view[0], view[1], view[3])):
-        raise CallError(f"{name}: strides {st} and the innermost size {t.shape[-1]} must be multiples of 8 elements "
-                        "(the kernel moves 16-byte vectors)")
-    if t.data_ptr() % 16:
-        raise CallError(f"{name}: data pointer is not 16-byte aligned (a view at an element offset?)")
+    vec = 4 if half else 8      # a thread moves 8 columns (half-width outputs: 4)
+    if view[4] % vec or any(s % vec for s in (view[0], view[1], view[3])):
+        raise CallError(f"{name}: strides {st} and the innermost size {t.shape[-1]} must be multiples of {vec} "
+                        f"elements (the kernel moves {vec}-element vectors)")
+    if t.data_ptr() % (vec * t.element_size()):
+        raise CallError(f"{name}: data pointer is not {vec * t.element_size()}-byte aligned (a view at an element "
+                        "offset?)")
     return view
 
 
@@ -160,7 +163,7 @@ class CompiledMap:
                 t = (out or {}).get(s.name)
                 if t is None:
                     t = self._new((M, cols), s.dtype.torch, device)
-                view = tile_view(f"out['{s.name}']", t, M, cols, s.dtype.torch, device)
+                view = tile_view(f"out['{s.name}']", t, M, cols, s.dtype.torch, device, half=s.layout == "half")
                 results[s.name] = t
             else:
                 t = operands[s.name]
