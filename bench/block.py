@@ -36,10 +36,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.nn import KernelRunner, LlamaBlock, Recorder  # noqa: E402
 from coda_cutlass.nn.block import BlockFunction  # noqa: E402
 from coda_cutlass.nn.functional import first_norm  # noqa: E402
-from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
+from coda_cutlass.nn.tuning import plan_key, tune_in_sequence  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
 from report import GpuSampler, environment, machine_line, require_hopper  # noqa: E402
 
@@ -54,6 +55,35 @@ ATTENTION_NAMES = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")
 def is_attention(kernel: str) -> bool:
     k = kernel.lower()
     return any(n in k for n in ATTENTION_NAMES)
+
+
+def liger_available() -> bool:
+    try:
+        import liger_kernel.ops.rms_norm  # noqa: F401
+    except Exception:   # noqa: BLE001 - not installed, or no Triton here
+        return False
+    return True
+
+
+def liger_block(x: torch.Tensor, w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The standard block with Liger-Kernel's Triton RMSNorm, RoPE and SiLU*mul (what
+    liger_kernel.transformers.apply_liger_kernel_to_llama swaps into a Llama layer)."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    B, S, D = x.shape
+    hd, H, KV = dims.head_dim, dims.n_heads, dims.n_kv_heads
+    h = LigerRMSNormFunction.apply(x, w["attn_norm"], dims.eps, 0.0, "llama", False)
+    q = (h @ w["q"].t()).view(B, S, H, hd).transpose(1, 2)
+    k = (h @ w["k"].t()).view(B, S, KV, hd).transpose(1, 2)
+    v = (h @ w["v"].t()).view(B, S, KV, hd).transpose(1, 2)
+    theta = torch.arange(S, dtype=torch.float32, device=x.device)[:, None] * inv_freq.to(x.device, torch.float32)[None]
+    emb = torch.cat((theta, theta), dim=-1)[None]
+    q, k = LigerRopeFunction.apply(q, k, emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KV)
+    x1 = x + o.transpose(1, 2).reshape(B, S, H * hd) @ w["o"].t()
+    h1 = LigerRMSNormFunction.apply(x1, w["mlp_norm"], dims.eps, 0.0, "llama", False)
+    return x1 + LigerSiLUMulFunction.apply(h1 @ w["gate"].t(), h1 @ w["up"].t()) @ w["down"].t()
 
 
 class Workload:
@@ -90,7 +120,10 @@ class Workload:
         self.eager_fn = fn
         self.compiled = torch.compile(fn)
         self.compiled_max = torch.compile(fn, mode="max-autotune-no-cudagraphs") if max_autotune else None
+        self.liger_fn = (lambda x3, *ws: liger_block(x3, dict(zip(self.w, ws)), block.dims, self.inv)) \
+            if liger_available() else None
         self.skeleton = Skeleton(self, device)
+        self.identity = Skeleton(self, device, identity=True)
 
     def params(self) -> list[torch.Tensor]:
         return list(self.block.parameters()) + list(self.w.values()) + [self.x, self.x3]
@@ -121,17 +154,23 @@ class Workload:
             "compile": lambda b: self.standard(self.compiled, b),
             "coda": self.coda,
             "cublas": self.skeleton.run,
+            "coda-identity": self.identity.run,
         }
         if self.compiled_max is not None:
             v["max-autotune"] = lambda b: self.standard(self.compiled_max, b)
+        if self.liger_fn is not None:
+            v["liger"] = lambda b: self.standard(self.liger_fn, b)
         return v
 
 
 class Skeleton:
     """The block's 12 GEMMs (cuBLAS through torch.mm) and its attention, in the coda block's order,
-    with every site timed like the coda runner's."""
+    with every site timed like the coda runner's. With ``identity=True`` the forward and dX GEMMs
+    run as coda kernels with an identity epilogue (heuristic default configuration): the mainloop's
+    own gap to cuBLAS in the same sequence, without any epilogue work."""
 
-    def __init__(self, wl: Workload, device: torch.device):
+    def __init__(self, wl: Workload, device: torch.device, identity: bool = False):
+        self.identity = KernelRunner(torch.bfloat16) if identity else None
         b, d = wl.block, wl.block.dims
         M = wl.M
         rnd = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
@@ -144,24 +183,34 @@ class Skeleton:
     def _t(self, site: str, fn: Callable[[], Any]) -> Any:
         return fn() if self.recorder is None else self.recorder.around(site, fn)
 
+    def _mm(self, site: str, A: torch.Tensor, W: torch.Tensor, layout: str) -> torch.Tensor:
+        """A @ W.T ("nk") or A @ W ("kn"): cuBLAS, or the coda identity kernel."""
+        if self.identity is not None:
+            self.identity.recorder = self.recorder
+            try:
+                return self.identity.gemm(site, E.identity, A, W, layout=layout)["D"]
+            finally:
+                self.identity.recorder = None
+        return self._t(site, lambda: A @ (W.t() if layout == "nk" else W))
+
     def run(self, backward: bool) -> None:
         W, h, x, step = self.W, self.h, self.x, self.wl.step
         with torch.no_grad():
-            qkv = self._t("qkv", lambda: h @ W["qkv"].t())
+            qkv = self._mm("qkv", h, W["qkv"], "nk")
             o, ctx = self._t("attention.fwd", lambda: step.attention.forward(qkv, step.batch, step.seq, step.dims))
-            x1 = self._t("o", lambda: o @ W["o"].t())
-            self._t("gate_up", lambda: x1 @ W["gu"].t())
-            x2 = self._t("down", lambda: self.y @ W["down"].t())
+            x1 = self._mm("o", o, W["o"], "nk")
+            self._mm("gate_up", x1, W["gu"], "nk")
+            x2 = self._mm("down", self.y, W["down"], "nk")
             if not backward:
                 return
-            self._t("down.dgrad", lambda: x2 @ W["down"])
+            self._mm("down.dgrad", x2, W["down"], "kn")
             self._t("down.wgrad", lambda: x2.t() @ self.y)
-            dx1 = self._t("gate_up.dgrad", lambda: self.dz @ W["gu"])
+            dx1 = self._mm("gate_up.dgrad", self.dz, W["gu"], "kn")
             self._t("gate_up.wgrad", lambda: self.dz.t() @ x1)
-            da = self._t("o.dgrad", lambda: dx1 @ W["o"])
+            da = self._mm("o.dgrad", dx1, W["o"], "kn")
             self._t("o.wgrad", lambda: dx1.t() @ o)
             self._t("attention.bwd", lambda: step.attention.backward(ctx, da))
-            self._t("qkv.dgrad", lambda: self.dqkv @ W["qkv"])
+            self._mm("qkv.dgrad", self.dqkv, W["qkv"], "kn")
             self._t("qkv.wgrad", lambda: self.dqkv.t() @ h)
 
 
@@ -187,9 +236,10 @@ def time_rounds(wl: Workload, names: list[str], backward: bool, rounds: int, ite
 
 def site_times(wl: Workload, rounds: int, iters: int) -> dict[str, dict[str, float]]:
     """Median time per site (us) of the coda block and the cuBLAS skeleton, fwd+bwd, alternating."""
-    rec = {"coda": Recorder(), "cublas": Recorder()}
+    rec = {"coda": Recorder(), "cublas": Recorder(), "coda-identity": Recorder()}
+    skeletons = {"cublas": wl.skeleton, "coda-identity": wl.identity}
     for _ in range(rounds):
-        for name in ("coda", "cublas"):
+        for name in rec:
             for _ in range(iters):
                 wl.zero_grad()
                 if name == "coda":
@@ -197,9 +247,9 @@ def site_times(wl: Workload, rounds: int, iters: int) -> dict[str, dict[str, flo
                     wl.coda(True)
                     wl.runner.recorder = None
                 else:
-                    wl.skeleton.recorder = rec["cublas"]
-                    wl.skeleton.run(True)
-                    wl.skeleton.recorder = None
+                    skeletons[name].recorder = rec[name]
+                    skeletons[name].run(True)
+                    skeletons[name].recorder = None
     return {n: {site: statistics.median(v) for site, v in r.times_us().items()} for n, r in rec.items()}
 
 
@@ -210,8 +260,9 @@ def device_breakdown(wl: Workload, names: list[str], iters: int) -> dict[str, di
     fns = wl.variants()
     out: dict[str, dict[str, float]] = {}
     for n in names:
-        fns[n](True)
-        torch.cuda.synchronize()
+        for _ in range(8):      # the sustained state the timing rounds see, not a cold start
+            wl.zero_grad()
+            fns[n](True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 wl.zero_grad()
@@ -264,7 +315,8 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     res["device"] = device_breakdown(wl, names, iters=3)
     res["plan"] = {s: c.to_json() for s, c in wl.runner.plan.items()}
     if tuned:
-        res["tuning"] = {k: tuned[k] for k in ("before_us", "after_us", "seconds")}
+        res["tuning"] = {k: tuned[k] for k in ("before_us", "after_us", "seconds", "timings")}
+        res["plan_key"] = plan_key(wl.block.context(), torch.bfloat16, M)
     res["seconds"] = round(time.monotonic() - t0, 1)
     del wl
     torch.cuda.empty_cache()
@@ -289,8 +341,8 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
                          f"{comp / fb - 1:+.1%} | {na:.0f} | {na / floor:.3f} |")
     lines.append("\nPer fused kernel inside the block's sequence (fwd+bwd, median us), against the same GEMM on cuBLAS "
                  "in the same sequence:\n")
-    lines.append("| width | M | site | coda us | cuBLAS us | ratio | config |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append("| width | M | site | coda us | cuBLAS us | ratio | coda identity epilogue (default config) / cuBLAS | config |")
+    lines.append("|---|---|---|---|---|---|---|---|")
     for r in results:
         for s in SITE_ORDER:
             c, b = r["sites"]["coda"].get(s), r["sites"]["cublas"].get(s)
@@ -298,7 +350,9 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
                 continue
             plan = r["plan"].get(s)
             cfg = "default" if plan is None else f"{plan['config']} r={plan['raster']} s={plan['swizzle']}"
-            lines.append(f"| {r['width']} | {r['M']} | {s} | {c:.0f} | {b:.0f} | {c / b:.3f} | {cfg} |")
+            ident = r["sites"].get("coda-identity", {}).get(s)
+            ident_ratio = f"{ident / b:.3f}" if ident else "-"
+            lines.append(f"| {r['width']} | {r['M']} | {s} | {c:.0f} | {b:.0f} | {c / b:.3f} | {ident_ratio} | {cfg} |")
     return "\n".join(lines) + "\n"
 
 
@@ -325,6 +379,9 @@ def main() -> None:
                 (args.out / "results.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
     env["sampler"] = sampler.summary()
     (args.out / "results.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    plans = {r["plan_key"]: {"sites": r["plan"], "measured": env["date"]} for r in results if "plan_key" in r}
+    if plans:   # tuned plans, in the format of coda_cutlass/nn/plans/*.json
+        (args.out / "plans.json").write_text(json.dumps(plans, indent=1, sort_keys=True))
     text = markdown(results, env)
     (args.out / "results.md").write_text(text)
     print(text)

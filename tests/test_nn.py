@@ -120,3 +120,21 @@ def test_to_hf_inverts_from_hf():
     LlamaBlock.from_hf(layer).to_hf(other)
     for (name, a), b in zip(layer.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_an_in_sequence_plan_is_stored_and_found_by_the_runner(tmp_path):
+    from coda_cutlass.config import KernelConfig
+    from coda_cutlass.nn.runner import Choice, KernelRunner
+    from coda_cutlass.nn.tuning import load_plan, store_plan
+    cfg = KernelConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1)
+    rec = {"sites": {"gate_up": Choice(cfg, "m", 4).to_json()}}
+    store_plan("llama:test", torch.bfloat16, 8000, rec, tmp_path, device="gpu-x")
+    assert load_plan("llama:test", torch.bfloat16, 8192, tmp_path, device="gpu-x") == {"gate_up": Choice(cfg, "m", 4)}
+    assert load_plan("llama:test", torch.bfloat16, 16384, tmp_path, device="gpu-x") is None     # other M bucket
+    assert load_plan("llama:test", torch.bfloat16, 8192, tmp_path, device="gpu-y") is None      # other GPU
+    explicit = Choice(KernelConfig(), "n", 2)
+    runner = KernelRunner(torch.bfloat16, plan={"qkv": explicit}, cache_dir=tmp_path)
+    runner.prepare("llama:test", 8192, device="gpu-x")
+    assert runner.plan == {"gate_up": Choice(cfg, "m", 4), "qkv": explicit}
+    store_plan("llama:bad", torch.bfloat16, 8192, {"sites": {"x": {"config": "nonsense"}}}, tmp_path, device="gpu-x")
+    assert load_plan("llama:bad", torch.bfloat16, 8192, tmp_path, device="gpu-x") is None

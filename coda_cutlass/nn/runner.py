@@ -130,7 +130,7 @@ class KernelRunner(Runner):
         self._stored: dict[tuple[str, int], dict[str, Choice] | None] = {}
         self._prepared: tuple[str, int] | None = None
 
-    def prepare(self, context: str, M: int) -> None:
+    def prepare(self, context: str, M: int, device: str | None = None) -> None:
         """Use the in-sequence tuned plan stored for this model context and M bucket, if there is
         one (a plan passed to the constructor or tuned in this process takes precedence)."""
         from ..tuning.store import m_bucket
@@ -139,7 +139,7 @@ class KernelRunner(Runner):
         if key == self._prepared:
             return
         if key not in self._stored:
-            self._stored[key] = load_plan(context, self.dtype, M, self.cache_dir)
+            self._stored[key] = load_plan(context, self.dtype, M, self.cache_dir, device)
         self.plan = {**(self._stored[key] or {}), **self._explicit}
         self._prepared = key
 
