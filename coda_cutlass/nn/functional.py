@@ -172,7 +172,7 @@ def lm_head_backward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tens
     backward rides the dX GEMM. Returns (dx, dW_lm, dgamma)."""
     d, run = step.dims, step.runner
     M = x.shape[0]
-    dx = torch.empty_like(x) if chunk_rows < M else x
+    dx = torch.empty_like(x)
     dw = torch.zeros_like(w_lm)
     dgamma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
     for a in range(0, M, chunk_rows):
@@ -180,13 +180,8 @@ def lm_head_backward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tens
         ce = run.gemm("lm_head.recompute", E.cross_entropy_backward, h[a:b], w_lm, partial=True,
                       r=r[a:b], lse=lse[a:b], target=target[a:b], scale=scale[a:b])
         dl = ce["D"]
-        c = row_mean(ce["zdz"], d.dim)
         nb = run.gemm("lm_head.dgrad", E.norm_backward_first, dl, w_lm, layout="kn", partial=True,
-                      x=x[a:b], r=r[a:b], c=c, g=g)
-        if b - a == M:
-            dx = nb["dx"]
-        else:
-            dx[a:b] = nb["dx"]
+                      out={"dx": dx[a:b]}, x=x[a:b], r=r[a:b], c=row_mean(ce["zdz"], d.dim), g=g)
         dgamma += nb["dgamma"].sum(0)
         run.timed("lm_head.wgrad", lambda: dw.addmm_(dl.t(), h[a:b]))
     return dx, dw, dgamma.to(g.dtype)

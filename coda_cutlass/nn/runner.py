@@ -64,7 +64,10 @@ class Runner:
     recorder: Recorder | None = None
 
     def gemm(self, site: str, program: Any, A: torch.Tensor, W: torch.Tensor, *, layout: str = "nk",
-             partial: bool = False, **operands: Any) -> dict[str, torch.Tensor]:
+             partial: bool = False, out: dict[str, torch.Tensor] | None = None,
+             **operands: Any) -> dict[str, torch.Tensor]:
+        """One fused GEMM: ``program``'s outputs for acc = A @ W.T ("nk") or A @ W ("kn"); tile outputs
+        go into ``out`` when given; ``partial``: reductions as per-tile partials."""
         raise NotImplementedError
 
     def map(self, site: str, program: Any, X: torch.Tensor, *, partial: bool = False,
@@ -94,9 +97,10 @@ class ReferenceRunner(Runner):
     def _precision(self, t: torch.Tensor) -> str:
         return self.precision or ("fp32" if t.dtype == torch.float32 else "kernel")
 
-    def gemm(self, site, program, A, W, *, layout="nk", partial=False, **operands):
-        return interpret(self._typed(program), A, W, operands, weight_layout=layout, precision=self._precision(A),
-                         partial_tile=REFERENCE_TILE if partial else None)
+    def gemm(self, site, program, A, W, *, layout="nk", partial=False, out=None, **operands):
+        res = interpret(self._typed(program), A, W, operands, weight_layout=layout, precision=self._precision(A),
+                        partial_tile=REFERENCE_TILE if partial else None)
+        return _into(res, out)
 
     def map(self, site, program, X, *, partial=False, out=None, **operands):
         if not partial:
@@ -107,10 +111,15 @@ class ReferenceRunner(Runner):
                     for k, v in operands.items()}
             res = interpret(self._typed(program), None, None, flat, precision=self._precision(X),  # type: ignore[arg-type]
                             partial_tile=MAP_TILE, acc=X.reshape(M, -1))
-        for name, t in (out or {}).items():
-            t.copy_(res[name].reshape(t.shape))
-            res[name] = t
-        return res
+        return _into(res, out)
+
+
+def _into(res: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Copy tile outputs into the caller's ``out`` tensors, as a kernel writes them there."""
+    for name, t in (out or {}).items():
+        t.copy_(res[name].reshape(t.shape))
+        res[name] = t
+    return res
 
 
 class KernelRunner(Runner):
@@ -165,10 +174,10 @@ class KernelRunner(Runner):
                                                     verbose=self.verbose)
         return k
 
-    def gemm(self, site, program, A, W, *, layout="nk", partial=False, **operands):
+    def gemm(self, site, program, A, W, *, layout="nk", partial=False, out=None, **operands):
         c = self.choice(site, program, layout)
         k = self.kernel(program, layout, partial, c.config)
-        run = lambda: k(A, W, raster=c.raster, swizzle=c.swizzle, **operands)  # noqa: E731
+        run = lambda: k(A, W, raster=c.raster, swizzle=c.swizzle, out=out, **operands)  # noqa: E731
         return run() if self.recorder is None else self.recorder.around(site, run)
 
     def map(self, site, program, X, *, partial=False, out=None, **operands):
