@@ -22,6 +22,7 @@ from coda_cutlass.nn.kernels import SITES, prebuild_items
 block = ["qkv", "o", "gate_up", "down.dgrad", "gate_up.dgrad"]
 items = prebuild_items() + with_candidate_configs(
     [(SITES[s][0], {"dtype": torch.bfloat16, "weight_layout": SITES[s][1]}) for s in block])
+items += [(E.identity, {"dtype": torch.bfloat16, "weight_layout": l}) for l in ("nk", "kn")]
 cc.compile_many(items, skip_failed=True)
 for dt in (torch.bfloat16, torch.float16):
     for p in (E.norm_stats, E.rope_backward):
@@ -30,8 +31,8 @@ for dt in (torch.bfloat16, torch.float16):
             (cd /tmp/prebuilt-export && ls | split -n l/2 - /tmp/part. && for p in /tmp/part.*; do
                tar -cf - -T "$p" | xz -T16 -6 > "$out/prebuilt-$(basename "$p").tar.xz"; done); ls -la "$out"/prebuilt-* ;;
     tests) run tests 300 python3 -m pytest -q -p no:logging tests/gpu/test_nn_gpu.py ;;
-    train) run train 240 python3 examples/train_llama.py --out "$out/train" ;;
-    bench) run bench 560 python3 bench/block.py --out "$out/bench" ${BENCH_ARGS:-} ;;
+    train) run train ${TRAIN_LIMIT:-240} python3 examples/train_llama.py --out "$out/train" ;;
+    bench) run bench ${BENCH_LIMIT:-560} python3 bench/block.py --out "$out/bench" ${BENCH_ARGS:-} ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
