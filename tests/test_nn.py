@@ -138,3 +138,12 @@ def test_an_in_sequence_plan_is_stored_and_found_by_the_runner(tmp_path):
     assert runner.plan == {"gate_up": Choice(cfg, "m", 4), "qkv": explicit}
     store_plan("llama:bad", torch.bfloat16, 8192, {"sites": {"x": {"config": "nonsense"}}}, tmp_path, device="gpu-x")
     assert load_plan("llama:bad", torch.bfloat16, 8192, tmp_path, device="gpu-x") is None
+
+
+def test_module_to_keeps_rope_frequencies_fp32():
+    block = LlamaBlock(64, 4, 2, 96, rope_theta=10000.0, dtype=torch.float32)
+    ref = block.rope_freq.clone()
+    block.to(torch.bfloat16)
+    assert block.qkv.dtype == torch.bfloat16
+    assert block.rope_freq.dtype == torch.float32 and torch.equal(block.rope_freq, ref)
+    assert block.inv_freq.dtype == torch.float32

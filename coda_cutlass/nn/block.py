@@ -89,12 +89,24 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(dim, **kw))
         self.gate_up = nn.Parameter(torch.empty(2 * ffn_dim, dim, **kw))
         self.down = nn.Parameter(torch.empty(dim, ffn_dim, **kw))
-        inv = rope_inv_freq(head_dim, rope_theta) if inv_freq is None else inv_freq
-        self.register_buffer("inv_freq", inv.to(torch.float32).to(device), persistent=False)   # per RoPE pair
-        self.register_buffer("rope_freq", column_frequencies(inv, n_heads, n_kv_heads).to(device), persistent=False)
+        self._inv_freq64 = (rope_inv_freq(head_dim, rope_theta) if inv_freq is None else inv_freq).double().cpu()
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)     # per RoPE pair, fp32
+        self.register_buffer("rope_freq", torch.empty(0), persistent=False)    # per QKV column, fp32
+        self._set_rope_buffers(torch.device(device) if device is not None else torch.device("cpu"))
         self.attention = Attention(attention)
         self.runner: Runner | None = None
         self.reset_parameters()
+
+    def _set_rope_buffers(self, device: torch.device) -> None:
+        d = self.dims
+        self.inv_freq = self._inv_freq64.to(device, torch.float32)
+        self.rope_freq = column_frequencies(self._inv_freq64, d.n_heads, d.n_kv_heads).to(device)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "LlamaBlock":
+        # module.to(dtype) would round the RoPE frequencies to bf16: keep them fp32, from the fp64 source
+        super()._apply(fn, recurse)
+        self._set_rope_buffers(self.qkv.device)
+        return self
 
     def reset_parameters(self) -> None:
         for w in (self.qkv, self.o, self.gate_up, self.down):

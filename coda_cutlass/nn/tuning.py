@@ -105,7 +105,12 @@ def discover_sites(runner: KernelRunner, step: Callable[[], Any]) -> list[Site]:
     return list(seen.values())
 
 
-def _site_times(runner: KernelRunner, step: Callable[[], Any], iters: int, warmup: int) -> dict[str, float]:
+def _site_times(runner: KernelRunner, step: Callable[[], Any], iters: int, warmup: int,
+                tuned: set[str] | None = None) -> dict[str, float]:
+    """Median time per site (us) over ``iters`` steps. Sites in ``tuned`` are scored against the
+    step's other timed work (cuBLAS weight gradients, attention) in the same iteration: the GPU's
+    clock drifts by several percent while it heats up at its power limit, which would otherwise
+    favour whichever candidate ran first. A tuned site's score is median(t / t_ref) * median(t_ref)."""
     for _ in range(warmup):
         step()
     rec = Recorder()
@@ -115,7 +120,17 @@ def _site_times(runner: KernelRunner, step: Callable[[], Any], iters: int, warmu
             step()
     finally:
         runner.recorder = None
-    return {site: statistics.median(v) for site, v in rec.times_us().items()}
+    times = rec.times_us()
+    out = {site: statistics.median(v) for site, v in times.items()}
+    refs = [v for site, v in times.items() if site not in (tuned or set()) and len(v) == iters
+            and not site.endswith("dgrad") and site not in ("qkv", "o", "gate_up", "down", "down.last")]
+    if tuned and refs:
+        ref = [sum(v[i] for v in refs) for i in range(iters)]
+        ref_median = statistics.median(ref)
+        for site in tuned & set(times):
+            if len(times[site]) == iters:
+                out[site] = statistics.median(t / r for t, r in zip(times[site], ref)) * ref_median
+    return out
 
 
 def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: str, M: int, iters: int = 6,
@@ -151,7 +166,7 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
         rows = timings.setdefault(s.name, [])
         for c in usable[s.name]:
             runner.plan[s.name] = Choice(c)
-            us = _site_times(runner, step, iters, warmup)[s.name]
+            us = _site_times(runner, step, iters, warmup, {s.name})[s.name]
             rows.append({"config": c.name(), "raster": "heuristic", "swizzle": 1, "us": round(us, 1)})
             if best is None or us < best[0]:
                 best = (us, Choice(c))
@@ -160,7 +175,7 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
             for raster, swizzle in RUNTIME_CHOICES:
                 choice = Choice(best[1].config, raster, swizzle)
                 runner.plan[s.name] = choice
-                us = _site_times(runner, step, iters, warmup)[s.name]
+                us = _site_times(runner, step, iters, warmup, {s.name})[s.name]
                 rows.append({"config": choice.config.name(), "raster": raster, "swizzle": swizzle, "us": round(us, 1)})
                 if us < best[0]:
                     best = (us, choice)
