@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
+from ..build.verify import Rejected, metadata_path, verify
 from ..errors import BuildError
 from ..lower.evt import ABI_VERSION
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, "KernelLibrary"] = {}
+_REPLACED: set[str] = set()      # paths whose file changed during dlopen: what got mapped is unknown
 
 
 class KernelLibrary:
@@ -61,10 +64,25 @@ class KernelLibrary:
 
 
 def load(path: Path | str) -> KernelLibrary:
-    """Load once per process per path."""
+    """Load once per process per path, verifying the file right before dlopen: its path is
+    controlled by you alone and its bytes match the SHA-256 in the metadata beside it
+    (build/verify.py). The file must still be the one verified once dlopen returns."""
     key = str(Path(path).resolve())
     with _LOCK:
         lib = _LOADED.get(key)
         if lib is None:
-            lib = _LOADED[key] = KernelLibrary(Path(key))
+            if key in _REPLACED:
+                raise BuildError(f"kernel library {path} was replaced while this process loaded it; restart "
+                                 "the process to load the new file")
+            try:
+                identity = verify(Path(path), metadata_path(Path(path)))
+            except Rejected as e:
+                raise BuildError(f"refusing to load kernel library {path}: {e}; rebuild it "
+                                 "(compile_epilogue(..., force_rebuild=True))") from None
+            lib = KernelLibrary(Path(key))
+            now = os.stat(key)
+            if (now.st_dev, now.st_ino) != identity:
+                _REPLACED.add(key)
+                raise BuildError(f"kernel library {path} was replaced while it was being loaded")
+            _LOADED[key] = lib
         return lib
