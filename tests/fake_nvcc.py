@@ -19,6 +19,14 @@ import time
 ELF_HEADER = b"\x7fELF\x02\x01\x01" + bytes(9) + (3).to_bytes(2, "little")   # 64-bit LSB, ET_DYN
 
 
+def payload(so) -> str:
+    """What this fake compiled into a kernel.so (the text after its ELF header); for the tests."""
+    with open(so, "rb") as f:
+        data = f.read()
+    assert data.startswith(ELF_HEADER), so
+    return data[len(ELF_HEADER):].decode()
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     bad = os.environ.get("FAKE_NVCC_BAD_BYTES")

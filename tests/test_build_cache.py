@@ -18,7 +18,7 @@ from coda_cutlass.build.builder import build
 from coda_cutlass.build.cache import KernelCache
 from coda_cutlass.build.keys import build_key, source_key
 from coda_cutlass.build.toolchain import toolchain
-from fake_nvcc import ELF_HEADER
+from fake_nvcc import payload
 
 HERE = Path(__file__).resolve().parent
 SRC = "// kernel source\nint x;\n"
@@ -31,13 +31,6 @@ def fake(fake_nvcc):
 
 def calls(fake) -> int:
     return len(fake["log"].read_text().splitlines())
-
-
-def payload(so: Path) -> str:
-    """What the fake nvcc compiled into a kernel.so (after its ELF header)."""
-    data = so.read_bytes()
-    assert data.startswith(ELF_HEADER), so
-    return data[len(ELF_HEADER):].decode()
 
 
 def test_build_then_cache_hit(fake):

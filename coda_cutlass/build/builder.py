@@ -102,10 +102,14 @@ def _indent(text: str) -> str:
 def _compile(cache: KernelCache, key: str, skey: str, source: str, name: str, tc: Toolchain,
              verbose: bool | None, limit: float | None, replace: bool) -> tuple[Path, float]:
     d = cache.new_build_dir(key)
+    kept = False
     try:
         return _compile_in(cache, d, key, skey, source, name, tc, verbose, limit, replace)
+    except BuildError as e:
+        kept = e.source_path is not None and Path(e.source_path).parent == d   # failed/ refused it
+        raise
     finally:
-        if d.exists():                   # neither published nor kept as failed: interrupted
+        if d.exists() and not kept:      # interrupted: neither published nor kept as failed
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -24,6 +24,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -228,11 +229,17 @@ def _exchange(a: Path, b: Path, cache: KernelCache) -> None:
 
 
 _PRIVATE_FALLBACK: list[KernelCache] = []
+_PRIVATE_LOCK = threading.Lock()
 
 
 def _process_private_cache() -> KernelCache:
     """A cache only this process uses (removed at exit): the last resort when both the cache
     folder and the shared-temp fallback are unusable."""
+    with _PRIVATE_LOCK:
+        return _private_cache_locked()
+
+
+def _private_cache_locked() -> KernelCache:
     if not _PRIVATE_FALLBACK:
         root = tempfile.mkdtemp(prefix=f"coda-cutlass-{os.getuid()}-")      # 0700, unique
         atexit.register(shutil.rmtree, root, ignore_errors=True)
@@ -245,21 +252,20 @@ def resolve_cache(root: Path | str | None = None) -> tuple[KernelCache, KernelCa
     by ``problem``); builds then go to the private fallback under the system temp dir, which is
     itself refused (and a per-process folder used) if someone else owns it."""
     primary = KernelCache(root)
-    why = primary.claim()
-    if why is None and primary.writable:
+    if primary.writable:
         return primary, primary
-    why = f"cache directory {primary.root} is not writable ({why or 'cannot create files in it'})"
+    why = f"cache directory {primary.root} is not writable ({primary.claim() or 'cannot create files in it'})"
     fallback = KernelCache(fallback_root())
-    refused = fallback.claim()
-    if refused is None and fallback.writable:
+    if fallback.writable:
         warnings.warn(f"coda-cutlass: {why}; new kernels go to "
                       f"{fallback.root} (set CODA_CUTLASS_CACHE_DIR to choose another)", RuntimeWarning,
                       stacklevel=3)
         return primary, fallback
+    refused = fallback.claim() or f"{fallback.root} is not writable"
     private = _process_private_cache()
     if not private.writable:
         return primary, None
     warnings.warn(f"coda-cutlass: {why} and the fallback is refused "
-                  f"({refused or 'not writable'}); new kernels go to {private.root}, for this process only "
+                  f"({refused}); new kernels go to {private.root}, for this process only "
                   "(set CODA_CUTLASS_CACHE_DIR to a folder of yours)", RuntimeWarning, stacklevel=3)
     return primary, private

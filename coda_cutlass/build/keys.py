@@ -30,7 +30,8 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"(coda/[A-Za-z0-9_]+\.hpp)"', re.M)
 def header_files() -> tuple[tuple[str, str], ...]:
     """(relative path, text) of every coda header."""
     root = include_dir()
-    return tuple((str(p.relative_to(root)), p.read_text()) for p in sorted((root / "coda").glob("*.hpp")))
+    return tuple((str(p.relative_to(root)), p.read_text(encoding="utf-8"))
+                 for p in sorted((root / "coda").glob("*.hpp")))
 
 
 def included_headers(source: str) -> dict[str, str]:

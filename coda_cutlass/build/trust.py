@@ -76,8 +76,12 @@ def claim_dir(path: Path) -> str | None:
         return f"cannot check {path}: {e.strerror}"
     if stat.S_ISLNK(st.st_mode):
         target = Path(os.path.realpath(path))
-        if os.lstat(target).st_uid != os.getuid():
-            return f"{path} is a link to {target}, which is not yours"
+        try:
+            owner = os.lstat(target).st_uid
+        except OSError as e:
+            return f"{path} is a link to {target}, which cannot be used: {e.strerror}"
+        if owner != os.getuid():
+            return f"{path} is a link to {target}, which belongs to uid {owner}, not to you"
         return claim_dir(target)
     if not stat.S_ISDIR(st.st_mode):
         return f"{path} is not a folder"

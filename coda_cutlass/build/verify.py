@@ -36,7 +36,7 @@ def verify(so: Path, meta_path: Path | None = None, **expected: Any) -> tuple[in
         raise Rejected(f"{so.name} or {meta_path.name} is missing")
     reason = untrusted_reason(so) or untrusted_reason(meta_path)
     if reason:
-        raise Rejected(f"not controlled by you alone (nor root or the coda_cutlass install's owner): {reason}")
+        raise Rejected(f"not controlled by you alone: {reason}")
     meta = read_json_object(meta_path)
     if meta is None:
         raise Rejected(f"{meta_path.name} is not a JSON object")
