@@ -131,6 +131,18 @@ def test_own_world_writable_fallback_is_repaired(fake_nvcc, shared_tmp):
     assert mode(fb) == 0o700 and str(r.path).startswith(str(fb)) and payload(r.path) == SRC
 
 
+def test_cache_below_a_folder_others_can_write_is_not_used(fake_nvcc, shared_tmp, monkeypatch):
+    """Entries under a group-writable (not sticky) folder could be swapped by the group: such a
+    cache is not written (nor would its entries load); builds go to the fallback, saying why."""
+    shared = shared_tmp / "team"
+    shared.mkdir()
+    os.chmod(shared, 0o775)
+    monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(shared / "cache"))
+    with pytest.warns(RuntimeWarning, match="team is writable by its group"):
+        r = build(SRC, "k")
+    assert cache_mod.fallback_root() in r.path.parents
+
+
 def test_fallback_is_created_private_under_umask_000(fake_nvcc, shared_tmp):
     old = os.umask(0)
     try:

@@ -34,7 +34,7 @@ from typing import ContextManager
 from ..errors import BuildError
 from .files import make_dirs, read_json_object, write_file
 from .locks import hold, is_held
-from .trust import claim_dir
+from .trust import claim_dir, untrusted_reason
 from .verify import Rejected, verify
 
 SUBDIRS = ("kernels", "failed", "locks", "tmp")
@@ -78,12 +78,13 @@ class KernelCache:
 
     def claim(self) -> str | None:
         """Make the root and its folders private to you (creating or repairing them); why this
-        cache cannot be written, or None."""
+        cache cannot be written, or None. A root below a folder others can write to is refused
+        too: its entries could never be loaded (trust.py)."""
         for d in (self.root, *(self.root / s for s in SUBDIRS)):
             refusal = claim_dir(d)
             if refusal:
                 return refusal
-        return None
+        return untrusted_reason(self.root)
 
     @property
     def writable(self) -> bool:

@@ -50,11 +50,20 @@ def untrusted_reason(path: Path) -> str | None:
             return f"cannot check {p}: {e.strerror}"
         if stat.S_ISLNK(st.st_mode):
             return f"{p} was replaced by a symbolic link while being checked"
-        if st.st_uid not in trusted:
-            return f"{p} is owned by uid {st.st_uid}, not by you, root or the owner of the coda_cutlass install"
-        last = i == len(parts)
-        if st.st_mode & 0o022 and (last or not (stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX)):
-            return f"{p} is writable by {'group and others' if st.st_mode & 0o002 else 'its group'} ({describe_mode(st)})"
+        sticky_dir = i < len(parts) and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+        reason = stat_problem(st, p, trusted, sticky_ok=bool(sticky_dir))
+        if reason:
+            return reason
+    return None
+
+
+def stat_problem(st: os.stat_result, what: object, trusted: frozenset[int] | None = None,
+                 sticky_ok: bool = False) -> str | None:
+    """Why one file or folder (its stat) could be changed by someone untrusted, or None."""
+    if st.st_uid not in (trusted or trusted_uids()):
+        return f"{what} is owned by uid {st.st_uid}, not by you, root or the owner of the coda_cutlass install"
+    if st.st_mode & 0o022 and not sticky_ok:
+        return f"{what} is writable by {'group and others' if st.st_mode & 0o002 else 'its group'} ({describe_mode(st)})"
     return None
 
 
