@@ -7,6 +7,7 @@ that is not possible."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -38,17 +39,22 @@ def mode(p: Path) -> int:
     return stat.S_IMODE(os.lstat(p).st_mode)
 
 
+def as_other_user(code: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
+                           sys.executable, "-I", "-S", "-c", code, *args], check=check, timeout=60,
+                          capture_output=not check)
+
+
+@functools.lru_cache(maxsize=1)
 def can_act_as_another_user() -> str | None:
     if os.getuid() != 0:
         return "acting as another user needs root (setpriv --reuid)"
     if shutil.which("setpriv") is None:
         return "setpriv is not installed"
+    probe = as_other_user("import os, sys; sys.exit(os.getuid() != %d)" % OTHER_UID, check=False)
+    if probe.returncode != 0:
+        return f"this Python cannot run as uid {OTHER_UID}: {probe.stderr.decode(errors='replace')[-200:]}"
     return None
-
-
-def as_other_user(code: str, *args: str) -> None:
-    subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
-                    sys.executable, "-I", "-S", "-c", code, *args], check=True, timeout=60)
 
 
 PLANT = r"""
