@@ -28,7 +28,7 @@ from coda_cutlass.build.files import sha256_file
 from coda_cutlass.build.keys import build_key, source_key
 from coda_cutlass.build.toolchain import find_cutlass, toolchain
 from coda_cutlass.runtime.library import load
-from coda_cutlass.tuning.store import TuningStore
+from coda_cutlass.tuning.store import CHOICE_FIELDS, TuningStore
 from fake_nvcc import ELF_HEADER, payload
 
 SRC = "// kernel source (trust)\nint y;\n"
@@ -190,6 +190,13 @@ def test_swapped_kernel_is_refused_right_before_dlopen(fake_nvcc):
         k.library
 
 
+def test_swapped_map_kernel_is_refused_right_before_dlopen(fake_nvcc):
+    k = cc.compile_map(cc.epilogue(lambda acc, t=3.0: acc * t, name="swapped_map"), torch.bfloat16)
+    k.path.write_bytes(ELF_HEADER + b"something else")
+    with pytest.raises(cc.BuildError, match="refusing to load.*does not match the SHA-256"):
+        k.library
+
+
 def test_kernel_others_can_write_is_refused_at_load(fake_nvcc):
     r = build(SRC, "k")
     os.chmod(r.path, 0o666)
@@ -285,4 +292,4 @@ def test_tuning_json_that_is_not_an_object_is_rewritten(tmp_path, text):
 def test_tuning_record_without_the_fields_read_is_corrupt(tmp_path, rec):
     (tmp_path / "tuning.json").write_text(json.dumps({"k": rec}))
     with pytest.warns(RuntimeWarning, match="corrupt tuning record"):
-        assert TuningStore(tmp_path).get("k") is None
+        assert TuningStore(tmp_path).get("k", CHOICE_FIELDS) is None

@@ -2,8 +2,9 @@
 under a file lock. Keyed by GPU name and compute capability, CUDA version, program hash, dtypes,
 layout, N, K and a power-of-two M bucket.
 
-A file that is not a JSON object, or a record without the fields the tuner reads, is corrupt: it
-is ignored with a warning (the shape is tuned again) and replaced by the next write.
+A file that is not a JSON object, a record that is not one, or (when the reader names the fields it
+reads) a record without them is corrupt: it is ignored with a warning (the shape is tuned again)
+and replaced by the next write.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import os
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ..build.cache import resolve_root
 from ..build.files import PRIVATE_FILE, make_dirs, read_json_object, write_file
 
-# field -> type every stored choice must have (what TunedEpilogue reads back).
-RECORD_FIELDS = {"config": dict, "raster": str, "swizzle": int}
+# field -> type of a stored per-kernel choice (what TunedEpilogue reads back).
+CHOICE_FIELDS: Mapping[str, type] = {"config": dict, "raster": str, "swizzle": int}
 
 
 def m_bucket(M: int) -> int:
@@ -44,11 +45,12 @@ class TuningStore:
             return {}
         return data
 
-    def get(self, key: str) -> dict[str, Any] | None:
+    def get(self, key: str, fields: Mapping[str, type] | None = None) -> dict[str, Any] | None:
+        """The record stored under ``key``: a JSON object, with ``fields`` of these types if given."""
         rec = self.load().get(key)
         if rec is None:
             return None
-        if not isinstance(rec, dict) or not all(isinstance(rec.get(f), t) for f, t in RECORD_FIELDS.items()):
+        if not isinstance(rec, dict) or not all(isinstance(rec.get(f), t) for f, t in (fields or {}).items()):
             warnings.warn(f"coda-cutlass: ignoring corrupt tuning record {key!r} in {self.path}; the shape is "
                           "tuned again", RuntimeWarning, stacklevel=2)
             return None

@@ -27,7 +27,7 @@ from ..ir.printer import format_program
 from ..pipeline import Options, lower_program
 from ..timing import interleaved, time_cuda
 from .space import RUNTIME_CHOICES, candidate_configs, default_config
-from .store import TuningStore, m_bucket
+from .store import CHOICE_FIELDS, TuningStore, m_bucket
 
 
 REFINE_TOP = 4
@@ -116,7 +116,7 @@ class TunedEpilogue:
         local = (N, K, m_bucket(M))
         rec = self._choices.get(local)
         if rec is None:
-            rec = self.store.get(self.key(M, N, K, A.device))
+            rec = self.store.get(self.key(M, N, K, A.device), CHOICE_FIELDS)
             if rec is None:
                 if tuning_enabled() and not torch.compiler.is_compiling():
                     rec = self.tune(M, N, K, A.device)
