@@ -50,19 +50,20 @@ def nvcc_candidates() -> list[tuple[str, str]]:
     for var in ("CUDA_HOME", "CUDA_PATH"):
         root = os.environ.get(var)
         out.append((f"${var}/bin/nvcc", os.path.join(root, "bin", "nvcc") if root else ""))
-    out.append(("the first nvcc on PATH", shutil.which("nvcc") or ""))
-    out.append((f"the default CUDA install {DEFAULT_NVCC} (not on PATH, CUDA_HOME unset)", DEFAULT_NVCC))
+    out.append(("PATH", shutil.which("nvcc") or ""))
+    out.append(("the default CUDA install", DEFAULT_NVCC))
     return out
 
 
 def nvcc_search_report() -> str:
-    """Where nvcc was looked for and what was found there (for error messages)."""
+    """Where nvcc was looked for and what was found there, one place a line (for errors)."""
     lines = []
     for place, path in nvcc_candidates():
-        if not path:
-            state = "unset" if place.startswith("$") else "none found" + (
-                f" (PATH={os.environ.get('PATH', '')})" if "PATH" in place else "")
-        elif os.access(path, os.X_OK) and os.path.isfile(path):
+        if place == "PATH" and not path:
+            state = f"no nvcc in PATH={os.environ.get('PATH', '')}"
+        elif not path:
+            state = "unset"
+        elif _executable(path):
             state = path
         else:
             state = f"{path}: no such executable"
@@ -70,19 +71,21 @@ def nvcc_search_report() -> str:
     return "\n".join(lines)
 
 
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
 def find_nvcc() -> tuple[str, str]:
-    """(nvcc path, why it was chosen)."""
+    """(nvcc path, why it was chosen): the first usable place of ``nvcc_candidates``."""
     for place, path in nvcc_candidates():
-        if not path:
-            continue
-        usable = os.path.isfile(path) and os.access(path, os.X_OK)
-        if place == "$CODA_CUTLASS_NVCC" and not usable:
+        if place == "$CODA_CUTLASS_NVCC" and path and not _executable(path):
             raise ToolchainError(f"CODA_CUTLASS_NVCC={path} is not an executable file")
-        if usable:
+        if path and _executable(path):
+            if place == "the default CUDA install":
+                return path, f"from {place}: not on PATH, and CODA_CUTLASS_NVCC, CUDA_HOME, CUDA_PATH are unset"
             return path, f"from {place}"
     raise ToolchainError("nvcc not found: install the CUDA toolkit (12.4 or newer; 13.0 is tested), put nvcc "
-                         "on PATH, or set CUDA_HOME or CODA_CUTLASS_NVCC. Searched:\n"
-                         + nvcc_search_report())
+                         "on PATH, or set CUDA_HOME or CODA_CUTLASS_NVCC")
 
 
 def _decode(data: bytes) -> str:
