@@ -291,3 +291,14 @@ def test_interrupted_build_kills_the_compiler_and_cleans_up(fake_nvcc, monkeypat
         build(SRC, "k")
     assert wait_dead([int(x) for x in pids_file.read_text().split()])
     assert tmp_leftovers(fake_nvcc["cache"]) == []
+
+
+def test_forced_rebuild_without_an_atomic_exchange_still_replaces(fake_nvcc, monkeypatch):
+    """Filesystems without renameat2(RENAME_EXCHANGE): move aside, move in, under the lock."""
+    from coda_cutlass.build import cache as cache_mod
+    old = build(SRC, "k")
+    monkeypatch.setattr(cache_mod, "_swap", lambda a, b: False)
+    monkeypatch.setenv("FAKE_NVCC_SALT", "v3")
+    new = build(SRC, "k", force=True)
+    assert new.path == old.path and payload(new.path).endswith("v3")
+    assert build(SRC, "k").origin == "cache" and tmp_leftovers(fake_nvcc["cache"]) == []

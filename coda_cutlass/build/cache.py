@@ -215,11 +215,10 @@ _AT_FDCWD = -100
 def _exchange(a: Path, b: Path, cache: KernelCache) -> None:
     """Swap two folders atomically (renameat2 RENAME_EXCHANGE); where the filesystem cannot, move
     ``b`` aside then ``a`` in (a moment without ``b``, under the build lock)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is not None and fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if _swap(a, b):
         return
-    aside = cache.root / "tmp" / f"trash-{b.name}-{uuid.uuid4().hex[:8]}"
+    aside = cache.root / "tmp" / f"{b.name}-aside-{uuid.uuid4().hex[:8]}"    # named by its key: swept only
+                                                                              # when nobody holds the key's lock
     os.rename(b, aside)
     try:
         os.rename(a, b)
@@ -227,6 +226,12 @@ def _exchange(a: Path, b: Path, cache: KernelCache) -> None:
         os.rename(aside, b)
         raise
     os.rename(aside, a)
+
+
+def _swap(a: Path, b: Path) -> bool:
+    """renameat2(a, b, RENAME_EXCHANGE); False where libc or the filesystem lacks it."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    return fn is not None and fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 _PRIVATE_FALLBACK: list[KernelCache] = []

@@ -69,8 +69,8 @@ def stat_problem(st: os.stat_result, what: object, trusted: frozenset[int] | Non
 
 def claim_dir(path: Path) -> str | None:
     """Make ``path`` a folder only you control, creating it (0700) if missing. An existing folder
-    of yours that others can write to is repaired (chmod go-w); one owned by someone else, or a
-    link, is refused. Returns why it was refused, or None."""
+    of yours that others can write to is repaired (made 0700); one owned by someone else, or a
+    link to a folder not yours, is refused. Returns why it was refused, or None."""
     try:
         make_dirs(path.parent)
         os.mkdir(path, PRIVATE_DIR)
