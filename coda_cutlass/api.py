@@ -26,7 +26,7 @@ def _options(dtype: Any, weight_layout: str, config: KernelConfig | None, input_
 
 
 GENERATION_OPTIONS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants")
-BUILD_OPTIONS = ("partial_reductions", "cache_dir", "force_rebuild")
+BUILD_OPTIONS = ("partial_reductions", "cache_dir", "force_rebuild", "build_timeout")
 
 
 def split_options(opts: Mapping[str, Any]) -> tuple[Options, dict[str, Any]]:
@@ -59,7 +59,8 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
                      config: KernelConfig | str | None = None, input_dtypes: Mapping[str, Any] | None = None,
                      output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
                      partial_reductions: bool = False, cache_dir: str | Path | None = None,
-                     verbose: bool | None = None, force_rebuild: bool = False) -> Any:
+                     verbose: bool | None = None, force_rebuild: bool = False,
+                     build_timeout: float | None = None) -> Any:
     """Compile an epilogue program into a fused GEMM + epilogue kernel (or fetch it from the cache).
 
     Args:
@@ -76,7 +77,9 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
             columns: (ceil(M/tile_m), N)) for a consumer to finish, instead of finished vectors.
         cache_dir: kernel cache directory (default ``$CODA_CUTLASS_CACHE_DIR`` or ~/.cache/coda-cutlass).
         verbose: progress output on stderr (default on; ``CODA_CUTLASS_QUIET=1`` turns it off).
-        force_rebuild: ignore prebuilt and cached kernels.
+        force_rebuild: ignore prebuilt and cached kernels (the cached entry is replaced only once the
+            new build succeeded).
+        build_timeout: seconds nvcc may run (default ``$CODA_CUTLASS_BUILD_TIMEOUT`` or 1800; 0: none).
 
     Works without a GPU: the kernel is built and can be inspected; calling it needs an sm_90 GPU.
     """
@@ -88,7 +91,8 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
                              partial_reductions=partial_reductions, cache_dir=cache_dir, verbose=verbose)
     opts = _options(dtype, weight_layout, config, input_dtypes, output_dtypes, constants)
     lowered = lower_program(program, opts)
-    result = build(lowered.source, lowered.program.name, cache_dir=cache_dir, verbose=verbose, force=force_rebuild)
+    result = build(lowered.source, lowered.program.name, cache_dir=cache_dir, verbose=verbose, force=force_rebuild,
+                   timeout=build_timeout, dtype=opts.dtype.torch)
     return CompiledEpilogue(lowered, result, partial_reductions=partial_reductions)
 
 
@@ -129,7 +133,8 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
         lo = lowered[i]
         try:
             res = build(lo.source, lo.program.name, cache_dir=rests[i].get("cache_dir"), verbose=False,
-                        force=rests[i].get("force_rebuild", False))
+                        force=rests[i].get("force_rebuild", False), timeout=rests[i].get("build_timeout"),
+                        dtype=lo.options.dtype.torch)
         except BuildError as e:
             done[0] += 1
             say(f"[{done[0]}/{total}] {lo.program.name}: FAILED (log: {e.log_path})", verbose)

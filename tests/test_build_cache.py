@@ -18,6 +18,7 @@ from coda_cutlass.build.builder import build
 from coda_cutlass.build.cache import KernelCache
 from coda_cutlass.build.keys import build_key, source_key
 from coda_cutlass.build.toolchain import toolchain
+from fake_nvcc import payload
 
 HERE = Path(__file__).resolve().parent
 SRC = "// kernel source\nint x;\n"
@@ -77,7 +78,7 @@ def test_corrupt_entry_is_rebuilt(fake):
     with pytest.warns(RuntimeWarning, match="discarded cache entry"):
         r2 = build(SRC, "k")
     assert r2.origin == "built" and calls(fake) == 2
-    assert r2.path.read_text() == SRC
+    assert payload(r2.path) == SRC
 
 
 def test_missing_meta_is_rebuilt(fake):
@@ -120,15 +121,18 @@ def test_read_only_cache_still_serves_hits(fake, monkeypatch, tmp_path):
 
 
 def test_nvcc_runs_without_a_shell(fake, monkeypatch):
+    from coda_cutlass.build import run as run_mod
     seen = {}
-    real = subprocess.run
+    real = subprocess.Popen
 
     def spy(cmd, **kw):
         seen["cmd"], seen["shell"] = cmd, kw.get("shell", False)
         return real(cmd, **kw)
-    monkeypatch.setattr(builder_mod.subprocess, "run", spy)
+    monkeypatch.setattr(run_mod.subprocess, "Popen", spy)
     build(SRC + "// again\n", "k")
     assert isinstance(seen["cmd"], list) and seen["shell"] is False
+    nvcc = seen["cmd"][seen["cmd"].index("--") + 1:]         # under the supervisor
+    assert nvcc[0] == os.environ["CODA_CUTLASS_NVCC"] and "-DNDEBUG" in nvcc
 
 
 def _build_in_process(src: str) -> str:
@@ -144,13 +148,13 @@ def test_concurrent_processes_build_once(fake, monkeypatch):
     assert len(set(paths[:4])) == 1 and len(set(paths[4:])) == 1
     assert calls(fake) == 2                         # one build per distinct source
     for p in set(paths):
-        assert Path(p).read_text().startswith("// kernel source")
+        assert payload(Path(p)).startswith("// kernel source")
     leftovers = [p for p in (fake["cache"] / "tmp").iterdir() if not p.name.startswith(".")]
     assert leftovers == []
 
 
 def test_prebuilt_found_before_jit(fake, monkeypatch, tmp_path):
-    from coda_cutlass.build.cache import sha256_file
+    from coda_cutlass.build.files import sha256_file
     pre = tmp_path / "pre"
     pre.mkdir()
     skey = source_key(SRC)

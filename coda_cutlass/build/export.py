@@ -1,14 +1,20 @@
 """Exporting built kernels as prebuilt files (``<source_key>.so`` + ``<source_key>.json``), for a
-wheel's ``coda_cutlass/prebuilt`` folder or a directory on $CODA_CUTLASS_PREBUILT_PATH."""
+wheel's ``coda_cutlass/prebuilt`` folder or a directory on $CODA_CUTLASS_PREBUILT_PATH.
+
+Unlike the private cache, exported files are meant to be shipped and shared: readable by all
+(folders 0755, files 0644), writable by their owner only, whatever the umask."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cache import FILE_MODE, KernelCache, mkdirs, sha256_file
+from .cache import KernelCache
+from .files import make_dirs, sha256_file, write_file
+
+SHARED_DIR = 0o755
+SHARED_FILE = 0o644
 
 if TYPE_CHECKING:
     from ..runtime.kernel import CompiledEpilogue
@@ -16,15 +22,15 @@ if TYPE_CHECKING:
 
 def _write_prebuilt(so_path: Path, source_key: str, meta: dict, dest: Path | str) -> Path:
     dest = Path(dest)
-    mkdirs(dest)
+    make_dirs(dest, SHARED_DIR)
     so = dest / f"{source_key}.so"
     tmp = dest / f".{source_key}.so.tmp"
-    shutil.copyfile(so_path, tmp)
-    tmp.chmod(FILE_MODE)
+    write_file(tmp, so_path.read_bytes(), SHARED_FILE)
     tmp.replace(so)
     meta = {"source_key": source_key, **meta, "so_sha256": sha256_file(so)}
-    (dest / f"{source_key}.json").write_text(json.dumps(meta, indent=2))
-    (dest / f"{source_key}.json").chmod(FILE_MODE)
+    tmp = dest / f".{source_key}.json.tmp"
+    write_file(tmp, json.dumps(meta, indent=2), SHARED_FILE)
+    tmp.replace(dest / f"{source_key}.json")
     return so
 
 
@@ -47,17 +53,16 @@ def export_sources(items: list, dest: Path | str) -> list[Path]:
     """Write ``<source_key>.cu`` for each (program, options) and the coda headers under include/."""
     from ..api import split_options
     from ..pipeline import lower_program
-    from .cache import write_file
     from .keys import header_files, source_key
     dest = Path(dest)
-    mkdirs(dest)
+    make_dirs(dest, SHARED_DIR)
     for rel, text in header_files():
-        mkdirs((dest / "include" / rel).parent)
-        write_file(dest / "include" / rel, text)
+        make_dirs((dest / "include" / rel).parent, SHARED_DIR)
+        write_file(dest / "include" / rel, text, SHARED_FILE)
     paths = []
     for prog, opts in items:
         lo = lower_program(prog, split_options(opts)[0])
         path = dest / f"{source_key(lo.source)}.cu"
-        write_file(path, lo.source)
+        write_file(path, lo.source, SHARED_FILE)
         paths.append(path)
     return paths

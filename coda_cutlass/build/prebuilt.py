@@ -2,16 +2,18 @@
 
 Search order: directories in $CODA_CUTLASS_PREBUILT_PATH (os.pathsep-separated), then the
 ``coda_cutlass/prebuilt`` folder shipped in a wheel. A prebuilt kernel is ``<source_key>.so`` with
-``<source_key>.json`` (its metadata, including the .so's SHA-256) beside it.
+``<source_key>.json`` (its metadata, including the .so's SHA-256) beside it. Like a cache entry, it
+is used only from a path nobody but you, root or the package's owner controls (trust.py); a
+foreign, corrupt or mismatching one is skipped with a warning.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import warnings
 from pathlib import Path
 
-from .cache import sha256_file
+from .verify import Rejected, verify
 
 PACKAGE_PREBUILT = Path(__file__).resolve().parent.parent / "prebuilt"
 
@@ -22,6 +24,16 @@ def search_dirs() -> list[Path]:
     return dirs
 
 
+def search_report() -> str:
+    """The folders searched, one a line, saying which exist (for error messages)."""
+    lines = []
+    for d in search_dirs():
+        origin = "the installed package" if d == PACKAGE_PREBUILT else "$CODA_CUTLASS_PREBUILT_PATH"
+        state = f"{sum(1 for _ in d.glob('*.so'))} kernels" if d.is_dir() else "no such folder"
+        lines.append(f"{d} ({origin}; {state})")
+    return "\n".join(lines)
+
+
 def find_prebuilt(source_key: str) -> Path | None:
     for d in search_dirs():
         so = d / f"{source_key}.so"
@@ -29,8 +41,8 @@ def find_prebuilt(source_key: str) -> Path | None:
         if not so.is_file() or not meta.is_file():
             continue
         try:
-            if json.loads(meta.read_text()).get("so_sha256") == sha256_file(so):
-                return so
-        except (OSError, ValueError):
-            continue
+            verify(so, meta)
+            return so
+        except Rejected as e:
+            warnings.warn(f"coda-cutlass: skipping prebuilt kernel {so}: {e}", RuntimeWarning, stacklevel=3)
     return None

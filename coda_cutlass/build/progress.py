@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
+
+from ..env import env_flag
 
 
 def enabled(verbose: bool | None) -> bool:
     if verbose is not None:
         return verbose
-    return os.environ.get("CODA_CUTLASS_QUIET", "") in ("", "0")
+    return not env_flag("CODA_CUTLASS_QUIET", False)
 
 
 def say(message: str, verbose: bool | None = None) -> None:

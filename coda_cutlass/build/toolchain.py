@@ -33,35 +33,69 @@ class Toolchain:
     nvcc_version: str
     cutlass_include: tuple[str, ...]
     cutlass_version: str
+    nvcc_reason: str = ""      # why this nvcc was chosen (printed with the build, kept in the log)
 
     def command(self, source: str, output: str, extra_includes: tuple[str, ...]) -> list[str]:
         includes = [f"-I{p}" for p in (*extra_includes, *self.cutlass_include)]
         return [self.nvcc, *NVCC_FLAGS, *includes, "-o", output, source]
 
 
-def find_nvcc() -> str:
-    explicit = os.environ.get("CODA_CUTLASS_NVCC")
-    if explicit:
-        if not os.access(explicit, os.X_OK):
-            raise ToolchainError(f"CODA_CUTLASS_NVCC={explicit} is not an executable file")
-        return explicit
+DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
+
+
+def nvcc_candidates() -> list[tuple[str, str]]:
+    """(place searched, path or '') in search order: $CODA_CUTLASS_NVCC, $CUDA_HOME/bin,
+    $CUDA_PATH/bin, PATH, the default CUDA install."""
+    out = [("$CODA_CUTLASS_NVCC", os.environ.get("CODA_CUTLASS_NVCC", ""))]
     for var in ("CUDA_HOME", "CUDA_PATH"):
         root = os.environ.get(var)
-        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
-            return os.path.join(root, "bin", "nvcc")
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    if os.access("/usr/local/cuda/bin/nvcc", os.X_OK):
-        return "/usr/local/cuda/bin/nvcc"
+        out.append((f"${var}/bin/nvcc", os.path.join(root, "bin", "nvcc") if root else ""))
+    out.append(("PATH", shutil.which("nvcc") or ""))
+    out.append(("the default CUDA install", DEFAULT_NVCC))
+    return out
+
+
+def nvcc_search_report() -> str:
+    """Where nvcc was looked for and what was found there, one place a line (for errors)."""
+    lines = []
+    for place, path in nvcc_candidates():
+        if place == "PATH" and not path:
+            state = f"no nvcc in PATH={os.environ.get('PATH', '')}"
+        elif not path:
+            state = "unset"
+        elif _executable(path):
+            state = path
+        else:
+            state = f"{path}: no such executable"
+        lines.append(f"{place}: {state}")
+    return "\n".join(lines)
+
+
+def _executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find_nvcc() -> tuple[str, str]:
+    """(nvcc path, why it was chosen): the first usable place of ``nvcc_candidates``."""
+    for place, path in nvcc_candidates():
+        if place == "$CODA_CUTLASS_NVCC" and path and not _executable(path):
+            raise ToolchainError(f"CODA_CUTLASS_NVCC={path} is not an executable file")
+        if path and _executable(path):
+            if place == "the default CUDA install":
+                return path, f"from {place}: not on PATH, and CODA_CUTLASS_NVCC, CUDA_HOME, CUDA_PATH are unset"
+            return path, f"from {place}"
     raise ToolchainError("nvcc not found: install the CUDA toolkit (12.4 or newer; 13.0 is tested), put nvcc "
                          "on PATH, or set CUDA_HOME or CODA_CUTLASS_NVCC")
+
+
+def _decode(data: bytes) -> str:
+    return data.decode("utf-8", errors="replace")
 
 
 @lru_cache(maxsize=None)
 def nvcc_version(nvcc: str) -> str:
     try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
+        out = _decode(subprocess.run([nvcc, "--version"], capture_output=True, timeout=60, check=True).stdout)
     except (OSError, subprocess.SubprocessError) as e:
         raise ToolchainError(f"could not run {nvcc} --version: {e}") from None
     lines = [l.strip() for l in out.splitlines() if l.strip()]
@@ -91,7 +125,11 @@ def find_cutlass() -> tuple[str, ...]:
 
 
 def cutlass_version(include: str) -> str:
-    text = Path(include, "cutlass", "version.h").read_text()
+    try:
+        text = Path(include, "cutlass", "version.h").read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise ToolchainError(f"CUTLASS headers in {include} have no readable cutlass/version.h ({e.strerror}); "
+                             "point CODA_CUTLASS_CUTLASS_DIR at a complete CUTLASS 4.x checkout") from None
     parts = [re.search(rf"#define CUTLASS_{p}\s+(\d+)", text) for p in ("MAJOR", "MINOR", "PATCH")]
     if not all(parts):
         return "unknown"
@@ -100,14 +138,14 @@ def cutlass_version(include: str) -> str:
 
 @lru_cache(maxsize=1)
 def _cached_toolchain(nvcc_env: str, cutlass_env: str, path_env: str) -> Toolchain:
-    nvcc = find_nvcc()
+    nvcc, reason = find_nvcc()
     includes = find_cutlass()
     return Toolchain(nvcc=nvcc, nvcc_version=nvcc_version(nvcc), cutlass_include=includes,
-                     cutlass_version=cutlass_version(includes[0]))
+                     cutlass_version=cutlass_version(includes[0]), nvcc_reason=reason)
 
 
 def toolchain() -> Toolchain:
     """The toolchain for the current environment (re-detected when the relevant variables change)."""
-    return _cached_toolchain(os.environ.get("CODA_CUTLASS_NVCC", "") + os.environ.get("CUDA_HOME", ""),
+    return _cached_toolchain("|".join(os.environ.get(v, "") for v in ("CODA_CUTLASS_NVCC", "CUDA_HOME", "CUDA_PATH")),
                              os.environ.get("CODA_CUTLASS_CUTLASS_DIR", "") + os.environ.get("CUTLASS_DIR", ""),
                              os.environ.get("PATH", ""))

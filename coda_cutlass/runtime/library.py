@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
 
+from ..build.verify import Rejected, metadata_path, verify
 from ..errors import BuildError
 from ..lower.evt import ABI_VERSION
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, "KernelLibrary"] = {}
+_REPLACED: set[str] = set()      # paths whose file changed during dlopen: what got mapped is unknown
 
 
 class KernelLibrary:
     def __init__(self, path: Path):
         self.path = path
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise BuildError(f"cannot load kernel library {path}: {e}") from None
+        lib = open_verified(path)
         lib.coda_abi_version.restype = ctypes.c_int
         lib.coda_describe.restype = ctypes.c_char_p
         lib.coda_status_string.restype = ctypes.c_char_p
@@ -60,11 +60,35 @@ class KernelLibrary:
         return size
 
 
+def open_verified(path: Path) -> ctypes.CDLL:
+    """dlopen a kernel library, verifying the file right before: its path is controlled by you
+    alone and its bytes match the SHA-256 in the metadata beside it (build/verify.py); and the file
+    must still be the one verified once dlopen returns."""
+    key = str(Path(path).resolve())
+    if key in _REPLACED:
+        raise BuildError(f"kernel library {path} was replaced while this process loaded it; restart the "
+                         "process to load the new file")
+    try:
+        identity = verify(Path(path), metadata_path(Path(path)))
+    except Rejected as e:
+        raise BuildError(f"refusing to load kernel library {path}: {e}; rebuild it "
+                         "(compile_epilogue(..., force_rebuild=True))") from None
+    try:
+        lib = ctypes.CDLL(key)
+    except OSError as e:
+        raise BuildError(f"cannot load kernel library {path}: {e}") from None
+    now = os.stat(key)
+    if (now.st_dev, now.st_ino) != identity:
+        _REPLACED.add(key)
+        raise BuildError(f"kernel library {path} was replaced while it was being loaded")
+    return lib
+
+
 def load(path: Path | str) -> KernelLibrary:
-    """Load once per process per path."""
+    """Load once per process per path (verified: ``open_verified``)."""
     key = str(Path(path).resolve())
     with _LOCK:
         lib = _LOADED.get(key)
         if lib is None:
-            lib = _LOADED[key] = KernelLibrary(Path(key))
+            lib = _LOADED[key] = KernelLibrary(Path(path))   # metadata lies beside the given path
         return lib

@@ -28,6 +28,7 @@ from ..lower.map import MAP_ABI_VERSION, TILE_N, MapGraph, MapSlot
 from . import checks
 from . import kernel as _kernel
 from .kernel import current_stream, ensure_gpu
+from .library import open_verified
 
 _LOCK = threading.Lock()
 _LOADED: dict[str, ctypes.CDLL] = {}
@@ -38,10 +39,7 @@ def _load(path: Path) -> ctypes.CDLL:
     with _LOCK:
         lib = _LOADED.get(key)
         if lib is None:
-            try:
-                lib = ctypes.CDLL(key)
-            except OSError as e:
-                raise BuildError(f"cannot load map kernel library {key}: {e}") from None
+            lib = open_verified(Path(key))      # checked right before dlopen, like GEMM kernels
             lib.coda_map_abi_version.restype = ctypes.c_int
             lib.coda_describe.restype = ctypes.c_char_p
             lib.coda_status_string.restype = ctypes.c_char_p

@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from ..build.cache import absolute
 from ..build.progress import say
 from ..config import KernelConfig
+from ..env import env_flag
 from ..errors import BuildError
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..pipeline import Options, lower_program
 from ..timing import interleaved, time_cuda
 from .space import RUNTIME_CHOICES, candidate_configs, default_config
-from .store import TuningStore, m_bucket
+from .store import CHOICE_FIELDS, TuningStore, m_bucket
 
 
 REFINE_TOP = 4
@@ -59,7 +60,7 @@ def refinement_leaders(timings: list[dict[str, Any]], top: int) -> list[dict[str
 
 
 def tuning_enabled() -> bool:
-    return os.environ.get("CODA_CUTLASS_AUTOTUNE", "1") not in ("0", "false", "no")
+    return env_flag("CODA_CUTLASS_AUTOTUNE", True)
 
 
 class TunedEpilogue:
@@ -70,7 +71,7 @@ class TunedEpilogue:
                  candidates: list[KernelConfig] | None = None):
         self.options = options
         self.partial_reductions = partial_reductions
-        self.cache_dir = cache_dir
+        self.cache_dir = None if cache_dir is None else absolute(cache_dir)   # kernels build later: chdir-proof
         self.verbose = verbose
         base = lower_program(program, replace(options, config=default_config()))
         self.program = base.program
@@ -115,7 +116,7 @@ class TunedEpilogue:
         local = (N, K, m_bucket(M))
         rec = self._choices.get(local)
         if rec is None:
-            rec = self.store.get(self.key(M, N, K, A.device))
+            rec = self.store.get(self.key(M, N, K, A.device), CHOICE_FIELDS)
             if rec is None:
                 if tuning_enabled() and not torch.compiler.is_compiling():
                     rec = self.tune(M, N, K, A.device)

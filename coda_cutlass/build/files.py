@@ -1,0 +1,69 @@
+"""Reading and writing the cache's files.
+
+What coda-cutlass creates is private whatever the umask: folders 0700, files 0600 (kernel.so and
+build.sh 0700), created with O_EXCL | O_NOFOLLOW so a planted file or link is never written
+through. Metadata is JSON; valid JSON that is not an object ([], null, 1, "x") is as corrupt as
+invalid JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
+PRIVATE_EXEC = 0o700
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_json_object(path: Path) -> dict | None:
+    """The JSON object in ``path``; None if it is missing, unreadable, not JSON, or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def make_dirs(path: Path, mode: int = PRIVATE_DIR) -> None:
+    """``mkdir -p`` whose every new level gets ``mode`` whatever the umask (Path.mkdir(parents=True)
+    gives intermediate levels 0777 & ~umask: world-writable under umask 000)."""
+    missing = []
+    p = path
+    while not p.is_dir():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode & PRIVATE_DIR)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+            continue
+        os.chmod(d, mode)
+
+
+def write_file(path: Path, data: str | bytes, mode: int = PRIVATE_FILE) -> None:
+    """Create ``path`` (replacing a file of ours) with ``mode``, never following a link."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, mode)
+        f.write(data)

@@ -1,0 +1,78 @@
+"""Per-key build locks across processes (flock), with progress while waiting and a time limit.
+
+The holder writes its pid into the lock file, so a waiting process can say whom it waits for. A
+lock is released by the kernel when its holder dies, however it dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+from ..errors import BuildError
+from .files import PRIVATE_FILE
+from .progress import say
+
+_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def hold(path: Path, what: str, timeout: float | None, verbose: bool | None) -> Iterator[None]:
+    """Hold the lock at ``path``, waiting for another holder at most ``timeout`` seconds (None:
+    forever) with a progress line every 15 s; a BuildError when the time is up."""
+    fd = os.open(path, _FLAGS | os.O_CREAT, PRIVATE_FILE)
+    try:
+        _wait(fd, path, what, timeout, verbose)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def is_held(path: Path) -> bool:
+    """Whether some open file (in any process, this one included) holds the lock at ``path``."""
+    try:
+        fd = os.open(path, _FLAGS)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)        # closing releases a lock we got
+    return False
+
+
+def _try(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _wait(fd: int, path: Path, what: str, timeout: float | None, verbose: bool | None,
+          every: float = 15.0) -> None:
+    if _try(fd):
+        return
+    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    start = time.monotonic()
+    limit = f", for at most {timeout:.0f} s" if timeout is not None else ""
+    say(f"waiting for another process (pid {holder}) building {what}{limit} (lock {path})...", verbose)
+    next_note = start + every
+    while not _try(fd):
+        time.sleep(0.2)
+        now = time.monotonic()
+        if timeout is not None and now - start >= timeout:
+            raise BuildError(f"gave up after {now - start:.0f} s waiting for another process (pid {holder}) "
+                             f"building {what} (lock {path}); set CODA_CUTLASS_LOCK_TIMEOUT to wait longer")
+        if now >= next_note:
+            say(f"  ... still waiting for pid {holder} building {what} ({now - start:.0f} s)", verbose)
+            next_note += every

@@ -1,0 +1,58 @@
+"""Running nvcc so that nothing outlives the build: under supervise.py, which kills nvcc's whole
+process group (cicc, ptxas, the host compiler) when nvcc exits, times out, is interrupted, or
+when this process dies, however it dies. Output is captured as bytes and decoded with
+replacement characters (a log in another encoding must not turn a build error into a
+UnicodeDecodeError).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .files import PRIVATE_FILE
+
+SUPERVISOR = Path(__file__).resolve().parent / "supervise.py"
+EXIT_NOT_FOUND = 127
+
+
+@dataclass(frozen=True)
+class Ran:
+    returncode: int
+    output: str          # stdout and stderr, interleaved as written
+    timed_out: bool
+
+
+def run(cmd: list[str], cwd: Path, timeout: float | None) -> Ran:
+    out_path = cwd / ".output"
+    fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
+    with os.fdopen(fd, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", str(SUPERVISOR), str(os.getpid()), "--", *cmd],
+                                cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    timed_out = False
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _stop(proc)
+    except BaseException:
+        _stop(proc)
+        raise
+    output = out_path.read_bytes().decode("utf-8", errors="replace")
+    out_path.unlink()
+    return Ran(proc.returncode, output, timed_out)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ask the supervisor to kill the build's process group; kill it too if it does not exit."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
