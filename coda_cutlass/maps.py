@@ -47,7 +47,8 @@ def compile_map(program: Any, dtype: Any = torch.bfloat16, *, input_dtypes: Mapp
     opts = Options.make(dtype, input_dtypes=input_dtypes, output_dtypes=output_dtypes, constants=constants)
     graph = lower_map(typed_ir(program, opts), opts.dtype)
     source = render_map_kernel(graph)
-    result = build(source, graph.program.name, cache_dir=cache_dir, verbose=verbose, force=force_rebuild)
+    result = build(source, graph.program.name, cache_dir=cache_dir, verbose=verbose, force=force_rebuild,
+                   dtype=opts.dtype)
     return CompiledMap(graph, source, result, partial_reductions=partial_reductions)
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..build.cache import absolute
 from ..config import KernelConfig
 from ..interpret import interpret
 from ..maps import compile_map, map_reference
@@ -131,7 +132,7 @@ class KernelRunner(Runner):
         self.dtype = dtype
         self._explicit: dict[str, Choice] = dict(plan or {})
         self.plan: dict[str, Choice] = dict(self._explicit)
-        self.cache_dir = cache_dir
+        self.cache_dir = absolute(cache_dir) if cache_dir is not None else None   # survives a chdir
         self.verbose = verbose
         self._gemms: dict[tuple[Any, ...], Any] = {}
         self._maps: dict[tuple[Any, ...], Any] = {}
