@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import sys
 import time
@@ -41,6 +40,7 @@ from coda_cutlass.nn import KernelRunner, LlamaBlock, Recorder  # noqa: E402
 from coda_cutlass.nn.block import BlockFunction  # noqa: E402
 from coda_cutlass.nn.functional import first_norm  # noqa: E402
 from coda_cutlass.nn.tuning import plan_key, tune_in_sequence  # noqa: E402
+from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
 from report import GpuSampler, environment, machine_line, require_hopper  # noqa: E402
 
@@ -217,19 +217,12 @@ class Skeleton:
 def time_rounds(wl: Workload, names: list[str], backward: bool, rounds: int, iters: int, seed: int) -> dict[str, list[float]]:
     """Per-iteration times (ms) of each variant; variants visited in a shuffled order each round."""
     fns = wl.variants()
-    rng = random.Random(seed)
-    events: dict[str, list[tuple[Any, Any]]] = {n: [] for n in names}
-    for _ in range(rounds):
-        order = names[:]
-        rng.shuffle(order)
-        for n in order:
-            for _ in range(iters):
-                wl.zero_grad()
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fns[n](backward)
-                e.record()
-                events[n].append((s, e))
+
+    def call(name: str, i: int) -> Any:
+        wl.zero_grad()
+        return timed_call(fns[name], backward)
+
+    events = in_bursts(names, call, rounds=rounds, burst=iters, seed=seed)
     torch.cuda.synchronize()
     return {n: [s.elapsed_time(e) for s, e in v] for n, v in events.items()}
 

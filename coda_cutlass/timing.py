@@ -57,6 +57,41 @@ def call_order(names: Sequence[str], passes: int, order: str = "shuffle", seed: 
     return seq
 
 
+EventPair = tuple[torch.cuda.Event, torch.cuda.Event]
+
+
+def timed_call(fn: Callable[..., Any], *args: Any) -> EventPair:
+    """Queue ``fn(*args)`` between two CUDA events (no synchronisation)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn(*args)
+    end.record()
+    return start, end
+
+
+def medians_us(events: dict[str, list[EventPair]]) -> dict[str, float]:
+    """Synchronise, then the median of each name's event pairs in microseconds."""
+    torch.cuda.synchronize()
+    return {k: statistics.median(s.elapsed_time(e) * 1000.0 for s, e in v) for k, v in events.items()}
+
+
+def in_bursts(names: Sequence[str], call: Callable[[str, int], EventPair | None], *, rounds: int, burst: int,
+              seed: int = 0) -> dict[str, list[EventPair]]:
+    """``rounds`` rounds, each visiting every name once in a fresh shuffled order and calling
+    ``call(name, i)`` for i < burst back to back; keeps the event pairs the calls return."""
+    rng = random.Random(seed)
+    events: dict[str, list[EventPair]] = {k: [] for k in names}
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        for name in order:
+            for i in range(burst):
+                pair = call(name, i)
+                if pair is not None:
+                    events[name].append(pair)
+    return events
+
+
 def interleaved(fns: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], *, rounds: int = 5,
                 warmup: int = 5, reps: int = 20, order: str = "shuffle",
                 before: Callable[[Any], Any] | None = None) -> dict[str, float]:
@@ -73,18 +108,13 @@ def interleaved(fns: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], *, 
         for i in range(warmup):
             fn(inputs[i % len(inputs)])
     torch.cuda.synchronize()
-    events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {k: [] for k in names}
+    events: dict[str, list[EventPair]] = {k: [] for k in names}
     for i, name in enumerate(call_order(names, rounds * reps, order)):
         x = inputs[(i // len(names)) % len(inputs)]
         if before is not None:
             before(x)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fns[name](x)
-        end.record()
-        events[name].append((start, end))
-    torch.cuda.synchronize()
-    return {k: statistics.median(s.elapsed_time(e) * 1000.0 for s, e in v) for k, v in events.items()}
+        events[name].append(timed_call(fns[name], x))
+    return medians_us(events)
 
 
 def sustained(fns: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], *, burst: int = 40, skip: int = 10,
@@ -96,22 +126,10 @@ def sustained(fns: dict[str, Callable[[Any], Any]], inputs: Sequence[Any], *, bu
     ``interleaved`` gives every function the same neighbours; here each is its own neighbour, as a
     GEMM is inside a block's sequence of GEMMs at the card's power limit (a kernel that moves more
     bytes or does more math per FLOP then also runs at a lower clock)."""
-    names = list(fns)
-    rng = random.Random(seed)
-    events: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {k: [] for k in names}
-    for _ in range(rounds):
-        order = names[:]
-        rng.shuffle(order)
-        for name in order:
-            for i in range(burst):
-                x = inputs[i % len(inputs)]
-                if i < skip:
-                    fns[name](x)
-                    continue
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fns[name](x)
-                end.record()
-                events[name].append((start, end))
-    torch.cuda.synchronize()
-    return {k: statistics.median(s.elapsed_time(e) * 1000.0 for s, e in v) for k, v in events.items()}
+    def call(name: str, i: int) -> EventPair | None:
+        x = inputs[i % len(inputs)]
+        if i < skip:
+            fns[name](x)
+            return None
+        return timed_call(fns[name], x)
+    return medians_us(in_bursts(list(fns), call, rounds=rounds, burst=burst, seed=seed))
