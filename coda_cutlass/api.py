@@ -1,23 +1,24 @@
-"""Public entry points: compile_epilogue, compile_many, emit, reference."""
+"""Public entry points: compile_epilogue, compile_many, emit, reference.
+
+Built on the pipeline (program -> source), the compiler (source -> kernel) and, for
+``config="tune"``, the autotuner.
+"""
 
 from __future__ import annotations
 
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 
-from .build.builder import build
-from .build.progress import say
+from .compiler import CompiledEpilogue, compile_generated, compile_parallel
 from .config import KernelConfig
-from .errors import BuildError
 from .dtypes import BF16, as_dtype, as_operand_dtype
 from .interpret import PRECISIONS, interpret
-from .pipeline import Options, lower_program, typed_ir
-from .runtime.kernel import CompiledEpilogue
+from .pipeline import Lowered, Options, generate, lower_program, typed_ir
+from .tuning.space import candidate_configs
+from .tuning.tuner import TunedEpilogue
 
 
 def _options(dtype: Any, weight_layout: str, config: KernelConfig | None, input_dtypes: Mapping[str, Any] | None,
@@ -39,20 +40,44 @@ def split_options(opts: Mapping[str, Any]) -> tuple[Options, dict[str, Any]]:
     return Options.make(**gen), {k: opts[k] for k in BUILD_OPTIONS if k in opts}
 
 
+class _LowerOnce:
+    """Lowers each (program, options other than the config) once, however many configs follow."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple[Any, Options], Lowered] = {}
+
+    def __call__(self, program: Any, options: Options) -> Lowered:
+        key = (program, replace(options, config=None))
+        lo = self._done.get(key)
+        if lo is None:
+            lo = self._done[key] = lower_program(program, key[1])
+        return lo
+
+
 def with_candidate_configs(items: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[tuple[Any, dict[str, Any]]]:
     """(program, options) pairs -> one pair per autotuning candidate config of each program (to
     build every candidate ahead of time, e.g. for prebuilt kernels)."""
-    from .tuning.space import candidate_configs
+    lower_once = _LowerOnce()
     return [(p, {**o, "config": c}) for p, o in items
-            for c in candidate_configs(lower_program(p, split_options(o)[0]).graph)]
+            for c in candidate_configs(lower_once(p, split_options(o)[0]).graph)]
 
 
 def emit(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
          config: KernelConfig | None = None, input_dtypes: Mapping[str, Any] | None = None,
          output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None) -> str:
     """The generated `.cu` for a program, as text. Traces, validates and renders; runs no compiler."""
-    return lower_program(program, _options(dtype, weight_layout, config, input_dtypes, output_dtypes,
-                                           constants)).source
+    return generate(lower_program(program, _options(dtype, weight_layout, config, input_dtypes, output_dtypes,
+                                                    constants))).source
+
+
+def emit_many(items: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[str]:
+    """The generated `.cu` of each (program, options) pair (options as for compile_epilogue)."""
+    lower_once = _LowerOnce()
+    out = []
+    for p, o in items:
+        opts = split_options(o)[0]
+        out.append(generate(lower_once(p, opts), opts.config).source)
+    return out
 
 
 def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
@@ -86,24 +111,12 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
     if isinstance(config, str):
         if config != "tune":
             raise TypeError(f"config must be a KernelConfig, None (the heuristic default) or 'tune', got {config!r}")
-        from .tuning import TunedEpilogue
         return TunedEpilogue(program, _options(dtype, weight_layout, None, input_dtypes, output_dtypes, constants),
                              partial_reductions=partial_reductions, cache_dir=cache_dir, verbose=verbose)
     opts = _options(dtype, weight_layout, config, input_dtypes, output_dtypes, constants)
-    lowered = lower_program(program, opts)
-    result = build(lowered.source, lowered.program.name, cache_dir=cache_dir, verbose=verbose, force=force_rebuild,
-                   timeout=build_timeout, dtype=opts.dtype.torch)
-    return CompiledEpilogue(lowered, result, partial_reductions=partial_reductions)
-
-
-def default_jobs() -> int:
-    """Parallel nvcc jobs: one per core, but at most one per 2 GiB of memory (cicc peaks near that)."""
-    cores = os.cpu_count() or 2
-    try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        return cores
-    return max(1, min(cores, int(mem_gib // 2)))
+    return compile_generated(generate(lower_program(program, opts)), partial_reductions=partial_reductions,
+                             cache_dir=cache_dir, verbose=verbose, force_rebuild=force_rebuild,
+                             build_timeout=build_timeout)
 
 
 def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: int | None = None,
@@ -116,45 +129,15 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     A failed build raises ``BuildError`` once all builds finish, unless ``skip_failed`` (then its
     entry is None).
     """
-    items: list[tuple[Any, Options, dict[str, Any]]] = []
+    # Generate everything first (each program lowered once) so program errors surface before any
+    # compiler runs.
+    lower_once = _LowerOnce()
+    items: list[tuple[Any, dict[str, Any]]] = []
     for item in programs:
         prog, extra = item if isinstance(item, tuple) else (item, {})
         opts, rest = split_options({"dtype": dtype, **kwargs, **extra})
-        items.append((prog, opts, rest))
-    # Lower everything first so program errors surface before any compiler runs.
-    lowered = [lower_program(p, opts) for p, opts, _ in items]
-    rests = [rest for _, _, rest in items]
-    jobs = jobs or default_jobs()
-    total = len(lowered)
-    start = time.monotonic()
-    done = [0]
-
-    def one(i: int) -> CompiledEpilogue | BuildError:
-        lo = lowered[i]
-        try:
-            res = build(lo.source, lo.program.name, cache_dir=rests[i].get("cache_dir"), verbose=False,
-                        force=rests[i].get("force_rebuild", False), timeout=rests[i].get("build_timeout"),
-                        dtype=lo.options.dtype.torch)
-        except BuildError as e:
-            done[0] += 1
-            say(f"[{done[0]}/{total}] {lo.program.name}: FAILED (log: {e.log_path})", verbose)
-            return e
-        done[0] += 1
-        say(f"[{done[0]}/{total}] {lo.program.name}: {res.origin}"
-            + (f" in {res.seconds:.0f} s" if res.origin == "built" else ""), verbose)
-        return CompiledEpilogue(lo, res, partial_reductions=rests[i].get("partial_reductions", False))
-
-    say(f"building {total} kernels with up to {jobs} parallel nvcc jobs", verbose)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        out = list(pool.map(one, range(total)))
-    failed = [(lowered[i].program.name, r) for i, r in enumerate(out) if isinstance(r, BuildError)]
-    say(f"{total - len(failed)} of {total} kernels ready in {time.monotonic() - start:.0f} s", verbose)
-    if failed and skip_failed:
-        return [None if isinstance(r, BuildError) else r for r in out]  # type: ignore[misc]
-    if failed:
-        names = "\n".join(f"  {name}: {e.source_path} (log {e.log_path})" for name, e in failed)
-        raise BuildError(f"{len(failed)} of {total} kernels failed to build (the others are cached):\n{names}")
-    return out  # type: ignore[return-value]
+        items.append((generate(lower_once(prog, opts), opts.config), rest))
+    return compile_parallel(items, jobs=jobs, verbose=verbose, skip_failed=skip_failed)  # type: ignore[return-value]
 
 
 def reference(program: Any, A: torch.Tensor, W: torch.Tensor, *, dtype: Any = None, weight_layout: str = "nk",

@@ -60,7 +60,8 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         print(f"no epilogue programs in {args.file}", file=sys.stderr)
         return 2
     if args.sources_only:
-        for path in export_sources(items, args.out):
+        from .api import emit_many
+        for path in export_sources(emit_many(items), args.out):
             print(path)
         return 0
     if args.all_candidates:     # every autotuning candidate config of every program

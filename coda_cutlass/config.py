@@ -4,7 +4,8 @@ knobs (raster order, swizzle) that are not.
 Measured on the H200 (GPU.md): 128x256x64 cooperative with a 2x1 or 1x2 cluster lands within a
 few percent of cuBLAS on Llama shapes in short runs; the untuned 128x128 1x1 is 1.17-1.40x with an
 EVT. In long runs at the card's power limit the autotuner picks ping-pong 128x128 (cluster 1x2 or
-2x1) for nearly every epilogue, which is therefore the default (tuning/space.py).
+2x1) for nearly every epilogue, which is therefore the default: ``DEFAULT`` below, the one default
+configuration (lower/plan.py falls back to smaller tiles for programs that do not fit it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ TILE_SCHEDULER = {
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Build-time configuration. ``raster`` and ``swizzle`` are runtime defaults (no rebuild)."""
+    """Build-time configuration. ``raster`` and ``swizzle`` are runtime defaults (no rebuild).
+    The field defaults (cooperative 128x256, cluster 2x1) are only a starting point for naming a
+    configuration; without one, kernels use ``DEFAULT``."""
 
     tile_m: int = 128
     tile_n: int = 256
@@ -116,4 +119,9 @@ def check_config(c: KernelConfig) -> None:
                   "with the epilogue)")
 
 
-DEFAULT = KernelConfig()
+# The heuristic default: ping-pong 128x128x64, cluster 1x2. In the third session's benchmark runs
+# (H200 at its 700 W limit, Llama-3-8B shapes, 47 workloads run 2-4 times) the tuner picked
+# ping-pong 128x128 for 110 of 114 tuned kernels (74 with cluster 1x2), while cooperative 128x256
+# (the earlier default, best in short runs at full clock) cost 1.02-1.76 x the tuned kernel on the
+# pairwise / log-sum-exp workloads (docs/RESULTS.md).
+DEFAULT = KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong")

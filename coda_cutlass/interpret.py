@@ -21,13 +21,11 @@ import torch
 
 from .dtypes import F32, DType, as_dtype
 from .errors import CallError
-from .finish import finish_lse, finish_segments, segments_per_tile
-from .ir.nodes import Kind, Node, Program
-from .ir.ops import OPS
+from .ir.nodes import OPERAND_OPS, Kind, Node, Program
+from .ir.ops import OPS, PAIR_OPS
+from .partials import PartialLayout
 
 PRECISIONS = ("kernel", "fp32", "lowp")
-
-REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "lse": float("-inf")}
 
 
 def gemm_fp32(A: torch.Tensor, W: torch.Tensor, weight_layout: str) -> torch.Tensor:
@@ -54,67 +52,6 @@ def _reduce(x: torch.Tensor, fn: str, dim: int | None) -> torch.Tensor:
     return x.amax(dim) if fn == "max" else x.amin(dim)
 
 
-def lse_partials(x: torch.Tensor, tn: int) -> torch.Tensor:
-    """Per-N-tile online log-sum-exp states (max, sum exp(x - max)), shape (ceil(N/tn), M, 2)."""
-    M, N = x.shape
-    nt = -(-N // tn)
-    pad = torch.full((M, nt * tn), float("-inf"), dtype=x.dtype, device=x.device)
-    pad[:, :N] = x
-    inside = torch.zeros((M, nt * tn), dtype=torch.bool, device=x.device)
-    inside[:, :N] = True
-    pad, inside = pad.view(M, nt, tn), inside.view(M, nt, tn)
-    m = pad.amax(2, keepdim=True)
-    e = torch.where(pad == m, torch.ones_like(pad), torch.exp(pad - m))   # -inf == -inf counts 1
-    s = torch.where(inside, e, torch.zeros_like(e)).sum(2)
-    s = torch.where(torch.isnan(m[..., 0]), m[..., 0], s)
-    return torch.stack((m[..., 0], s), -1).transpose(0, 1).contiguous()
-
-
-def segment_partials(x: torch.Tensor, width: int, tn: int) -> torch.Tensor:
-    """Per-(N-tile, segment-in-tile) row sums, shape (ceil(N/tn) * k, M), row t * k + s; k = segments
-    per tile (1 when a segment spans whole tiles)."""
-    M, N = x.shape
-    nt = -(-N // tn)
-    pad = torch.zeros((M, nt * tn), dtype=x.dtype, device=x.device)
-    pad[:, :N] = x
-    k = segments_per_tile(width, tn)
-    return pad.view(M, nt * k, tn // k).sum(2).t().contiguous()
-
-
-def partial_reduce(x: torch.Tensor, fn: str, axis: str, tile: tuple[int, int], width: int = 0) -> torch.Tensor:
-    """Per-tile partials as the kernel writes them: row reductions give (ceil(N/tn), M), column
-    reductions (ceil(M/tm), N); a total sum gives the row partials; log-sum-exp (ceil(N/tn), M, 2);
-    segment sums (ceil(N/tn) * k, M)."""
-    M, N = x.shape
-    tm, tn = tile
-    if fn == "lse":
-        return lse_partials(x, tn)
-    if axis == "segment":
-        return segment_partials(x, width, tn)
-    ident = REDUCTION_IDENTITY[fn]
-    if axis in ("row", "all"):
-        nt = -(-N // tn)
-        pad = torch.full((M, nt * tn), ident, dtype=x.dtype, device=x.device)
-        pad[:, :N] = x
-        return _reduce(pad.view(M, nt, tn), fn, 2).t().contiguous()
-    mt = -(-M // tm)
-    pad = torch.full((mt * tm, N), ident, dtype=x.dtype, device=x.device)
-    pad[:M] = x
-    return _reduce(pad.view(mt, tm, N), fn, 1)
-
-
-def finish_partials(partials: torch.Tensor, fn: str, axis: str, *, width: int = 0, tile_n: int = 0,
-                    N: int = 0) -> torch.Tensor:
-    """Finish per-tile partials (layout of ``partial_reduce``) into the reduction's result."""
-    if fn == "lse":
-        return finish_lse(partials)
-    if axis == "segment":
-        return finish_segments(partials, width, tile_n, N)
-    if axis == "all":
-        return partials.sum()
-    return _reduce(partials, fn, 0)
-
-
 def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapping[str, Any], *,
               weight_layout: str = "nk", precision: str = "kernel",
               partial_tile: tuple[int, int] | None = None, acc: torch.Tensor | None = None
@@ -124,8 +61,8 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
     With ``acc`` (an (M, N) tensor), the program runs on it instead of on ``A @ W.T`` (a map
     kernel's reference; A and W are then ignored and may be None).
 
-    With ``partial_tile=(tm, tn)``, reductions are returned as per-tile partials (see
-    ``partial_reduce``) instead of finished values.
+    With ``partial_tile=(tm, tn)``, reductions are returned as the per-tile partials the kernel
+    writes (``partials.PartialLayout``) instead of finished values.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -164,7 +101,7 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
         elif n.op == "acc":
             vals[n.id] = gemm_lowp(A, W, weight_layout, gemm_dtype) if precision == "lowp" \
                 else gemm_fp32(A, W, weight_layout)
-        elif n.op in ("load", "scalar"):
+        elif n.op in OPERAND_OPS:
             vals[n.id] = operand(n.attr("operand"), n.kind)
         elif n.op == "index":
             if n.attr("axis") == "row":
@@ -177,7 +114,7 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
             if precision != "fp32":
                 a, b = a.to(pd.torch).float(), b.to(pd.torch).float()
             vals[n.id] = OPS["pack"].ref(a, b)
-        elif n.op in ("pair_first", "pair_second", "pair_merge", "pair_rotate"):
+        elif n.op in PAIR_OPS:
             shape = (M, N) if n.kind == Kind.TILE else (1, N)
             vals[n.id] = lowp(OPS[n.op].ref(*(vals[i].expand(shape) for i in n.inputs)))
         elif n.op == "const":
@@ -211,7 +148,7 @@ def _reduction(n: Node, x: torch.Tensor, precision: str, partial_tile: tuple[int
     out_dtype = as_dtype(n.attr("out_dtype", "f32"))
     x = x.float()
     if partial_tile is not None:
-        return partial_reduce(x, fn, axis, partial_tile, n.attr("width", 0))
+        return PartialLayout.of(n).reference(x, partial_tile)
     if axis == "segment":
         M, N = x.shape
         r = x.reshape(M, N // n.attr("width"), n.attr("width")).sum(2)

@@ -1,16 +1,19 @@
 """The front half of the compiler, shared by emit, compile and reference: program -> typed IR ->
-EVT graph -> CUDA source. No nvcc, no GPU."""
+EVT graph (``lower_program``, once per program and options) -> kernel plan and CUDA source for a
+configuration (``generate``, once per configuration). No nvcc, no GPU."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from .config import DEFAULT, KernelConfig
-from .dtypes import DType, as_operand_dtype
+from .config import KernelConfig
+from .dtypes import DType, as_dtype, as_operand_dtype
 from .frontend.trace import EpilogueProgram, as_program
 from .ir.nodes import Program
-from .lower.evt import EvtGraph, lower
+from .lower.evt import lower
+from .lower.graph import EvtGraph
+from .lower.plan import KernelPlan, plan
 from .passes import run_passes
 from .render.cuda import render_kernel
 
@@ -29,7 +32,6 @@ class Options:
     def make(cls, dtype: Any, weight_layout: str = "nk", config: KernelConfig | None = None,
              input_dtypes: Mapping[str, Any] | None = None, output_dtypes: Mapping[str, Any] | None = None,
              constants: Mapping[str, float] | None = None) -> "Options":
-        from .dtypes import as_dtype
         return cls(
             dtype=as_operand_dtype(dtype),
             weight_layout=weight_layout,
@@ -44,11 +46,40 @@ class Options:
 
 @dataclass(frozen=True)
 class Lowered:
+    """A program traced, typed and lowered: everything that does not depend on the configuration."""
     program: EpilogueProgram
     ir: Program
     graph: EvtGraph
+    options: Options               # as asked for (config may be None)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A lowered program planned with one configuration, and its CUDA source."""
+    lowered: Lowered
+    plan: KernelPlan
     source: str
-    options: Options
+
+    @property
+    def program(self) -> EpilogueProgram:
+        return self.lowered.program
+
+    @property
+    def ir(self) -> Program:
+        return self.lowered.ir
+
+    @property
+    def graph(self) -> EvtGraph:
+        return self.lowered.graph
+
+    @property
+    def config(self) -> KernelConfig:
+        return self.plan.config
+
+    @property
+    def options(self) -> Options:
+        """The options with the configuration that was used."""
+        return replace(self.lowered.options, config=self.plan.config)
 
 
 def typed_ir(program: Any, options: Options) -> Program:
@@ -60,10 +91,11 @@ def typed_ir(program: Any, options: Options) -> Program:
 def lower_program(program: Any, options: Options) -> Lowered:
     prog = as_program(program)
     ir = typed_ir(prog, options)
-    if options.config is None:      # the graph does not depend on the config; pick one from it
-        from .tuning.space import default_config
-        options = replace(options, config=default_config(lower(ir, DEFAULT, options.dtype, options.weight_layout)))
-    graph = lower(ir, options.config, options.dtype, options.weight_layout)
-    from .tuning.space import check_fits
-    check_fits(options.config, graph)
-    return Lowered(prog, ir, graph, render_kernel(graph), options)
+    return Lowered(prog, ir, lower(ir), options)
+
+
+def generate(lowered: Lowered, config: KernelConfig | None = None) -> Generated:
+    """Plan and render ``lowered`` with ``config`` (default: the options' config, else the heuristic
+    default for the program)."""
+    kplan = plan(lowered.graph, config or lowered.options.config, lowered.options.weight_layout)
+    return Generated(lowered, kplan, render_kernel(kplan))

@@ -12,15 +12,15 @@ import torch
 import coda_cutlass as cc
 from catalog import CASES, compile_options
 from coda_cutlass.ir.printer import node_text
-from coda_cutlass.lower.evt import float_literal
-from coda_cutlass.pipeline import Options, lower_program
+from coda_cutlass.lower.kinds import float_literal
+from coda_cutlass.pipeline import Options, generate, lower_program
 
 EMIT_KEYS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants")
 
 
 def lowered(case):
     opts = {k: v for k, v in compile_options(case).items() if k in EMIT_KEYS}
-    return lower_program(case.program, Options.make(**opts))
+    return generate(lower_program(case.program, Options.make(**opts)))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -36,7 +36,7 @@ def test_every_program_renders(case):
     # the ABI description embedded in the .so matches the lowering
     m = re.search(r'kDescription\[\] = "(.*)";', src)
     desc = json.loads(m.group(1).encode().decode("unicode_escape"))
-    assert desc == json.loads(json.dumps(lo.graph.describe()))
+    assert desc == json.loads(json.dumps(lo.plan.describe()))
     # every IR node appears as a comment
     for node in lo.ir.nodes:
         assert node_text(node) in src
@@ -74,7 +74,6 @@ def test_unary_ops_render_their_functor(op, functor):
 
 def test_functors_exist_in_header():
     from coda_cutlass.ir.ops import OPS, PACK_OPS, PAIR_OPS
-    from coda_cutlass.lower.evt import _FUNCTOR_HEADERS
     from coda_cutlass.paths import include_dir
     coda = include_dir() / "coda"
     base = (coda / "functors.hpp").read_text()
@@ -86,8 +85,8 @@ def test_functors_exist_in_header():
             assert f"struct {op.functor}<cutlass::Array<T, N>>" in pairwise, op.name
         elif op.name in PACK_OPS:
             assert f"template <class T> struct {op.functor};" in pairwise, op.name
-        elif op.name in _FUNCTOR_HEADERS:   # functors added later live in their own headers
-            extra = (include_dir() / _FUNCTOR_HEADERS[op.name]).read_text()
+        elif op.header:   # functors added later live in their own headers
+            extra = (include_dir() / op.header).read_text()
             assert f"template <class T> struct {op.functor} : Elementwise<scalar::{op.functor}, T>" in extra, op.name
         else:
             assert f"CODA_ELEMENTWISE({op.functor})" in base, op.name
@@ -169,7 +168,7 @@ def test_description_round_trips_through_json_with_an_epilogue_tile():
     """The loaded library's description (parsed JSON) must equal graph.describe() for every config,
     including tuple-valued fields such as an explicit epilogue tile."""
     cfg = cc.KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1, epilogue_tile=(128, 64))
-    lo = lower_program(CASES[0].program, Options.make(torch.bfloat16, config=cfg))
-    m = re.search(r'kDescription\[\] = "(.*)";', lo.source)
+    gen = generate(lower_program(CASES[0].program, Options.make(torch.bfloat16, config=cfg)))
+    m = re.search(r'kDescription\[\] = "(.*)";', gen.source)
     embedded = json.loads(m.group(1).encode().decode("unicode_escape"))
-    assert embedded == lo.graph.describe()
+    assert embedded == gen.plan.describe()

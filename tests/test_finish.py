@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from coda_cutlass.finish import sum_tiles
+from coda_cutlass.partials import sum_tiles
 
 
 def test_sum_tiles_matches_a_float64_sum_to_fp32_rounding():

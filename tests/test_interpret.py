@@ -7,7 +7,7 @@ import torch
 
 import coda_cutlass as cc
 from catalog import CASES, compile_options, fit_n, make_inputs
-from coda_cutlass.interpret import finish_partials, partial_reduce
+from coda_cutlass.partials import PartialLayout
 
 REF_KEYS = ("dtype", "weight_layout", "input_dtypes", "output_dtypes", "constants")
 
@@ -64,12 +64,14 @@ def test_lowp_rounds_every_op():
 @pytest.mark.parametrize("fn,axis", [(f, a) for f in ("sum", "max", "min") for a in ("row", "col")] + [("sum", "all")])
 def test_partials_finish_to_full_reduction(fn, axis):
     x = torch.randn(300, 520)
-    p = partial_reduce(x, fn, axis, (128, 256))
+    layout = PartialLayout(fn, axis)
+    p = layout.reference(x, (128, 256))
     if axis == "col":
         assert p.shape == (3, 520)
     else:
         assert p.shape == (3, 300)
-    full = finish_partials(p, fn, axis)
+    assert p.shape == layout.partial_shape(300, 520, (128, 256))
+    full = layout.finish(p, 300, 520, 256)
     dim = {"row": 1, "col": 0, "all": None}[axis]
     want = {"sum": x.sum, "max": x.amax, "min": x.amin}[fn]() if dim is None else \
         {"sum": x.sum, "max": x.amax, "min": x.amin}[fn](dim)

@@ -35,7 +35,7 @@ def test_kernel_builds_and_describes_itself(built, case):
             "coda_status_string"} <= exported
     assert not [s for s in exported if not s.startswith("coda_") and not s.startswith("_")], exported
     lib = load(k.path)
-    assert lib.description == k.graph.describe()
+    assert lib.description == k.plan.describe()
     assert lib.status_string(3) == "a tensor accessed by TMA is not 16-byte aligned"
     assert lib.workspace_size(1000, 776, 520) >= 0
 

@@ -14,10 +14,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import coda_cutlass as cc
 from coda_cutlass import epilogues as E
 from coda_cutlass.build.keys import included_headers
-from coda_cutlass.finish import finish_lse, finish_segments
 from coda_cutlass.ir.nodes import Kind
-from coda_cutlass.interpret import finish_partials, lse_partials, partial_reduce, segment_partials
-from coda_cutlass.pipeline import Options, lower_program
+from coda_cutlass.partials import PartialLayout, finish_lse, finish_segments, lse_partials, segment_partials
+from coda_cutlass.pipeline import Options, generate, lower_program
 
 BASE_HEADERS = {"coda/functors.hpp", "coda/visitor.hpp", "coda/host_abi.hpp"}
 
@@ -196,8 +195,10 @@ def test_segment_partials_finish(width, tn):
     p = segment_partials(x, width, tn)
     got = finish_segments(p, width, tn, N)
     torch.testing.assert_close(got, x.view(M, N // width, width).sum(2), rtol=1e-5, atol=1e-5)
-    assert torch.equal(partial_reduce(x, "sum", "segment", (128, tn), width), p)
-    torch.testing.assert_close(finish_partials(p, "sum", "segment", width=width, tile_n=tn, N=N), got)
+    layout = PartialLayout("sum", "segment", width)
+    assert torch.equal(layout.reference(x, (128, tn)), p)
+    assert p.shape == layout.partial_shape(M, N, (128, tn))
+    torch.testing.assert_close(layout.finish(p, M, N, tn), got)
 
 
 def test_segment_sum_reference():
@@ -209,7 +210,7 @@ def test_segment_sum_reference():
 
 # ---------------------------------------------------------------------------------------------- codegen
 def lowered(program, **opts):
-    return lower_program(program, Options.make(torch.bfloat16, **opts))
+    return generate(lower_program(program, Options.make(torch.bfloat16, **opts)))
 
 
 def test_extra_headers_only_when_used():
@@ -242,8 +243,8 @@ def test_segment_sum_lowering_depends_on_tile(tile_n, node):
     cfg = cc.KernelConfig(tile_m=128, tile_n=tile_n, tile_k=64, cluster_m=1, cluster_n=1)
     lo = lowered(E.qk_norm_stats, config=cfg)
     assert len(re.findall(r"^using Node\d+ = (?:fusion::)?" + re.escape(node), lo.source, re.M)) == 1
-    slot = next(t for t in lo.graph.tensors if t.name == "head_sumsq")
-    assert (slot.width, slot.segments) == (128, max(1, tile_n // 128))
+    slot = lo.graph.slot("head_sumsq")
+    assert (slot.partials.width, lo.plan.segments(slot.index)) == (128, max(1, tile_n // 128))
     assert ("coda/segments.hpp" in included_headers(lo.source)) == (tile_n > 128)
 
 

@@ -10,8 +10,11 @@ import pytest
 import torch
 
 import coda_cutlass as cc
-from coda_cutlass.pipeline import Options, lower_program
-from coda_cutlass.tuning.space import CANDIDATES, DEFAULT, FALLBACKS, candidate_configs, default_config, estimate_stages
+from coda_cutlass.config import DEFAULT
+from coda_cutlass.lower.plan import FALLBACKS, default_config
+from coda_cutlass.lower.smem import check_fits, estimate_stages
+from coda_cutlass.pipeline import Options, generate, lower_program
+from coda_cutlass.tuning.space import CANDIDATES, candidate_configs
 from coda_cutlass.tuning.store import TuningStore, m_bucket
 
 
@@ -76,22 +79,20 @@ def test_tune_config_returns_a_tuned_epilogue(fake_nvcc):
 
 
 def test_programs_too_heavy_for_the_default_get_a_smaller_tile_or_a_clear_error():
-    from coda_cutlass.tuning.space import check_fits
-
     @cc.epilogue
     def fp32_heavy(acc, a: cc.Tile, b: cc.Tile, m: cc.Tile, r: cc.PerRow):
         x = acc + a + b + m * r
         return {"D": x, "t0": x * 2.0, "t1": x * 3.0}
     opts = Options.make(torch.bfloat16, input_dtypes={"m": torch.float32},
                         output_dtypes={"t0": torch.float32, "t1": torch.float16})
-    lo = lower_program(fp32_heavy, opts)   # found by the fuzzer: cooperative 128x128x64 left 1 stage
+    lo = generate(lower_program(fp32_heavy, opts))   # found by the fuzzer: cooperative 128x128x64 left 1 stage
     assert estimate_stages(lo.options.config, lo.graph) >= 2 and lo.options.config in (DEFAULT, *FALLBACKS)
     with pytest.raises(cc.ConfigError, match="shared memory"):
         check_fits(CANDIDATES[0], lo.graph)
     with pytest.raises(cc.ConfigError, match="shared memory"):
-        lower_program(fp32_heavy, Options.make(torch.bfloat16, config=CANDIDATES[0],
-                                               input_dtypes={"m": torch.float32},
-                                               output_dtypes={"t0": torch.float32, "t1": torch.float16}))
+        generate(lower_program(fp32_heavy, Options.make(torch.bfloat16, config=CANDIDATES[0],
+                                                        input_dtypes={"m": torch.float32},
+                                                        output_dtypes={"t0": torch.float32, "t1": torch.float16})))
 
     @cc.epilogue
     def impossible(acc, a: cc.Tile, b: cc.Tile, c: cc.Tile, d: cc.Tile):
@@ -99,8 +100,8 @@ def test_programs_too_heavy_for_the_default_get_a_smaller_tile_or_a_clear_error(
         return {"D": x, "o1": x, "o2": x * 2.0, "o3": x * 3.0, "o4": x * 4.0, "o5": x * 5.0, "o6": x * 6.0}
     f32 = {n: torch.float32 for n in "abcd"}
     with pytest.raises(cc.EpilogueError, match="shared memory"):
-        lower_program(impossible, Options.make(torch.bfloat16, input_dtypes=f32,
-                                               output_dtypes={f"o{i}": torch.float32 for i in range(1, 7)}))
+        generate(lower_program(impossible, Options.make(torch.bfloat16, input_dtypes=f32,
+                                                        output_dtypes={f"o{i}": torch.float32 for i in range(1, 7)})))
 
 
 def test_refinement_retimes_the_best_variant_of_every_configuration():

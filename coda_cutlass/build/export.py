@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import keys
 from .cache import KernelCache
 from .files import make_dirs, sha256_file, write_file
 
@@ -17,7 +18,7 @@ SHARED_DIR = 0o755
 SHARED_FILE = 0o644
 
 if TYPE_CHECKING:
-    from ..runtime.kernel import CompiledEpilogue
+    from ..runtime.kernel import Kernel
 
 
 def _write_prebuilt(so_path: Path, source_key: str, meta: dict, dest: Path | str) -> Path:
@@ -34,9 +35,9 @@ def _write_prebuilt(so_path: Path, source_key: str, meta: dict, dest: Path | str
     return so
 
 
-def export_prebuilt(kernel: "CompiledEpilogue", dest: Path | str) -> Path:
+def export_prebuilt(kernel: "Kernel", dest: Path | str) -> Path:
     return _write_prebuilt(kernel.path, kernel.source_key, {"name": kernel.name,
-                                                            "description": kernel.graph.describe()}, dest)
+                                                            "description": kernel.plan.describe()}, dest)
 
 
 def export_cache_entry(cache: KernelCache, key: str, dest: Path | str) -> bool:
@@ -49,20 +50,16 @@ def export_cache_entry(cache: KernelCache, key: str, dest: Path | str) -> bool:
     return True
 
 
-def export_sources(items: list, dest: Path | str) -> list[Path]:
-    """Write ``<source_key>.cu`` for each (program, options) and the coda headers under include/."""
-    from ..api import split_options
-    from ..pipeline import lower_program
-    from .keys import header_files, source_key
+def export_sources(sources: list[str], dest: Path | str) -> list[Path]:
+    """Write ``<source_key>.cu`` for each generated source and the coda headers under include/."""
     dest = Path(dest)
     make_dirs(dest, SHARED_DIR)
-    for rel, text in header_files():
+    for rel, text in keys.header_files():
         make_dirs((dest / "include" / rel).parent, SHARED_DIR)
         write_file(dest / "include" / rel, text, SHARED_FILE)
     paths = []
-    for prog, opts in items:
-        lo = lower_program(prog, split_options(opts)[0])
-        path = dest / f"{source_key(lo.source)}.cu"
-        write_file(path, lo.source, SHARED_FILE)
+    for source in sources:
+        path = dest / f"{keys.source_key(source)}.cu"
+        write_file(path, source, SHARED_FILE)
         paths.append(path)
     return paths

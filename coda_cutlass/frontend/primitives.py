@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..dtypes import FLOAT_DTYPES, as_dtype
 from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Kind
+from .torch_functions import gelu_op
 from .values import (Accumulate, HalfWidth, ReductionResult, Value, active_tracer, apply, find_tracer,
                      power)
 
@@ -133,11 +136,7 @@ def pack(a: Any, b: Any) -> Value:
 
 def gelu(x: Any, approximate: str = "none") -> Any:
     """GELU; ``approximate="tanh"`` selects the tanh form (as in ``torch.nn.functional.gelu``)."""
-    if approximate == "none":
-        return apply("gelu", x)
-    if approximate == "tanh":
-        return apply("gelu_tanh", x)
-    raise EpilogueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return apply(gelu_op(approximate), x)
 
 
 def where(cond: Any, a: Any, b: Any) -> Any:
@@ -155,7 +154,6 @@ def cast(x: Any, dtype: Any) -> Any:
         raise EpilogueError(f"cast dtype {d.torch} is not supported; epilogue math is floating point "
                             "(bf16, f16, f32)")
     if isinstance(x, (int, float)):
-        import torch
         return float(torch.tensor(float(x), dtype=d.torch))  # a constant rounds right away
     return apply("cast", x, dtype=d.name)
 

@@ -13,7 +13,8 @@ import torch
 
 from ..errors import EpilogueError
 from ..ir.nodes import Kind, Node, make_attrs
-from ..ir.ops import OPS, result_kind
+from ..ir.ops import OPS, UNPACK_OPS, result_kind
+from .torch_functions import plain_call
 
 Number = (int, float)
 
@@ -103,7 +104,7 @@ def apply(op: str, *args: Any, **attrs: Any) -> Any:
     values = [tracer.lift(a, f"argument {i} of {op}") for i, a in enumerate(args)]
     for v in values:
         src = tracer.nodes[v.id]
-        if src.op == "load" and src.attr("packed") and op not in ("unpack_lo", "unpack_hi"):
+        if src.op == "load" and src.attr("packed") and op not in UNPACK_OPS:
             raise tracer.error(f"{op}: '{src.attr('operand')}' holds packed pairs (cc.PairTile); "
                                "get its two values with a, b = cc.unpack(x) first", node=src.label)
         if src.op == "pack":
@@ -205,8 +206,9 @@ class Value:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        from .torch_functions import dispatch_torch_function
-        return dispatch_torch_function(func, args, kwargs or {})
+        """``torch.sigmoid(x)`` and friends on a traced value record their IR op (torch_functions)."""
+        op, args = plain_call(func, args, kwargs or {})
+        return power(*args) if op == "pow" else apply(op, *args)
 
 
 def power(x: Any, exponent: Any) -> Any:

@@ -55,7 +55,10 @@ class Kind(enum.Enum):
 
 SINK_OPS = frozenset({"store", "reduce"})
 LEAF_OPS = frozenset({"acc", "load", "scalar", "const", "index"})
+OPERAND_OPS = frozenset({"load", "scalar"})      # leaves that read a named operand
 REDUCE_FNS = ("sum", "max", "min", "lse")
+# What a reduction over nothing gives (an empty M or N, padding in partials).
+REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "lse": float("-inf")}
 REDUCE_AXES = ("row", "col", "all", "segment")
 STORE_LAYOUTS = ("tile", "packed", "half")
 

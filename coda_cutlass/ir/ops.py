@@ -1,8 +1,9 @@
 """The elementwise op table: one entry per compute op, the single source of truth for tracing,
 the reference interpreter and lowering.
 
-Each op computes in fp32. ``functor`` names the C++ functor in ``templates/coda/functors.hpp``;
-``ref`` is the torch implementation on fp32 tensors that the interpreter runs.
+Each op computes in fp32. ``functor`` names the C++ functor (in ``templates/coda/functors.hpp``
+unless ``header`` names another coda header); ``ref`` is the torch implementation on fp32 tensors
+that the interpreter runs. The op families below are the only place op names are grouped.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class OpDef:
     functor: str
     ref: Callable[..., Tensor]
     doc: str
+    header: str | None = None   # the coda header defining the functor, beyond functors.hpp
 
 
 def _cmp(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
@@ -43,15 +45,16 @@ _OPS: list[OpDef] = [
     OpDef("abs", 1, "abs", torch.abs, "|a|"),
     OpDef("maximum", 2, "maximum", torch.maximum, "max(a, b), NaN-propagating"),
     OpDef("minimum", 2, "minimum", torch.minimum, "min(a, b), NaN-propagating"),
-    OpDef("exp", 1, "exp_fast", torch.exp, "e^a (hardware exp2: ~1e-6 relative, coda/exp_math.hpp)"),
+    OpDef("exp", 1, "exp_fast", torch.exp, "e^a (hardware exp2: ~1e-6 relative)", "coda/exp_math.hpp"),
     OpDef("log", 1, "log", torch.log, "natural log"),
     OpDef("sqrt", 1, "sqrt", torch.sqrt, "square root"),
     OpDef("rsqrt", 1, "rsqrt", torch.rsqrt, "1 / sqrt(a)"),
     OpDef("reciprocal", 1, "reciprocal", torch.reciprocal, "1 / a"),
     OpDef("tanh", 1, "tanh", torch.tanh, "hyperbolic tangent"),
-    OpDef("sigmoid", 1, "sigmoid_fast", torch.sigmoid, "1 / (1 + e^-a) (hardware exp2 and reciprocal)"),
-    OpDef("silu", 1, "silu_fast", F.silu, "a * sigmoid(a) (hardware exp2 and reciprocal)"),
-    OpDef("gelu", 1, "gelu_exact", F.gelu, "GELU, exact (erf) form"),
+    OpDef("sigmoid", 1, "sigmoid_fast", torch.sigmoid, "1 / (1 + e^-a) (hardware exp2 and reciprocal)",
+          "coda/exp_math.hpp"),
+    OpDef("silu", 1, "silu_fast", F.silu, "a * sigmoid(a) (hardware exp2 and reciprocal)", "coda/exp_math.hpp"),
+    OpDef("gelu", 1, "gelu_exact", F.gelu, "GELU, exact (erf) form", "coda/gelu.hpp"),
     OpDef("gelu_tanh", 1, "gelu_tanh", lambda a: F.gelu(a, approximate="tanh"), "GELU, tanh approximation"),
     OpDef("relu", 1, "relu", torch.relu, "max(a, 0)"),
     OpDef("square", 1, "square", torch.square, "a * a"),
@@ -66,8 +69,8 @@ _OPS: list[OpDef] = [
     # cast rounds to attrs['dtype'] and back to fp32; its functor is the identity, the rounding
     # comes from the visitor node's output element type.
     OpDef("cast", 1, "identity", lambda a: a, "round to a dtype"),
-    OpDef("cos", 1, "cos", torch.cos, "cosine (radians)"),
-    OpDef("sin", 1, "sin", torch.sin, "sine (radians)"),
+    OpDef("cos", 1, "cos", torch.cos, "cosine (radians)", "coda/math_extra.hpp"),
+    OpDef("sin", 1, "sin", torch.sin, "sine (radians)", "coda/math_extra.hpp"),
     # Pairwise ops over adjacent columns (2i, 2i+1); fragment-local on the GPU (coda/pairwise.hpp).
     OpDef("pair_first", 1, "pair_first", lambda a: _pair_pick(a, 0), "x[2i] on both columns of pair i"),
     OpDef("pair_second", 1, "pair_second", lambda a: _pair_pick(a, 1), "x[2i+1] on both columns of pair i"),
@@ -75,9 +78,10 @@ _OPS: list[OpDef] = [
     OpDef("pair_rotate", 2, "pair_rotate", lambda x, t: _pair_rotate(x, t),
           "rotate each pair (x_2i, x_2i+1) by the angle theta_2i"),
     # Packed 2 x 16-bit pairs (attrs dtype): a packed value is M x 2N, its pairs are (2j, 2j+1).
-    OpDef("unpack_lo", 1, "lo", lambda a: a[..., 0::2], "the even value of each packed pair"),
-    OpDef("unpack_hi", 1, "hi", lambda a: a[..., 1::2], "the odd value of each packed pair"),
-    OpDef("pack", 2, "pack", lambda a, b: torch.stack((a, b), -1).flatten(-2), "pack (a, b) into pairs"),
+    OpDef("unpack_lo", 1, "lo", lambda a: a[..., 0::2], "the even value of each packed pair", "coda/pairwise.hpp"),
+    OpDef("unpack_hi", 1, "hi", lambda a: a[..., 1::2], "the odd value of each packed pair", "coda/pairwise.hpp"),
+    OpDef("pack", 2, "pack", lambda a, b: torch.stack((a, b), -1).flatten(-2), "pack (a, b) into pairs",
+          "coda/pairwise.hpp"),
 ]
 
 
@@ -100,13 +104,15 @@ def _pair_rotate(x: Tensor, theta: Tensor) -> Tensor:
     return torch.stack((a * c - b * s, a * s + b * c), -1).flatten(-2)
 
 
-PAIR_OPS = frozenset({"pair_first", "pair_second", "pair_merge", "pair_rotate"})
-PACK_OPS = frozenset({"unpack_lo", "unpack_hi", "pack"})
+# ---- op families ----
+PAIR_PICK_OPS = frozenset({"pair_first", "pair_second"})   # one column of each pair, on both columns
+INTERLEAVING_OPS = frozenset({"pair_merge", "pair_rotate"})  # results differ between the two columns
+PAIR_OPS = PAIR_PICK_OPS | INTERLEAVING_OPS                # fragment-local ops over (2i, 2i+1)
+UNPACK_OPS = frozenset({"unpack_lo", "unpack_hi"})         # the only ops that may read a packed load
+PACK_OPS = UNPACK_OPS | {"pack"}                           # round through a 16-bit attrs dtype
+DTYPE_OPS = PACK_OPS | {"cast"}                            # carry attrs dtype
 
 OPS: dict[str, OpDef] = {op.name: op for op in _OPS}
-
-UNARY = tuple(op.name for op in _OPS if op.arity == 1 and op.name != "cast" and op.name not in PAIR_OPS | PACK_OPS)
-BINARY = tuple(op.name for op in _OPS if op.arity == 2 and op.name not in PAIR_OPS | PACK_OPS)
 
 
 def result_kind(op: str, kinds: list[Kind]) -> Kind:
@@ -115,7 +121,7 @@ def result_kind(op: str, kinds: list[Kind]) -> Kind:
     kind = Kind.SCALAR
     for k in kinds:
         kind = kind.join(k)
-    if op in ("pair_merge", "pair_rotate"):
+    if op in INTERLEAVING_OPS:
         kind = {Kind.ROW: Kind.TILE, Kind.SCALAR: Kind.COL}.get(kind, kind)
     return kind
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .nodes import Kind, Node, Program
+from .ops import DTYPE_OPS, UNPACK_OPS
 
 _KIND = {Kind.SCALAR: "scalar", Kind.ROW: "per-row", Kind.COL: "per-col", Kind.TILE: "tile"}
 
@@ -24,8 +25,8 @@ def node_text(n: Node) -> str:
         return f"scalar {n.attr('operand')}"
     if n.op == "const":
         return f"const {format_value(n.attr('value'))}"
-    if n.op in ("cast", "unpack_lo", "unpack_hi", "pack"):
-        return f"{n.op} {args} {'to' if n.op in ('cast', 'pack') else 'from'} {n.attr('dtype')}"
+    if n.op in DTYPE_OPS:
+        return f"{n.op} {args} {'from' if n.op in UNPACK_OPS else 'to'} {n.attr('dtype')}"
     if n.op == "store":
         verb = "accumulate" if n.attr("accumulate") else "store"
         layout = n.attr("layout", "tile")

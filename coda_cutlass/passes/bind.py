@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 from ..dtypes import F32, FLOAT_DTYPES, INDEX_DTYPES, DType, as_dtype
 from ..errors import EpilogueError
-from ..ir.nodes import Kind, Node, Operand, Program, make_attrs
+from ..ir.nodes import OPERAND_OPS, Kind, Node, Operand, Program, make_attrs
+from ..ir.ops import PACK_OPS, UNPACK_OPS
 
 
 def bind_types(program: Program, dtype: DType, operand_dtypes: Mapping[str, Any] | None = None,
@@ -67,15 +68,15 @@ def bind_types(program: Program, dtype: DType, operand_dtypes: Mapping[str, Any]
 
     nodes: list[Node] = []
     for n in program.nodes:
-        if n.op in ("load", "scalar"):
+        if n.op in OPERAND_OPS:
             d = by_name[n.attr("operand")].dtype
         elif n.op == "cast":
             d = as_dtype(n.attr("dtype"))
-        elif n.op in ("unpack_lo", "unpack_hi", "pack"):
-            if n.op == "pack":
-                pd = pack_dtype.get(n.id, dtype)
-            else:
+        elif n.op in PACK_OPS:
+            if n.op in UNPACK_OPS:
                 pd = by_name[program.nodes[n.inputs[0]].attr("operand")].dtype
+            else:
+                pd = pack_dtype.get(n.id, dtype)
             attrs = dict(n.attrs)
             attrs["dtype"] = pd.name
             n = replace(n, attrs=make_attrs(**attrs))

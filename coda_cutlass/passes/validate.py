@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import EpilogueError
 from ..ir.nodes import LEAF_OPS, REDUCE_AXES, REDUCE_FNS, STORE_LAYOUTS, Kind, Program
-from ..ir.ops import OPS, result_kind
+from ..ir.ops import OPS, PAIR_PICK_OPS, UNPACK_OPS, result_kind
 from ..ir.printer import node_text
 
 # Hopper shared memory bounds how many tiles the epilogue can stream: each tile input or output
@@ -43,7 +43,7 @@ def validate(program: Program) -> Program:
                 raise fail("index axis must be row or col (internal error)", n.id)
             if n.op == "load" and n.attr("packed"):
                 for u in users[n.id]:
-                    if program.nodes[u].op not in ("unpack_lo", "unpack_hi"):
+                    if program.nodes[u].op not in UNPACK_OPS:
                         raise fail("a cc.PairTile operand is used other than through cc.unpack", u)
             continue
         if n.op in OPS:
@@ -54,7 +54,7 @@ def validate(program: Program) -> Program:
                 raise fail(f"kind {n.kind.value} does not match its inputs ({expected.value})", n.id)
             if n.op == "pow" and program.nodes[n.inputs[1]].op != "const":
                 raise fail("pow needs a constant exponent", n.id)
-            if n.op in ("unpack_lo", "unpack_hi"):
+            if n.op in UNPACK_OPS:
                 src = program.nodes[n.inputs[0]]
                 if not (src.op == "load" and src.attr("packed")):
                     raise fail("unpack takes a cc.PairTile operand", n.id)
@@ -63,7 +63,7 @@ def validate(program: Program) -> Program:
                     un = program.nodes[u]
                     if not (un.op == "store" and un.attr("layout") == "packed"):
                         raise fail("a cc.pack(...) value can only be returned as an output", u)
-            if n.op in ("pair_first", "pair_second") and \
+            if n.op in PAIR_PICK_OPS and \
                     any(program.nodes[i].kind in (Kind.ROW, Kind.SCALAR) for i in n.inputs):
                 raise fail("a pair op on a per-row or scalar value (internal error: it is the value itself)", n.id)
             continue

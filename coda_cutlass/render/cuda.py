@@ -1,13 +1,15 @@
 """Jinja rendering of a lowered EVT graph into a `.cu` translation unit.
 
-The templates hold the C++ shape; this module only fills in names and types. User strings (program,
-operand and output names) reach the C++ only through the ``comment`` and ``c_string`` filters.
+The template holds the kernel's C++ shape; each visitor node's type, arguments and declarations
+come from its node kind (lower/kinds.py). User strings (program, operand and output names) reach the
+C++ only through the ``comment`` and ``c_string`` filters.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 
 import jinja2
@@ -16,7 +18,9 @@ from .. import __version__
 from ..config import EPILOGUE_SCHEDULE, KERNEL_SCHEDULE, TILE_SCHEDULER
 from ..ir.nodes import Kind
 from ..ir.printer import node_line
-from ..lower.evt import ABI_VERSION, EvtGraph, TensorSlot
+from ..lower.graph import ABI_VERSION, TensorSlot, VisitorNode
+from ..lower.kinds import AUX_STORE
+from ..lower.plan import KernelPlan
 from ..paths import templates_dir
 
 _UNSAFE_COMMENT = re.compile(r"[^\x20-\x7e]|\*/|\\")
@@ -46,18 +50,10 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def slot_doc(t: TensorSlot) -> str:
+def slot_doc(t: TensorSlot, tile_n: int) -> str:
     shape = {Kind.TILE: "[M, N]", Kind.ROW: "[M]", Kind.COL: "[N]"}[t.kind]
-    if t.role == "partials":
-        what = f"{t.reduce_axis}_{t.reduce_fn}" if t.reduce_axis != "all" else "total_sum"
-        layout = ("[ceil(N / tile_n), round_up(M, tile_m)]" if t.kind == Kind.ROW
-                  else "[ceil(M / tile_m), round_up(N, tile_n)]")
-        if t.reduce_fn == "lse":
-            return f"fp32 (max, sum exp(x - max)) pairs of {what}, {layout} x 2"
-        if t.width:
-            return (f"fp32 partials of segment sums (width {t.width}), [ceil(N / tile_n) * {t.segments}, "
-                    "round_up(M, tile_m)], row t * segments + s for segment s of N-tile t")
-        return f"fp32 partials of {what}, {layout}"
+    if t.partials is not None:
+        return t.partials.doc(tile_n)
     role = {"input": "input", "output": "output", "inout": "accumulated output (read, then written)"}[t.role]
     if t.layout == "packed":
         return f"{role} {t.dtype.name} [M, 2N] interleaved pairs, read as [M, N] 32-bit words (ld in words)"
@@ -77,13 +73,30 @@ def slot_check(t: TensorSlot) -> str:
     return f"coda::SlotKind::{kind}, {t.dtype.bits // 8}"
 
 
-def render_kernel(graph: EvtGraph) -> str:
-    cfg = graph.config
+@dataclass(frozen=True)
+class NodeView:
+    """One visitor node as the template writes it."""
+    index: int
+    children: tuple[int, ...]
+    comment: str
+    type: str
+    args: str
+    declaration: str
+
+
+def node_view(v: VisitorNode, plan: KernelPlan) -> NodeView:
+    k = v.kind
+    return NodeView(v.index, v.children, k.comment(v, plan), k.cpp_type(v, plan), k.arguments(v, plan),
+                    k.declaration(v, plan))
+
+
+def render_kernel(plan: KernelPlan) -> str:
+    graph, cfg = plan.graph, plan.config
     if cfg.epilogue_tile is None:
         epilogue_tile = "cutlass::epilogue::collective::EpilogueTileAuto"
     else:
         epilogue_tile = f"Shape<_{cfg.epilogue_tile[0]}, _{cfg.epilogue_tile[1]}>"
-    aux_stores = [n for n in graph.nodes if n.kind == "aux_store"]
+    aux_stores = [v for v in graph.nodes if v.kind is AUX_STORE]
     smem_element = aux_stores[0].params["element"].cpp if aux_stores else graph.dtype.cpp
     align_c = 128 // (graph.element_c.bits if graph.element_c else graph.dtype.bits)
     align_d = 128 // (graph.element_d.bits if graph.element_d else graph.dtype.bits)
@@ -92,9 +105,11 @@ def render_kernel(graph: EvtGraph) -> str:
         name=graph.program.name,
         version=__version__,
         graph=graph,
+        nodes=[node_view(v, plan) for v in graph.nodes],
+        headers=plan.headers(),
         cfg=cfg,
         dtype=graph.dtype,
-        weight_layout=graph.weight_layout,
+        weight_layout=plan.weight_layout,
         ir_lines=[node_line(n) for n in graph.program.nodes],
         kernel_schedule=KERNEL_SCHEDULE[cfg.schedule],
         epilogue_schedule=EPILOGUE_SCHEDULE[cfg.schedule],
@@ -104,8 +119,8 @@ def render_kernel(graph: EvtGraph) -> str:
         smem_element=smem_element,
         align_c=align_c,
         align_d=align_d,
-        description=json.dumps(graph.describe(), sort_keys=True),
+        description=json.dumps(plan.describe(), sort_keys=True),
         abi_version=ABI_VERSION,
-        slot_doc=slot_doc,
+        slot_doc=lambda t: slot_doc(t, cfg.tile_n),
         slot_check=slot_check,
     )

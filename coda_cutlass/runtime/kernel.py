@@ -1,9 +1,11 @@
-"""``CompiledEpilogue``: a built kernel, callable from PyTorch.
+"""``Kernel``: a built kernel, callable from PyTorch (``compiler.CompiledEpilogue`` adds the
+reference interpreter on top).
 
 ``k(A, W, **operands)`` checks every argument, allocates the outputs, launches the fused GEMM
 once on the current stream, finishes the reductions (one small deterministic torch or cuBLAS call
-each) and returns a dict of outputs. Accumulated outputs are passed in by name and updated in place.
-Under ``torch.compile`` the same call goes through a registered ``torch.library`` custom op.
+each, by the slot's ``PartialLayout``) and returns a dict of outputs. Accumulated outputs are passed
+in by name and updated in place. Under ``torch.compile`` the same call goes through a registered
+``torch.library`` custom op.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ from ..build.builder import BuildResult
 from ..config import KernelConfig
 from ..dtypes import as_dtype
 from ..errors import CallError, DeviceError
-from ..finish import sum_tiles
-from ..interpret import REDUCTION_IDENTITY, finish_partials, interpret
-from ..ir.nodes import Kind, layout_columns
+from ..ir.nodes import Kind
 from ..ir.printer import format_program
-from ..lower.evt import TensorSlot
-from ..pipeline import Lowered
+from ..pipeline import Generated
 from . import checks
 from .library import KernelLibrary, load
+from .torch_op import call_op, register
 
 _RASTER = {"heuristic": 0, "m": 1, "n": 2}
 _READY_DEVICES: set[int | None] = set()   # devices checked to be usable sm_90 GPUs
@@ -56,10 +56,6 @@ def ensure_gpu(device: torch.device | None, what: str) -> None:
         _READY_DEVICES.add(device.index)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _kernel_ld(layout: str, ld: int) -> int:
     """The row stride the kernel gets: packed 16-bit pairs are addressed as 32-bit words."""
     return ld // 2 if layout == "packed" else ld
@@ -76,20 +72,22 @@ def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, poiso
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-class CompiledEpilogue:
+class Kernel:
     """A fused GEMM + epilogue kernel. Attributes to inspect: ``source`` (the generated CUDA),
-    ``ir`` (the typed IR), ``path`` (the .so), ``config``, ``key``."""
+    ``ir`` (the typed IR), ``graph`` (the visitor graph), ``plan`` (graph + configuration),
+    ``path`` (the .so), ``config``, ``key``."""
 
-    def __init__(self, lowered: Lowered, build: BuildResult, partial_reductions: bool = False):
-        self.program = lowered.program
-        self.name = lowered.program.name
-        self.ir = lowered.ir
-        self.graph = lowered.graph
-        self.source = lowered.source
-        self.options = lowered.options
-        self.config: KernelConfig = lowered.options.config  # type: ignore[assignment]
-        self.dtype = lowered.options.dtype
-        self.weight_layout = lowered.options.weight_layout
+    def __init__(self, generated: Generated, build: BuildResult, partial_reductions: bool = False):
+        self.program = generated.program
+        self.name = generated.program.name
+        self.ir = generated.ir
+        self.graph = generated.graph
+        self.plan = generated.plan
+        self.source = generated.source
+        self.options = generated.options
+        self.config: KernelConfig = generated.config
+        self.dtype = self.options.dtype
+        self.weight_layout = self.options.weight_layout
         self.path: Path = build.path
         self.key = build.key
         self.source_key = build.source_key
@@ -100,7 +98,6 @@ class CompiledEpilogue:
         self.inout = tuple(n.attr("name") for n in self.ir.nodes if n.op == "store" and n.attr("accumulate"))
         self.operands = tuple(o for o in self.ir.operands if o.name not in self.inout)
         self._slots_by_name = {t.name: t for t in self.graph.tensors}
-        self._reductions = {n.attr("name"): n for n in self.ir.nodes if n.op == "reduce"}
         # Precomputed call plan (the eager path runs on every launch).
         self._arg_names = tuple(o.name for o in self.operands) + self.inout
         self._n_args = len(self._arg_names)
@@ -113,19 +110,20 @@ class CompiledEpilogue:
         self._ld_array = ctypes.c_int64 * max(self._n_slots, 1)
         self._scalar_array = ctypes.c_float * max(len(self._scalar_names), 1)
         self._raster = _RASTER[self.config.raster]
-        self._finish_plan = {name: (n.attr("fn"), n.attr("axis"), as_dtype(n.attr("out_dtype", "f32")).torch)
-                             for name, n in self._reductions.items()}
+        # reduction output -> (its partials layout, the finished dtype)
+        self._finish_plan = {n.attr("name"): (self._slots_by_name[n.attr("name")].partials,
+                                              as_dtype(n.attr("out_dtype", "f32")).torch)
+                             for n in self.ir.nodes if n.op == "reduce"}
         # Programs whose element indices must stay exact in fp32 (and segment widths must divide N).
-        self._segment_widths = {s.name: s.width for s in self.graph.tensors if s.width}
+        self._segment_widths = {name: p.width for name, (p, _) in self._finish_plan.items() if p.width}
         self._uses_index = any(n.op == "index" for n in self.ir.nodes) or bool(self._segment_widths)
         # Registered now, not on first use: torch.compile cannot trace op registration.
-        from .torch_op import register
         self._op = register(self)
 
     # ------------------------------------------------------------------ inspection
     def __repr__(self) -> str:
         args = ", ".join(["A", "W"] + [o.name for o in self.operands] + list(self.inout))
-        return (f"<CompiledEpilogue {self.name}({args}) -> ({', '.join(self.outputs)}) "
+        return (f"<{type(self).__name__} {self.name}({args}) -> ({', '.join(self.outputs)}) "
                 f"{self.dtype.name} W={self.weight_layout} {self.config.name()} [{self.origin}] {self.path}>")
 
     def describe(self) -> str:
@@ -134,7 +132,7 @@ class CompiledEpilogue:
     @cached_property
     def library(self) -> KernelLibrary:
         lib = load(self.path)
-        expected = self.graph.describe()
+        expected = self.plan.describe()
         if lib.description != expected:
             raise CallError(f"kernel library {self.path} does not match the program it was loaded for "
                             "(a stale or foreign prebuilt kernel?)")
@@ -149,18 +147,10 @@ class CompiledEpilogue:
         ``raster`` ("heuristic", "m", "n") and ``swizzle`` (1, 2, 4, 8) override the config's
         tile-scheduler order for this call."""
         if torch.compiler.is_compiling():
-            from .torch_op import call_op
             if out is not None:
                 raise CallError("out= is not supported under torch.compile")
             return call_op(self, A, W, operands)
         return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
-
-    def reference(self, A: torch.Tensor, W: torch.Tensor, *, precision: str = "kernel",
-                  **operands: Any) -> dict[str, torch.Tensor]:
-        """The torch interpreter's result for the same call (same output dict; nothing is mutated)."""
-        tile = self.config.tile if self.partial_reductions else None
-        return interpret(self.ir, A, W, operands, weight_layout=self.weight_layout, precision=precision,
-                         partial_tile=tile)
 
     def _check_names(self, operands: dict[str, Any]) -> None:
         expected = [o.name for o in self.operands] + list(self.inout)
@@ -208,7 +198,7 @@ class CompiledEpilogue:
             role, name, i = s.role, s.name, s.index
             if role == "output":
                 t = out.get(name) if out else None
-                cols = layout_columns(s.layout, N)
+                cols = s.columns(N)
                 if t is not None:
                     lds[i] = checks.check_tile(f"out['{name}']", t, M, cols, s.dtype, device)
                     written = written or {}
@@ -219,13 +209,12 @@ class CompiledEpilogue:
                 lds[i] = _kernel_ld(s.layout, lds[i])
                 results[name] = t
             elif role == "partials":
-                t = self._partial_buffer(s, M, N, device, poison)
+                t = _new(s.partials.buffer_shape(M, N, self.config.tile), torch.float32, device, poison)
                 partials.append((name, t))
             else:
                 t = operands[name]
                 if s.kind == Kind.TILE:
-                    lds[i] = _kernel_ld(s.layout, checks.check_tile(name, t, M, layout_columns(s.layout, N),
-                                                                     s.dtype, device))
+                    lds[i] = _kernel_ld(s.layout, checks.check_tile(name, t, M, s.columns(N), s.dtype, device))
                 else:
                     self._check_tensor(name, s.kind, t, s.dtype, M, N, device)
                 if role == "inout":
@@ -282,58 +271,34 @@ class CompiledEpilogue:
                 raise CallError(f"{self.name}: output '{name}' sums {width}-wide segments, but N={N} is not "
                                 f"a multiple of {width}")
 
-    def _partial_buffer(self, s: TensorSlot, M: int, N: int, device: torch.device, poison: bool) -> torch.Tensor:
-        tm, tn = self.config.tile
-        if s.reduce_axis == "col":
-            shape: tuple[int, ...] = (_ceil_div(M, tm), _ceil_div(max(N, 1), tn) * tn)
-        else:
-            shape = (_ceil_div(N, tn), _ceil_div(max(M, 1), tm) * tm)
-        if s.reduce_fn == "lse":
-            shape = shape + (2,)            # (max, sum exp) per row and N-tile
-        elif s.width:
-            shape = (shape[0] * s.segments, shape[1])   # row t * k + s: segment s of N-tile t
-        return _new(shape, torch.float32, device, poison)
-
     def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
         """Finish fp32 partials [tiles, padded length] with one small deterministic call (sums: cuBLAS)."""
-        fn, axis, dtype = self._finish_plan[name]
-        n = N if axis == "col" else M
+        partials, dtype = self._finish_plan[name]
         if self.partial_reductions:
-            return buf[:, :n]
-        if fn == "lse" or axis == "segment":
-            r = finish_partials(buf[:, :n], fn, axis, width=self._segment_widths.get(name, 0),
-                                tile_n=self.config.tile_n, N=N)
-        elif axis == "all":
-            r = buf[:, :n].sum()
-        elif fn == "sum":
-            r = sum_tiles(buf)[:n]        # reduce the padded buffer (contiguous), then slice
-        elif fn == "max":
-            r = torch.amax(buf, 0)[:n]
-        else:
-            r = torch.amin(buf, 0)[:n]
+            return partials.partial_view(buf, M, N)
+        r = partials.finish(buf, M, N, self.config.tile_n)
         return r if dtype is torch.float32 else r.to(dtype)
 
     def reduction_result(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of a returned reduction: finished, or per-tile partials (tiles, length)."""
-        fn, axis, dtype = self._finish_plan[name]
+        partials, dtype = self._finish_plan[name]
         if self.partial_reductions:
-            tm, tn = self.config.tile
-            if fn == "lse":
-                return (_ceil_div(N, tn), M, 2), torch.float32
-            if axis == "segment":
-                slot = self._slots_by_name[name]
-                return (_ceil_div(N, tn) * slot.segments, M), torch.float32
-            return ((_ceil_div(M, tm), N) if axis == "col" else (_ceil_div(N, tn), M)), torch.float32
-        if axis == "segment":
-            return (M, N // self._segment_widths[name]), dtype
-        return {"row": (M,), "col": (N,), "all": ()}[axis], dtype
+            return partials.partial_shape(M, N, self.config.tile), torch.float32
+        return partials.result_shape(M, N), dtype
+
+    def output_spec(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of a returned output (what the fake implementation allocates)."""
+        if name in self._finish_plan:
+            return self.reduction_result(name, M, N)
+        slot = self._slots_by_name[name]
+        return (M, slot.columns(N)), slot.dtype.torch
 
     def _empty_reductions(self, M: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Reductions over an empty M or N: the identity of the reduction (no launch)."""
         out: dict[str, torch.Tensor] = {}
-        for name, (fn, _, _) in self._finish_plan.items():
+        for name, (partials, _) in self._finish_plan.items():
             shape, dtype = self.reduction_result(name, M, N)
-            out[name] = torch.full(shape, REDUCTION_IDENTITY[fn], dtype=dtype, device=device)
+            out[name] = torch.full(shape, partials.identity, dtype=dtype, device=device)
         return out
 
     # ------------------------------------------------------------------ torch.library
@@ -343,4 +308,4 @@ class CompiledEpilogue:
         return self._op
 
 
-__all__ = ["CompiledEpilogue", "ensure_gpu"]
+__all__ = ["Kernel", "ensure_gpu"]

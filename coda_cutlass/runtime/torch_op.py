@@ -3,20 +3,34 @@ so ``torch.compile`` traces through it without a graph break.
 
 Schema: ``coda_cutlass::<program>_<key>(Tensor A, Tensor W, <operands>, <accumulated outputs as
 Tensor(a!)>) -> (<other outputs>)``. Accumulated outputs are mutated in place, not returned.
+The kernel (``runtime.kernel.Kernel``) registers itself; this module sees it as an ``OpKernel``.
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from ..ir.nodes import Kind, layout_columns
+from ..ir.nodes import Kind, Operand
 
-if TYPE_CHECKING:
-    from .kernel import CompiledEpilogue
+
+class OpKernel(Protocol):
+    """What registration needs of a kernel."""
+    name: str
+    source_key: str
+    partial_reductions: bool
+    weight_layout: str
+    operands: tuple[Operand, ...]
+    inout: tuple[str, ...]
+    outputs: tuple[str, ...]
+    _op: Any
+
+    def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any]) -> dict[str, torch.Tensor]: ...
+    def output_spec(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]: ...
+    def _check_names(self, operands: dict[str, Any]) -> None: ...
 
 _LOCK = threading.Lock()
 _OPS: dict[str, Any] = {}
@@ -30,13 +44,13 @@ def _library() -> torch.library.Library:
     return _LIB
 
 
-def op_name(k: "CompiledEpilogue") -> str:
+def op_name(k: OpKernel) -> str:
     base = re.sub(r"[^0-9a-zA-Z_]", "_", k.name)[:40] or "epilogue"
     tag = "p" if k.partial_reductions else "f"
     return f"{base}_{k.source_key[:16]}{tag}"
 
 
-def schema(k: "CompiledEpilogue") -> str:
+def schema(k: OpKernel) -> str:
     args = ["Tensor A", "Tensor W"]
     for o in k.operands:
         args.append(f"float {o.name}" if o.kind == Kind.SCALAR else f"Tensor {o.name}")
@@ -47,11 +61,11 @@ def schema(k: "CompiledEpilogue") -> str:
     return f"({', '.join(args)}) -> {ret}"
 
 
-def _returned(k: "CompiledEpilogue") -> list[str]:
+def _returned(k: OpKernel) -> list[str]:
     return [n for n in k.outputs if n not in k.inout]
 
 
-def register(k: "CompiledEpilogue") -> Any:
+def register(k: OpKernel) -> Any:
     name = op_name(k)
     with _LOCK:
         if name in _OPS:
@@ -83,17 +97,14 @@ def register(k: "CompiledEpilogue") -> Any:
         return op
 
 
-def _fake_output(k: "CompiledEpilogue", name: str, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     M = A.shape[0]
     N = W.shape[0] if k.weight_layout == "nk" else W.shape[1]
-    node = k.ir.sink(name)
-    if node.op == "store":
-        return A.new_empty((M, layout_columns(node.attr("layout", "tile"), N)), dtype=node.dtype.torch)
-    shape, dtype = k.reduction_result(name, M, N)
+    shape, dtype = k.output_spec(name, M, N)
     return A.new_empty(shape, dtype=dtype)
 
 
-def call_op(k: "CompiledEpilogue", A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any]) -> dict:
+def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any]) -> dict:
     """The torch.compile path of ``k(A, W, ...)`` (traced by Dynamo: no locks, no registration)."""
     op = k._op
     k._check_names(operands)

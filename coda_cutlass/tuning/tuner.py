@@ -1,5 +1,6 @@
 """The autotuner: ``compile_epilogue(program, config="tune")`` returns a ``TunedEpilogue``.
 
+The program is lowered once; each candidate configuration only plans, renders and builds it.
 On the first call with a new (N, K, M bucket) it builds every candidate configuration in parallel,
 times each with every raster order and swizzle on rotating random input sets of the call's shape,
 and keeps the fastest; the choice is stored in the tuning cache, so later calls (and processes)
@@ -19,14 +20,16 @@ import torch
 
 from ..build.cache import absolute
 from ..build.progress import say
+from ..compiler import CompiledEpilogue, compile_generated, compile_parallel
 from ..config import KernelConfig
 from ..env import env_flag
 from ..errors import BuildError
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
-from ..pipeline import Options, lower_program
+from ..lower.plan import default_config
+from ..pipeline import Options, generate, lower_program
 from ..timing import interleaved, time_cuda
-from .space import RUNTIME_CHOICES, candidate_configs, default_config
+from .space import RUNTIME_CHOICES, candidate_configs
 from .store import CHOICE_FIELDS, TuningStore, m_bucket
 
 
@@ -73,34 +76,30 @@ class TunedEpilogue:
         self.partial_reductions = partial_reductions
         self.cache_dir = None if cache_dir is None else absolute(cache_dir)   # kernels build later: chdir-proof
         self.verbose = verbose
-        base = lower_program(program, replace(options, config=default_config()))
-        self.program = base.program
-        self.name = base.program.name
-        self.ir = base.ir
-        self.default = default_config(base.graph)
-        self.candidates = candidates or candidate_configs(base.graph)
-        desc = {"ir": format_program(base.ir), "options": {k: str(v) for k, v in options.__dict__.items()
+        self.lowered = lower_program(program, replace(options, config=None))
+        self.program = self.lowered.program
+        self.name = self.program.name
+        self.ir = self.lowered.ir
+        self.default = default_config(self.lowered.graph)
+        self.candidates = candidates or candidate_configs(self.lowered.graph)
+        desc = {"ir": format_program(self.ir), "options": {k: str(v) for k, v in options.__dict__.items()
                                                            if k != "config"},
                 "partial": partial_reductions}
         self.program_hash = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
         self.store = TuningStore(cache_dir)
-        self._kernels: dict[KernelConfig, Any] = {}
+        self._kernels: dict[KernelConfig, CompiledEpilogue] = {}
         self._choices: dict[tuple[int, int, int], dict[str, Any]] = {}
 
     def __repr__(self) -> str:
         return f"<TunedEpilogue {self.name}: {len(self.candidates)} candidate configs, {len(self._choices)} tuned shapes>"
 
     # ------------------------------------------------------------------ kernels
-    def kernel(self, config: KernelConfig) -> Any:
-        from ..api import compile_epilogue
+    def kernel(self, config: KernelConfig) -> CompiledEpilogue:
         base = replace(config, raster="heuristic", swizzle=1)
         k = self._kernels.get(base)
         if k is None:
-            o = self.options
-            k = self._kernels[base] = compile_epilogue(
-                self.program, o.dtype, weight_layout=o.weight_layout, config=base,
-                input_dtypes=dict(o.input_dtypes), output_dtypes=dict(o.output_dtypes),
-                constants=dict(o.constants), partial_reductions=self.partial_reductions,
+            k = self._kernels[base] = compile_generated(
+                generate(self.lowered, base), partial_reductions=self.partial_reductions,
                 cache_dir=self.cache_dir, verbose=self.verbose)
         return k
 
@@ -149,21 +148,18 @@ class TunedEpilogue:
         return A, W, ops
 
     def tune(self, M: int, N: int, K: int, device: torch.device) -> dict[str, Any]:
-        from ..api import compile_many
         start = time.monotonic()
         say(f"autotuning {self.name} for M~{m_bucket(M)}, N={N}, K={K}: {len(self.candidates)} configs x "
             f"{len(RUNTIME_CHOICES)} raster/swizzle choices", self.verbose)
-        o = self.options
-        items = [(self.program, {"config": c, "partial_reductions": self.partial_reductions,
-                                 "cache_dir": self.cache_dir}) for c in self.candidates
-                 if replace(c, raster="heuristic", swizzle=1) not in self._kernels]
-        if items:
-            built = compile_many(items, o.dtype, weight_layout=o.weight_layout, input_dtypes=dict(o.input_dtypes),
-                                 output_dtypes=dict(o.output_dtypes), constants=dict(o.constants),
-                                 verbose=self.verbose, skip_failed=True)
-            for (_, opts), k in zip(items, built):
+        missing = [base for base in (replace(c, raster="heuristic", swizzle=1) for c in self.candidates)
+                   if base not in self._kernels]
+        if missing:
+            rest = {"partial_reductions": self.partial_reductions, "cache_dir": self.cache_dir}
+            built = compile_parallel([(generate(self.lowered, c), rest) for c in missing], verbose=self.verbose,
+                                     skip_failed=True)
+            for c, k in zip(missing, built):
                 if k is not None:
-                    self._kernels[replace(opts["config"], raster="heuristic", swizzle=1)] = k
+                    self._kernels[c] = k
         sets = [self._inputs(M, N, K, device, seed) for seed in (1, 2)]
         timings: list[dict[str, Any]] = []
         for cfg, k in list(self._kernels.items()):

@@ -1,0 +1,89 @@
+"""The back half of the compiler: generated sources -> built, callable ``CompiledEpilogue`` kernels,
+one or many in parallel. The api and the autotuner are both built on it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .build.builder import build
+from .build.progress import say
+from .errors import BuildError
+from .interpret import interpret
+from .pipeline import Generated
+from .runtime.kernel import Kernel
+
+
+class CompiledEpilogue(Kernel):
+    """A fused GEMM + epilogue kernel built from an epilogue program (see ``runtime.kernel.Kernel``),
+    with the program's reference interpreter beside it."""
+
+    def reference(self, A: torch.Tensor, W: torch.Tensor, *, precision: str = "kernel",
+                  **operands: Any) -> dict[str, torch.Tensor]:
+        """The torch interpreter's result for the same call (same output dict; nothing is mutated)."""
+        tile = self.config.tile if self.partial_reductions else None
+        return interpret(self.ir, A, W, operands, weight_layout=self.weight_layout, precision=precision,
+                         partial_tile=tile)
+
+
+def compile_generated(gen: Generated, *, partial_reductions: bool = False, cache_dir: str | Path | None = None,
+                      verbose: bool | None = None, force_rebuild: bool = False,
+                      build_timeout: float | None = None) -> CompiledEpilogue:
+    """Build one generated kernel (or fetch it from the prebuilt kernels or the cache)."""
+    result = build(gen.source, gen.program.name, cache_dir=cache_dir, verbose=verbose, force=force_rebuild,
+                   timeout=build_timeout, dtype=gen.options.dtype.torch)
+    return CompiledEpilogue(gen, result, partial_reductions=partial_reductions)
+
+
+def default_jobs() -> int:
+    """Parallel nvcc jobs: one per core, but at most one per 2 GiB of memory (cicc peaks near that)."""
+    cores = os.cpu_count() or 2
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return cores
+    return max(1, min(cores, int(mem_gib // 2)))
+
+
+def compile_parallel(items: Sequence[tuple[Generated, dict[str, Any]]], *, jobs: int | None = None,
+                     verbose: bool | None = None, skip_failed: bool = False) -> list[CompiledEpilogue | None]:
+    """Build (generated kernel, build options) pairs with up to ``jobs`` nvcc processes at once;
+    results in input order. Build options: partial_reductions, cache_dir, force_rebuild, build_timeout. A failed
+    build raises ``BuildError`` once all builds finish, unless ``skip_failed`` (then its entry is None)."""
+    jobs = jobs or default_jobs()
+    total = len(items)
+    start = time.monotonic()
+    done = [0]
+
+    def one(i: int) -> CompiledEpilogue | BuildError:
+        gen, rest = items[i]
+        try:
+            res = build(gen.source, gen.program.name, cache_dir=rest.get("cache_dir"), verbose=False,
+                        force=rest.get("force_rebuild", False), timeout=rest.get("build_timeout"),
+                        dtype=gen.options.dtype.torch)
+        except BuildError as e:
+            done[0] += 1
+            say(f"[{done[0]}/{total}] {gen.program.name}: FAILED (log: {e.log_path})", verbose)
+            return e
+        done[0] += 1
+        say(f"[{done[0]}/{total}] {gen.program.name}: {res.origin}"
+            + (f" in {res.seconds:.0f} s" if res.origin == "built" else ""), verbose)
+        return CompiledEpilogue(gen, res, partial_reductions=rest.get("partial_reductions", False))
+
+    say(f"building {total} kernels with up to {jobs} parallel nvcc jobs", verbose)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        out = list(pool.map(one, range(total)))
+    failed = [(items[i][0].program.name, r) for i, r in enumerate(out) if isinstance(r, BuildError)]
+    say(f"{total - len(failed)} of {total} kernels ready in {time.monotonic() - start:.0f} s", verbose)
+    if failed and skip_failed:
+        return [None if isinstance(r, BuildError) else r for r in out]
+    if failed:
+        names = "\n".join(f"  {name}: {e.source_path} (log {e.log_path})" for name, e in failed)
+        raise BuildError(f"{len(failed)} of {total} kernels failed to build (the others are cached):\n{names}")
+    return out  # type: ignore[return-value]

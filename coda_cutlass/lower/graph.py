@@ -1,0 +1,78 @@
+"""The lowered epilogue: visitor nodes in topological order plus the host ABI's tensor slots. Plain
+frozen dataclasses, independent of the kernel configuration (``plan`` adds the tile-dependent facts).
+
+Every tensor the kernel touches gets a numbered slot in the host ABI; user names only ever reach
+the generated C++ inside comments, never as identifiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..dtypes import DType
+from ..ir.nodes import Kind, Program, layout_columns
+from ..partials import PartialLayout
+
+if TYPE_CHECKING:
+    from .kinds import NodeKind
+
+ABI_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One device pointer of the host ABI."""
+    index: int
+    name: str         # the operand or output it carries (documentation only)
+    role: str         # "input", "output", "inout" (accumulated output) or "partials"
+    kind: Kind        # TILE, ROW (length M), COL (length N); partials: ROW for row/total, COL for col
+    dtype: DType
+    layout: str = "tile"   # tile slots: "tile" (M x N), "packed" (M x 2N 16-bit pairs, passed to the
+                           # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2)
+    partials: PartialLayout | None = None   # role "partials": how the reduction's buffer is laid out
+
+    @property
+    def is_tile(self) -> bool:
+        return self.kind == Kind.TILE and self.role != "partials"
+
+    def columns(self, N: int) -> int:
+        """Columns of a tile slot's tensor for a GEMM N."""
+        return layout_columns(self.layout, N)
+
+    def describe(self, tile_n: int) -> dict[str, Any]:
+        d = {"index": self.index, "name": self.name, "role": self.role, "kind": self.kind.value,
+             "dtype": self.dtype.name}
+        if self.partials is not None:
+            d["reduce"] = f"{self.partials.axis}_{self.partials.fn}"
+            if self.partials.width:
+                d["width"] = self.partials.width
+                d["segments"] = self.partials.segments(tile_n)
+        if self.layout != "tile":
+            d["layout"] = self.layout
+        return d
+
+
+@dataclass(frozen=True)
+class VisitorNode:
+    index: int
+    kind: "NodeKind"               # what the node is in C++ (lower/kinds.py)
+    children: tuple[int, ...]
+    comment: str                   # the IR node behind it
+    params: dict[str, Any] = field(default_factory=dict)   # what its kind needs: slot, element, ...
+
+
+@dataclass(frozen=True)
+class EvtGraph:
+    program: Program
+    dtype: DType                   # GEMM operand dtype
+    nodes: tuple[VisitorNode, ...]
+    tensors: tuple[TensorSlot, ...]
+    scalars: tuple[str, ...]       # runtime scalar operands, in slot order
+    element_c: DType | None
+    c_slot: int | None
+    element_d: DType | None
+    d_slot: int | None
+
+    def slot(self, name: str) -> TensorSlot:
+        return next(t for t in self.tensors if t.name == name)
