@@ -22,6 +22,7 @@ from . import api
 from .epilogues import residual_norm_stats, rowscale, rstd_from_sumsq
 from .ir.printer import format_program
 from .pipeline import Options, typed_ir
+from .timing import interleaved
 
 
 def out(msg: str = "") -> None:
@@ -57,7 +58,6 @@ def check_block_math() -> bool:
 
 
 def gpu_part(k) -> bool:
-    from .timing import interleaved
     M, N, K = 8192, 4096, 4096
     dev = "cuda"
     out(f"\n[5] GPU: {torch.cuda.get_device_name()}; running at M={M}, N={N}, K={K} (Llama-8B out-proj), bf16")
