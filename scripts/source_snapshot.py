@@ -9,7 +9,8 @@ tests/test_source_snapshot.py (a small subset, committed, checked in CI).
 The set: every case of tests/catalog.py at its options and at every autotuning candidate config;
 the benchmark programs (bench/programs.py, bench/pairwise.py) and every library epilogue at the
 default and every candidate, in bf16 and f16, both weight layouts; 200 fuzz programs; a few
-explicit configs (fallback tiles, an explicit epilogue tile, stream-K).
+explicit configs (fallback tiles, an explicit epilogue tile, stream-K); the map kernel
+(cc.emit_map) of every catalogue and library program (an error where maps do not support it).
 """
 
 from __future__ import annotations
@@ -91,14 +92,24 @@ def items() -> list[tuple[Any, dict[str, Any]]]:
     return out
 
 
+def map_items() -> list[tuple[Any, dict[str, Any]]]:
+    import catalog
+    from coda_cutlass import epilogues as E
+    library = [getattr(E, n) for n in E.__all__ if isinstance(getattr(E, n), cc.EpilogueProgram)]
+    keys = ("dtype", "input_dtypes", "output_dtypes", "constants")
+    return ([(p, {k: v for k, v in o.items() if k in keys}) for p, o in catalog.PREBUILD]
+            + [(p, {"dtype": dt}) for p in library for dt in (torch.bfloat16, torch.float16)])
+
+
 def snapshot(sources_dir: Path | None = None) -> dict[str, str]:
     result: dict[str, str] = {}
-    for prog, opts in items():
-        label = _label(prog, opts)
+    jobs = [(_label(p, o), cc.emit, p, o) for p, o in items()]
+    jobs += [("map " + _label(p, o), cc.emit_map, p, o) for p, o in map_items()]
+    for label, emit, prog, opts in jobs:
         if label in result:
             continue
         try:
-            src = cc.emit(prog, **opts)
+            src = emit(prog, **opts)
         except cc.CodaError as e:
             result[label] = f"error: {type(e).__name__}"
             continue
@@ -115,7 +126,7 @@ def compare(a: dict[str, str], b: dict[str, str]) -> int:
     only_a = [k for k in a if k not in b]
     only_b = [k for k in b if k not in a]
     same = sum(1 for k in a if k in b and a[k] == b[k])
-    errors = sum(1 for k in a if a[k].startswith("error"))
+    errors = sum(1 for k in a if k in b and a[k] == b[k] and a[k].startswith("error"))
     print(f"{same} identical ({errors} of them errors in both), {len(changed)} changed, "
           f"{len(only_a)} only in the first, {len(only_b)} only in the second")
     for k in changed:

@@ -27,18 +27,19 @@ from typing import Any
 from ..dtypes import F32, DType, as_dtype
 from ..errors import EpilogueError
 from ..ir.nodes import Kind, Node, Program
-from ..ir.ops import OPS, PACK_OPS
+from ..ir.ops import OPS, PACK_OPS, PAIR_OPS
 from ..ir.printer import node_text
-from .evt import REDUCE_IDENTITY, float_literal
+from ..partials import PartialLayout
+from .kinds import REDUCE_IDENTITY, float_literal
 
 MAP_ABI_VERSION = 1
 TILE_N = 256          # columns per partial (templates/coda/map_kernel.hpp kTileN)
+PARTIALS_TILE = (1, TILE_N)   # the map kernel's partials: per (row, 256-column tile), rows unpadded
 
 _REDUCE_FUNCTOR = {"sum": "coda::scalar::add", "max": "coda::scalar::maximum", "min": "coda::scalar::minimum"}
-# Functors defined outside functors.hpp, and the header each needs.
-_FUNCTOR_HEADERS = {"cos": "coda/math_extra.hpp", "sin": "coda/math_extra.hpp", "pair_rotate": "coda/math_extra.hpp",
-                    "gelu": "coda/gelu.hpp", "exp": "coda/exp_math.hpp", "sigmoid": "coda/exp_math.hpp",
-                    "silu": "coda/exp_math.hpp"}
+# Functor headers beyond the op table's (ir/ops.py): a map kernel rotates pairs with the sin/cos
+# of coda/math_extra.hpp (GEMM epilogues use the coda::PairRotate node of coda/rotate.hpp).
+_MAP_HEADERS = {"pair_rotate": "coda/math_extra.hpp"}
 
 
 @dataclass(frozen=True)
@@ -50,16 +51,15 @@ class MapSlot:
     kind: Kind         # TILE, ROW (length M), COL (length N); partials: ROW
     dtype: DType
     layout: str = "tile"          # tile outputs: "tile" (M x N) or "half" (M x N/2)
-    reduce_fn: str | None = None
-    reduce_axis: str | None = None
+    partials: PartialLayout | None = None   # role "partials" (with PARTIALS_TILE)
 
     def describe(self) -> dict[str, Any]:
         d = {"index": self.index, "name": self.name, "role": self.role, "kind": self.kind.value,
              "dtype": self.dtype.name}
         if self.layout != "tile":
             d["layout"] = self.layout
-        if self.reduce_fn:
-            d["reduce"] = f"{self.reduce_axis}_{self.reduce_fn}"
+        if self.partials:
+            d["reduce"] = f"{self.partials.axis}_{self.partials.fn}"
         return d
 
 
@@ -121,8 +121,7 @@ def lower_map(program: Program, dtype: DType) -> MapGraph:
         else:
             slot_of[name] = len(slots)
             out = as_dtype(n.attr("out_dtype", "f32"))   # partials are fp32; the finished result is this
-            slots.append(MapSlot(len(slots), name, "partials", Kind.ROW, out, reduce_fn=n.attr("fn"),
-                                 reduce_axis=n.attr("axis")))
+            slots.append(MapSlot(len(slots), name, "partials", Kind.ROW, out, partials=PartialLayout.of(n)))
     scalars = tuple(o.name for o in program.operands
                     if o.kind == Kind.SCALAR and any(n.op == "scalar" and n.attr("operand") == o.name
                                                      for n in program.nodes))
@@ -136,8 +135,9 @@ def lower_map(program: Program, dtype: DType) -> MapGraph:
         vector[n.id] = vec
         ins = tuple((i, vector[i]) for i in n.inputs)
         op, params = _node(program, n, slot_of, scalars)
-        if n.op in _FUNCTOR_HEADERS:
-            headers.add(_FUNCTOR_HEADERS[n.op])
+        header = _MAP_HEADERS.get(n.op) or (OPS[n.op].header if n.op in OPS else None)
+        if header:
+            headers.add(header)
         if n.is_sink:
             hoisted = False
         nodes.append(MapNode(n.id, op, vec, hoisted, ins, node_text(n), params))
@@ -161,7 +161,7 @@ def _node(program: Program, n: Node, slot_of: dict[str, int], scalars: tuple[str
         raise _refuse(program, n, "packed pairs (cc.unpack / cc.pack)")
     if n.op == "cast":
         return "cast", {"element": as_dtype(n.attr("dtype")).cpp}
-    if n.op in ("pair_first", "pair_second", "pair_merge", "pair_rotate"):
+    if n.op in PAIR_OPS:
         return n.op, {}
     if n.op in OPS:
         return "fn", {"functor": f"coda::scalar::{OPS[n.op].functor}"}

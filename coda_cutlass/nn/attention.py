@@ -59,3 +59,8 @@ class Attention:
         """Gradient of the output (M, q) -> (dq, dk, dv) as (B, S, heads, head_dim) tensors."""
         leaves, o = ctx
         return torch.autograd.grad(o, leaves, d_out.view(o.shape))
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """The standard RoPE frequencies theta^(-2i / head_dim), i < head_dim / 2."""
+    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)

@@ -19,14 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import Attention
+from .attention import Attention, rope_inv_freq
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
+from .hf import block_from_hf, block_to_hf
 from .runner import KernelRunner, Runner, default_runner
-
-
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """The standard RoPE frequencies theta^(-2i / head_dim), i < head_dim / 2."""
-    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
 
 
 def column_frequencies(inv_freq: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
@@ -162,10 +158,8 @@ class LlamaBlock(nn.Module):
         """A block with the weights of a transformers ``LlamaDecoderLayer`` (q/k rows permuted to
         adjacent RoPE pairs, q/k/v fused, gate/up interleaved). RoPE frequencies come from the
         layer's config (``rope_theta``, and ``rope_scaling`` through transformers when set)."""
-        from .hf import block_from_hf
         return block_from_hf(cls, layer, config, attention)
 
     def to_hf(self, layer: Any) -> Any:
         """Copy this block's weights into a transformers ``LlamaDecoderLayer`` (inverse of from_hf)."""
-        from .hf import block_to_hf
         return block_to_hf(self, layer)

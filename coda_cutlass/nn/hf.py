@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..layouts import deinterleave_gate_up, interleave_gate_up, permute_rope_rows, unpermute_rope_rows
-from .block import rope_inv_freq
+from .attention import rope_inv_freq
 
 
 def _config(layer: Any, config: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import epilogues as E
 from .block import LlamaBlock
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward
 
@@ -89,7 +90,6 @@ class LlamaModel(nn.Module):
                 ignore_index: int = -100) -> torch.Tensor:
         step, x, h, r = self.hidden(tokens)
         if targets is None:
-            from .. import epilogues as E
             logits = step.runner.gemm("lm_head.logits", E.rowscale, h, self.lm_head, r=r)["D"]
             return logits.view(*tokens.shape, -1)
         chunk = max(1, self.ce_chunk_bytes // (self.lm_head.shape[0] * self.lm_head.element_size()))

@@ -13,12 +13,13 @@ from typing import Any, Callable
 
 import torch
 
+from ..api import compile_epilogue
 from ..build.cache import absolute
 from ..config import KernelConfig
 from ..interpret import interpret
+from ..lower.plan import default_config
 from ..maps import compile_map, map_reference
-from ..pipeline import Options, typed_ir
-from ..tuning.space import default_config
+from ..pipeline import Options, lower_program, typed_ir
 
 REFERENCE_TILE = (128, 128)     # partial-reduction layout the reference runner reproduces
 MAP_TILE = (1, 256)             # map kernels: one partial per (row, 256-column tile)
@@ -160,13 +161,10 @@ class KernelRunner(Runner):
         key = (program.name, layout)
         cfg = self._defaults.get(key)
         if cfg is None:
-            from ..pipeline import lower_program
-            cfg = self._defaults[key] = lower_program(program, Options.make(self.dtype, layout)).options.config \
-                or default_config()
+            cfg = self._defaults[key] = default_config(lower_program(program, Options.make(self.dtype, layout)).graph)
         return Choice(cfg)
 
     def kernel(self, program: Any, layout: str, partial: bool, config: KernelConfig) -> Any:
-        from ..api import compile_epilogue
         key = (program.name, id(program), layout, partial, config.name())
         k = self._gemms.get(key)
         if k is None:

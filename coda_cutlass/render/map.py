@@ -12,8 +12,8 @@ from .cuda import environment
 
 
 def map_slot_doc(s: MapSlot) -> str:
-    if s.role == "partials":
-        what = "total_sum" if s.reduce_axis == "all" else f"row_{s.reduce_fn}"
+    if s.partials is not None:
+        what = "total_sum" if s.partials.axis == "all" else f"row_{s.partials.fn}"
         return f"fp32 partials of {what}, [ceil(N / 256), M]"
     if s.role == "acc":
         return f"X, the program's acc: {s.dtype.name} [M, N] (strided view)"

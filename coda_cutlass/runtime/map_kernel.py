@@ -21,10 +21,8 @@ import torch
 
 from ..build.builder import BuildResult
 from ..errors import BuildError, CallError, DeviceError
-from ..finish import sum_tiles
-from ..interpret import REDUCTION_IDENTITY
 from ..ir.nodes import Kind
-from ..lower.map import MAP_ABI_VERSION, TILE_N, MapGraph, MapSlot
+from ..lower.map import MAP_ABI_VERSION, PARTIALS_TILE, TILE_N, MapGraph, MapSlot
 from . import checks
 from . import kernel as _kernel
 from .kernel import current_stream, ensure_gpu
@@ -154,7 +152,7 @@ class CompiledMap:
                 t = X
                 view = tile_view("X", X, M, N, s.dtype.torch, device)
             elif s.role == "partials":
-                t = self._new((-(-N // TILE_N), M), torch.float32, device)
+                t = self._new(s.partials.partial_shape(M, N, PARTIALS_TILE), torch.float32, device)
                 partials.append((s, t))
             elif s.role == "output":
                 cols = N // 2 if s.layout == "half" else N
@@ -175,9 +173,9 @@ class CompiledMap:
             views.extend(view)
         if M == 0 or N == 0:
             for s, _ in partials:
-                shape = (0, M) if self.partial_reductions else (() if s.reduce_axis == "all" else (M,))
+                shape = (0, M) if self.partial_reductions else s.partials.result_shape(M, N)
                 dtype = torch.float32 if self.partial_reductions else s.dtype.torch
-                results[s.name] = torch.full(shape, REDUCTION_IDENTITY[s.reduce_fn], dtype=dtype, device=device)
+                results[s.name] = torch.full(shape, s.partials.identity, dtype=dtype, device=device)
             return {n: results[n] for n in self.outputs}
         lib = self.library
         status = lib.coda_map_run(M, N, (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_int64 * len(views))(*views),
@@ -186,7 +184,7 @@ class CompiledMap:
             raise DeviceError(f"{self.name}: {lib.coda_status_string(status).decode()} (M={M}, N={N})")
         for s, buf in partials:
             results[s.name] = buf if self.partial_reductions else \
-                finish_map_partials(buf, s.reduce_fn, s.reduce_axis).to(s.dtype.torch)
+                s.partials.finish(buf, M, N, TILE_N).to(s.dtype.torch)
         return {n: results[n] for n in self.outputs}
 
     @staticmethod
@@ -204,13 +202,4 @@ class CompiledMap:
                                 "row (length M)" if kind == Kind.ROW else "column (length N)", dtype, device)
 
 
-def finish_map_partials(buf: torch.Tensor, fn: str, axis: str) -> torch.Tensor:
-    """[ceil(N / 256), M] fp32 partials -> the row reduction (M,) or the total (0-dim)."""
-    if axis == "all":
-        return buf.sum()
-    if fn == "sum":
-        return sum_tiles(buf)
-    return torch.amax(buf, 0) if fn == "max" else torch.amin(buf, 0)
-
-
-__all__ = ["CompiledMap", "logical_shape", "tile_view", "finish_map_partials"]
+__all__ = ["CompiledMap", "logical_shape", "tile_view"]
