@@ -1,10 +1,12 @@
 """Emit the generated source of every catalogue program and write {label: sha256 of the source}.
 
 Used to prove a refactor leaves generated kernels byte-identical (compare two snapshots), and by
-tests/test_source_snapshot.py (a small subset, committed, checked in CI).
+tests/test_source_snapshot.py (a subset with content keys, committed as
+tests/data/source_keys.json, checked in CI).
 
     python scripts/source_snapshot.py --out before.json [--sources DIR]
     python scripts/source_snapshot.py --compare before.json after.json
+    python scripts/source_snapshot.py --keys tests/data/source_keys.json    # after an intended change
 
 The set: every case of tests/catalog.py at its options and at every autotuning candidate config;
 the benchmark programs (bench/programs.py, bench/pairwise.py) and every library epilogue at the
@@ -101,6 +103,36 @@ def map_items() -> list[tuple[Any, dict[str, Any]]]:
             + [(p, {"dtype": dt}) for p in library for dt in (torch.bfloat16, torch.float16)])
 
 
+def key_items() -> list[tuple[str, Any, Any, dict[str, Any]]]:
+    """The committed set (tests/data/source_keys.json): every catalogue case at its options, every
+    library epilogue at the default (bf16 nk, f16 kn) and at every candidate config (bf16 nk), the
+    segment-width programs, and the map kernel of every library program the map generator takes."""
+    import catalog
+    from coda_cutlass import epilogues as E
+    library = [getattr(E, n) for n in E.__all__ if isinstance(getattr(E, n), cc.EpilogueProgram)]
+    gemm = [(p, {k: v for k, v in o.items() if k in GEN_KEYS}) for p, o in catalog.PREBUILD]
+    for p in library:
+        gemm += [(p, {"dtype": torch.bfloat16}), (p, {"dtype": torch.float16, "weight_layout": "kn"})]
+    gemm += with_candidate_configs([(p, {"dtype": torch.bfloat16}) for p in library])
+    gemm += [(_segment_program(w), {"dtype": torch.bfloat16}) for w in SEGMENT_WIDTHS if w != 96]
+    jobs = [(_label(p, o), cc.emit, p, o) for p, o in gemm]
+    return jobs + [("map " + _label(p, {"dtype": torch.bfloat16}), cc.emit_map, p, {"dtype": torch.bfloat16})
+                   for p in library]
+
+
+def content_keys() -> dict[str, dict[str, str]]:
+    """{label: {"source": sha256 of the source, "key": its content key (build/keys.py)}}."""
+    from coda_cutlass.build.keys import source_key
+    out: dict[str, dict[str, str]] = {}
+    for label, emit, prog, opts in key_items():
+        try:
+            src = emit(prog, **opts)
+        except cc.CodaError:     # a library program the map generator does not take
+            continue
+        out[label] = {"source": hashlib.sha256(src.encode()).hexdigest(), "key": source_key(src)}
+    return out
+
+
 def snapshot(sources_dir: Path | None = None) -> dict[str, str]:
     result: dict[str, str] = {}
     jobs = [(_label(p, o), cc.emit, p, o) for p, o in items()]
@@ -143,7 +175,13 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--sources")
     ap.add_argument("--compare", nargs=2)
+    ap.add_argument("--keys", help="write the committed content-key snapshot to this file")
     args = ap.parse_args()
+    if args.keys:
+        keys = content_keys()
+        Path(args.keys).write_text(json.dumps(keys, indent=1, sort_keys=True) + "\n")
+        print(f"{len(keys)} content keys written to {args.keys}")
+        return 0
     if args.compare:
         a, b = (json.loads(Path(p).read_text()) for p in args.compare)
         return compare(a, b)

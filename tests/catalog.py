@@ -515,6 +515,14 @@ def _segment_narrow(acc):
     return {"ss": cc.segment_sum(acc, 32), "rows": cc.row_max(cc.row_index() + acc * 0.0)}
 
 
+@case("segment_sum_wide", none, lambda acc: {"s192": _segments(acc, 192), "s384": _segments(acc * acc, 384)},
+      n_multiple=384)
+def _segment_wide(acc):
+    # widths the default 128-wide tile does not fit (issue 14 item 15): the default falls back to a
+    # tile width both are multiples of
+    return {"s192": cc.segment_sum(acc, 192), "s384": cc.segment_sum(acc * acc, 384)}
+
+
 BY_NAME = {c.name: c for c in CASES}
 
 

@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import coda_cutlass as cc
 from coda_cutlass import epilogues as E
 from coda_cutlass.build.keys import included_headers
+from coda_cutlass.config import DEFAULT
 from coda_cutlass.ir.nodes import Kind
 from coda_cutlass.partials import PartialLayout, finish_lse, finish_segments, lse_partials, segment_partials
 from coda_cutlass.pipeline import Options, generate, lower_program
@@ -255,6 +256,28 @@ def test_segment_width_must_fit_the_tile():
     cfg = cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=1)
     with pytest.raises(cc.ConfigError, match="divide one another"):
         lowered(odd, config=cfg)
+    # without a config: no default tile width fits 96 either; the error names the output and width
+    with pytest.raises(cc.ConfigError, match=r"output 's': segment width 96 and none of the default tile widths"):
+        cc.emit(odd)
+
+
+@pytest.mark.parametrize("width", [192, 384])
+def test_segment_widths_that_do_not_fit_the_default_tile_compile_without_a_config(width, fake_nvcc):
+    """Issue 14 item 15: lowering used to pick the segment count from a 128x256 config while the
+    default is 128x128, so widths 192 and 384 failed without a config and with config="tune"."""
+    @cc.epilogue
+    def seg(acc):
+        return {"s": cc.segment_sum(acc, width)}
+    gen = lowered(seg)
+    fits = lambda c: width % c.tile_n == 0 or c.tile_n % width == 0  # noqa: E731
+    assert fits(gen.config) and cc.emit(seg) == gen.source
+    assert gen.config == (cc.KernelConfig(tile_m=128, tile_n=64, tile_k=32, cluster_m=2, cluster_n=1)
+                          if width == 192 else DEFAULT)
+    k = cc.compile_epilogue(seg, torch.bfloat16)
+    assert k.config == gen.config
+    tuned = cc.compile_epilogue(seg, torch.bfloat16, config="tune")
+    assert tuned.default == gen.config and tuned.candidates and all(fits(c) for c in tuned.candidates)
+    assert tuned.kernel(tuned.candidates[-1]).config == tuned.candidates[-1]
 
 
 # ---------------------------------------------------------------------------------------------- runtime (no GPU)

@@ -114,3 +114,23 @@ def test_refinement_retimes_the_best_variant_of_every_configuration():
     # the 4 fastest (all variants of a), then the fastest variant of b and of c
     assert [t["us"] for t in leaders] == [101.0, 102.0, 104.0, 108.0, 120.0, 150.0]
     assert len(refinement_leaders(timings, 10)) == len(timings)
+
+
+def test_a_program_is_lowered_once_however_many_configs(fake_nvcc, monkeypatch):
+    """Tracing, the passes and lowering run once per program and options; each configuration only
+    plans, renders and builds (candidate expansion, compile_many, the autotuner's kernels)."""
+    from coda_cutlass.api import with_candidate_configs
+    from coda_cutlass.frontend.trace import EpilogueProgram
+    traces = []
+    real = EpilogueProgram.trace
+    monkeypatch.setattr(EpilogueProgram, "trace", lambda self, c=None: traces.append(self.name) or real(self, c))
+    prog = _stats()
+    items = with_candidate_configs([(prog, {"dtype": torch.bfloat16})])
+    assert traces == ["stats"] and len(items) == len(CANDIDATES)
+    traces.clear()
+    kernels = cc.compile_many(items, jobs=2)
+    assert traces == ["stats"] and [k.config for k in kernels] == [o["config"] for _, o in items]
+    traces.clear()
+    tuned = cc.compile_epilogue(prog, torch.bfloat16, config="tune")
+    assert [tuned.kernel(c).config for c in tuned.candidates[:3]] == tuned.candidates[:3]
+    assert traces == ["stats"]
