@@ -15,6 +15,7 @@ from typing import Any
 
 from .errors import ConfigError
 
+WEIGHT_LAYOUTS = ("nk", "kn")   # W is [N, K] (nn.Linear) or [K, N]
 SCHEDULES = ("cooperative", "pingpong")
 RASTERS = ("heuristic", "m", "n")
 SWIZZLES = (1, 2, 4, 8)

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .config import WEIGHT_LAYOUTS
 from .dtypes import F32, DType, as_dtype
 from .errors import CallError
 from .ir.nodes import OPERAND_OPS, Kind, Node, Program
@@ -66,7 +67,7 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if weight_layout not in ("nk", "kn"):
+    if weight_layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
     gemm_dtype = as_dtype(program.meta.get("gemm_dtype", "bf16"))
     if acc is not None:

@@ -12,14 +12,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import DEFAULT, KernelConfig
+from ..config import DEFAULT, WEIGHT_LAYOUTS, KernelConfig
 from ..dtypes import DType
 from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Program
 from .graph import ABI_VERSION, EvtGraph, TensorSlot
-from .smem import epilogue_smem_bytes, estimate_stages, fits, check_fits
-
-WEIGHT_LAYOUTS = ("nk", "kn")
+from .smem import check_fits, epilogue_smem_bytes, estimate_stages, fits
 
 # Smaller tiles for programs that do not fit DEFAULT (shared memory, segment widths), in order.
 FALLBACKS: tuple[KernelConfig, ...] = (

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..errors import EpilogueError
-from ..ir.nodes import LEAF_OPS, REDUCE_AXES, REDUCE_FNS, STORE_LAYOUTS, Kind, Program
+from ..ir.nodes import LEAF_OPS, REDUCE_AXES, REDUCE_FNS, SINK_OPS, STORE_LAYOUTS, Kind, Program
 from ..ir.ops import OPS, PAIR_PICK_OPS, UNPACK_OPS, result_kind
 from ..ir.printer import node_text
 
@@ -67,7 +67,7 @@ def validate(program: Program) -> Program:
                     any(program.nodes[i].kind in (Kind.ROW, Kind.SCALAR) for i in n.inputs):
                 raise fail("a pair op on a per-row or scalar value (internal error: it is the value itself)", n.id)
             continue
-        if n.op in ("store", "reduce"):
+        if n.op in SINK_OPS:
             name = n.attr("name")
             if not name:
                 raise fail("an output without a name (internal error)", n.id)
