@@ -15,13 +15,13 @@ import torch
 
 from ..api import compile_epilogue
 from ..build.cache import absolute
-from ..config import KernelConfig
+from ..config import DEFAULT, KernelConfig
 from ..interpret import interpret
 from ..lower.plan import default_config
 from ..maps import compile_map, map_reference
 from ..pipeline import Options, lower_program, typed_ir
 
-REFERENCE_TILE = (128, 128)     # partial-reduction layout the reference runner reproduces
+REFERENCE_TILE = DEFAULT.tile   # partial-reduction layout the reference runner reproduces
 MAP_TILE = (1, 256)             # map kernels: one partial per (row, 256-column tile)
 
 
