@@ -39,7 +39,8 @@ from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.nn import KernelRunner, LlamaBlock, Recorder  # noqa: E402
 from coda_cutlass.nn.block import BlockFunction  # noqa: E402
 from coda_cutlass.nn.functional import first_norm  # noqa: E402
-from coda_cutlass.nn.tuning import plan_key, tune_in_sequence  # noqa: E402
+from coda_cutlass.nn.plan_store import plan_key  # noqa: E402
+from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
 from report import GpuSampler, environment, machine_line, require_hopper  # noqa: E402

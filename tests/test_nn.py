@@ -125,7 +125,7 @@ def test_to_hf_inverts_from_hf():
 def test_an_in_sequence_plan_is_stored_and_found_by_the_runner(tmp_path):
     from coda_cutlass.config import KernelConfig
     from coda_cutlass.nn.runner import Choice, KernelRunner
-    from coda_cutlass.nn.tuning import load_plan, store_plan
+    from coda_cutlass.nn.plan_store import load_plan, store_plan
     cfg = KernelConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1)
     rec = {"sites": {"gate_up": Choice(cfg, "m", 4).to_json()}}
     store_plan("llama:test", torch.bfloat16, 8000, rec, tmp_path, device="gpu-x")

@@ -20,24 +20,11 @@ from ..interpret import interpret
 from ..lower.plan import default_config
 from ..maps import compile_map, map_reference
 from ..pipeline import Options, lower_program, typed_ir
+from ..tuning.store import m_bucket
+from .plan_store import Choice, load_plan
 
 REFERENCE_TILE = DEFAULT.tile   # partial-reduction layout the reference runner reproduces
 MAP_TILE = (1, 256)             # map kernels: one partial per (row, 256-column tile)
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A site's kernel configuration and its runtime raster order / swizzle."""
-    config: KernelConfig
-    raster: str = "heuristic"
-    swizzle: int = 1
-
-    def to_json(self) -> dict[str, Any]:
-        return {"config": self.config.build_key, "raster": self.raster, "swizzle": self.swizzle}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Choice":
-        return cls(KernelConfig.from_dict(d["config"]), d.get("raster", "heuristic"), int(d.get("swizzle", 1)))
 
 
 @dataclass
@@ -144,8 +131,6 @@ class KernelRunner(Runner):
     def prepare(self, context: str, M: int, device: str | None = None) -> None:
         """Use the in-sequence tuned plan stored for this model context and M bucket, if there is
         one (a plan passed to the constructor or tuned in this process takes precedence)."""
-        from ..tuning.store import m_bucket
-        from .tuning import load_plan
         key = (context, m_bucket(M))
         if key == self._prepared:
             return

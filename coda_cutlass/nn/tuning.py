@@ -12,22 +12,20 @@ keyed by GPU, dtype, model widths and M bucket, and found again by later process
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from ..api import compile_many
 from ..build.progress import say
 from ..config import KernelConfig
 from ..pipeline import Options, lower_program
 from ..tuning.space import RUNTIME_CHOICES, candidate_configs
-from ..tuning.store import TuningStore, m_bucket
-from .runner import Choice, KernelRunner, Recorder
+from .plan_store import Choice, store_plan
+from .runner import KernelRunner, Recorder
 
 
 @dataclass(frozen=True)
@@ -37,54 +35,6 @@ class Site:
     program: Any
     layout: str
     partial: bool
-
-
-def device_tag() -> str:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return f"{props.name}|sm{props.major}{props.minor}|cuda{torch.version.cuda}"
-
-
-def plan_key(context: str, dtype: torch.dtype, M: int, device: str | None = None) -> str:
-    """Where a plan is stored: GPU, CUDA, dtype, model widths and M bucket."""
-    return f"inseq|{device or device_tag()}|{dtype}|{context}|M{m_bucket(M)}"
-
-
-def load_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None,
-              device: str | None = None) -> dict[str, Choice] | None:
-    """The stored plan for this model context and M bucket, or None (a malformed record is ignored)."""
-    key = plan_key(context, dtype, M, device)
-    rec = TuningStore(cache_dir).get(key)
-    if rec is None:
-        rec = shipped_plans().get(key)
-    if not isinstance(rec, dict) or not isinstance(rec.get("sites"), dict):
-        return None
-    try:
-        return {site: Choice.from_json(c) for site, c in rec["sites"].items()}
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-SHIPPED = Path(__file__).resolve().parent / "plans"
-
-
-@lru_cache(maxsize=1)
-def shipped_plans() -> dict[str, Any]:
-    """Plans tuned on the project's own GPUs and shipped with the package (nn/plans/*.json, one
-    record per plan key), used when the local tuning cache has none."""
-    out: dict[str, Any] = {}
-    for path in sorted(SHIPPED.glob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            out.update({k: v for k, v in data.items() if isinstance(v, dict)})
-    return out
-
-
-def store_plan(context: str, dtype: torch.dtype, M: int, record: dict[str, Any], cache_dir: Any = None,
-               device: str | None = None) -> None:
-    TuningStore(cache_dir).put(plan_key(context, dtype, M, device), json.loads(json.dumps(record)))
 
 
 def discover_sites(runner: KernelRunner, step: Callable[[], Any]) -> list[Site]:
@@ -139,7 +89,6 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
                      store: bool = True) -> dict[str, Any]:
     """Tune every GEMM site of ``step`` (a callable running one full step through ``runner``) in
     the step's own sequence. Returns {"sites": {site: choice}, "timings": ...} and stores it."""
-    from ..api import compile_many
     start = time.monotonic()
     sites = discover_sites(runner, step)
     cands = {s.name: (candidates(s) if candidates else
