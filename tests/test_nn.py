@@ -147,3 +147,13 @@ def test_module_to_keeps_rope_frequencies_fp32():
     assert block.qkv.dtype == torch.bfloat16
     assert block.rope_freq.dtype == torch.float32 and torch.equal(block.rope_freq, ref)
     assert block.inv_freq.dtype == torch.float32
+
+
+def test_tuning_without_a_hopper_gpu_is_a_clear_error():
+    import coda_cutlass as cc
+    block = LlamaBlock(64, 4, 2, 96, dtype=torch.float32)
+    with pytest.raises(cc.DeviceError, match="Hopper GPU"):
+        block.tune(1, 8)
+    model = LlamaModel(32, 64, 1, 4, 2, 96, dtype=torch.float32)
+    with pytest.raises(cc.DeviceError, match="Hopper GPU"):
+        model.tune(torch.randint(0, 32, (1, 8)))

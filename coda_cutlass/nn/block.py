@@ -23,6 +23,7 @@ from .attention import Attention, rope_inv_freq
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
 from .hf import block_from_hf, block_to_hf
 from .runner import KernelRunner, Runner, default_runner
+from .tuning import tune_module
 
 
 def column_frequencies(inv_freq: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
@@ -151,6 +152,15 @@ class LlamaBlock(nn.Module):
         with torch.no_grad():
             h, r = first_norm(step, x2d.detach().contiguous(), self.attn_norm)
         return self.run(step, x2d.contiguous(), h, r, None).view(B, S, D)
+
+    def tune(self, batch: int, seq: int, **options: Any) -> dict[str, Any]:
+        """Tune this block's kernels inside its own forward + backward on (batch, seq) tokens,
+        sustained (coda_cutlass.nn.tuning); the plan is stored and used from then on. Options go to
+        tune_in_sequence (iters, warmup, runtime, cache_dir, verbose)."""
+        x = torch.randn(batch, seq, self.dims.dim, device=self.qkv.device, dtype=self.qkv.dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        return tune_module(self, self.get_runner(), lambda: self(x).backward(dy), context=self.context(),
+                           M=batch * seq, **options)
 
     # ------------------------------------------------------------------ Hugging Face
     @classmethod

@@ -20,6 +20,7 @@ from torch import nn
 from .. import epilogues as E
 from .block import LlamaBlock
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward
+from .tuning import tune_module
 
 
 class LMHeadLoss(torch.autograd.Function):
@@ -70,6 +71,16 @@ class LlamaModel(nn.Module):
         """Run every block (and the LM head) through this runner (e.g. a tuned KernelRunner)."""
         for b in self.blocks:
             b.runner = runner
+
+    def tune(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, **options: Any) -> dict[str, Any]:
+        """Tune the kernels of the whole training step (every block and the LM head) inside the step,
+        sustained, on these tokens (random targets by default); the plan is stored and used from
+        then on. Options go to coda_cutlass.nn.tuning.tune_in_sequence."""
+        if targets is None:
+            targets = torch.randint(0, self.embed.shape[0], tokens.shape, device=tokens.device)
+        first = self.blocks[0]
+        return tune_module(self, first.get_runner(), lambda: self(tokens, targets).backward(),
+                           context=first.context(), M=tokens.numel(), **options)
 
     def hidden(self, tokens: torch.Tensor) -> tuple[Step, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The final norm's inputs: (step, x, h = x * g_final, r = rstd(x)), all (B * S, D)."""

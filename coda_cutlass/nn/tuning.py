@@ -22,6 +22,7 @@ import torch
 from ..api import compile_many
 from ..build.progress import say
 from ..config import KernelConfig
+from ..errors import DeviceError
 from ..pipeline import Options, lower_program
 from ..tuning.space import RUNTIME_CHOICES, candidate_configs
 from .plan_store import Choice, store_plan
@@ -137,3 +138,21 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
     if store:
         store_plan(context, runner.dtype, M, rec, cache_dir)
     return rec
+
+
+def tune_module(module: Any, runner: Any, step: Callable[[], Any], *, context: str, M: int,
+                **options: Any) -> dict[str, Any]:
+    """In-sequence tuning of a module's training step (``step``: one forward + backward), with its
+    parameters' gradients cleared around every step (the gradients of the tuning steps are dropped)."""
+    if not isinstance(runner, KernelRunner):
+        raise DeviceError("in-sequence tuning times compiled kernels: it needs the module on a Hopper GPU (sm_90) "
+                          "in bf16 or fp16")
+
+    def one() -> None:
+        module.zero_grad(set_to_none=True)
+        step()
+
+    try:
+        return tune_in_sequence(runner, one, context=context, M=M, **options)
+    finally:
+        module.zero_grad(set_to_none=True)
