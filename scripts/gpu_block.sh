@@ -5,6 +5,8 @@
 #           parallel; kernels found on $CODA_CUTLASS_PREBUILT_PATH are not rebuilt
 #   export  the kernel cache as prebuilt kernels, xz-compressed into OUTDIR (to carry to a later run)
 #   tests   tests/gpu/test_nn_gpu.py;  train  examples/train_llama.py;  bench  bench/block.py $BENCH_ARGS
+#   suite   tests/gpu/test_kernels.py without the tests that build every candidate configuration
+#   sustained  small bench/pairwise.py and bench/run.py runs (shuffled and sustained figures side by side)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?OUTDIR}; shift
@@ -33,6 +35,12 @@ for dt in (torch.bfloat16, torch.float16):
     tests) run tests 300 python3 -m pytest -q -p no:logging tests/gpu/test_nn_gpu.py ;;
     train) run train ${TRAIN_LIMIT:-240} python3 examples/train_llama.py --out "$out/train" ;;
     bench) run bench ${BENCH_LIMIT:-560} python3 bench/block.py --out "$out/bench" ${BENCH_ARGS:-} ;;
+    suite) run suite ${SUITE_LIMIT:-240} python3 -m pytest -q -p no:logging tests/gpu/test_kernels.py \
+             -k "not every_candidate and not autotuner" ;;
+    sustained) run pairwise 90 python3 bench/pairwise.py --m 8192 --workloads swiglu rope --no-tune --rounds 3 \
+                 --out "$out/pairwise"
+               run run 90 python3 bench/run.py --m 8192 --epilogues norm_stats --shapes out-proj gate/up --no-tune \
+                 --rounds 3 --out "$out/run" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
