@@ -1,12 +1,62 @@
-"""coda-cutlass: fused GEMM + epilogue kernels for Hopper, compiled from small Python programs."""
+"""coda-cutlass: fused GEMM + epilogue kernels for Hopper, compiled from small Python programs.
+
+Packaging rules (tests/test_wheel.py checks them on a built wheel):
+- every package under ``coda_cutlass/`` is found automatically (a folder with an ``__init__.py``);
+  the repository's top-level ``epilogues/`` is ``coda_cutlass.epilogues`` and ``templates/`` is
+  package data (``coda_cutlass/templates`` links to it; the wheel carries real copies);
+- a wheel with prebuilt kernels (``coda_cutlass/prebuilt/*.so``) is tagged for this platform
+  (``py3-none-linux_x86_64``): the kernels are host-specific shared libraries but use no Python
+  ABI (ctypes). Without them the wheel is pure (``py3-none-any``);
+- what only JIT builds need (the CUTLASS headers from nvidia-cutlass, with its own dependencies such
+  as cuda-python) is the ``[jit]`` extra, so a prebuilt-only install does not pull it.
+"""
 
 import re
+import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+try:                                   # setuptools >= 70.1 carries bdist_wheel itself
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:                    # older setuptools: the wheel package's
+    from wheel.bdist_wheel import bdist_wheel
 
 HERE = Path(__file__).resolve().parent
 version = re.search(r'__version__ = "([^"]+)"', (HERE / "coda_cutlass" / "__init__.py").read_text()).group(1)
+
+CUTLASS = "nvidia-cutlass>=4.2,<5"
+
+
+def has_prebuilt_kernels() -> bool:
+    return any((HERE / "coda_cutlass" / "prebuilt").glob("*.so"))
+
+
+class BuildPy(build_py):
+    """Starts from an empty ``build/lib/coda_cutlass``: setuptools never removes files from it, so a
+    module or prebuilt kernel deleted from the source would otherwise still ship."""
+
+    def run(self):
+        if not getattr(self, "editable_mode", False):
+            shutil.rmtree(Path(self.build_lib) / "coda_cutlass", ignore_errors=True)
+        super().run()
+
+
+class BdistWheel(bdist_wheel):
+    """Platform tag when prebuilt kernels are inside, pure otherwise (see the module docstring)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if has_prebuilt_kernels():
+            self.root_is_pure = False
+
+    def get_tag(self):
+        python, abi, plat = super().get_tag()
+        if not self.root_is_pure:
+            python, abi = "py3", "none"
+        return python, abi, plat
+
 
 setup(
     name="coda-cutlass",
@@ -14,17 +64,26 @@ setup(
     description="Fused GEMM + epilogue kernels (CUTLASS sm90 epilogue visitor trees) from Python programs",
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.11",
-    packages=[
-        "coda_cutlass", "coda_cutlass.ir", "coda_cutlass.frontend", "coda_cutlass.passes",
-        "coda_cutlass.lower", "coda_cutlass.render", "coda_cutlass.build", "coda_cutlass.runtime",
-        "coda_cutlass.epilogues",
+    url="https://github.com/coda-cutlass/coda-cutlass",
+    project_urls={
+        "Source": "https://github.com/coda-cutlass/coda-cutlass",
+        "Documentation": "https://github.com/coda-cutlass/coda-cutlass/blob/main/docs/WRITING_EPILOGUES.md",
+        "Issues": "https://github.com/coda-cutlass/coda-cutlass/issues",
+    },
+    license="MIT",
+    license_files=["LICENSE"],
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Operating System :: POSIX :: Linux",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
-    # templates/ and epilogues/ live at the top of the repository (coda_cutlass/ links to them);
-    # the wheel carries real copies.
+    python_requires=">=3.11",
+    packages=find_packages(include=["coda_cutlass", "coda_cutlass.*"]),
     package_dir={"coda_cutlass.epilogues": "epilogues"},
-    package_data={"coda_cutlass": ["templates/*.j2", "templates/coda/*.hpp", "prebuilt/*.so", "prebuilt/*.json"]},
-    install_requires=["torch>=2.4", "jinja2>=3.0", "nvidia-cutlass>=4.2,<5"],
-    extras_require={"test": ["pytest>=7"]},
+    package_data={"coda_cutlass": ["templates/**/*.j2", "templates/**/*.hpp", "prebuilt/*.so", "prebuilt/*.json"]},
+    install_requires=["torch>=2.4", "jinja2>=3.0"],
+    extras_require={"jit": [CUTLASS], "test": ["pytest>=7", CUTLASS]},
     entry_points={"console_scripts": ["coda-cutlass=coda_cutlass.cli:main"]},
+    cmdclass={"build_py": BuildPy, "bdist_wheel": BdistWheel},
 )

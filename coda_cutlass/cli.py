@@ -6,48 +6,126 @@
     prebuild FILE --out DIR   compile every program of a file (or its PREBUILD list) and export
                               them as prebuilt kernels
     cache                     show the kernel cache location and size
+
+FILE is a path to a .py file or an importable module (``coda_cutlass.epilogues``). A mistake on the
+user's side (a typo, a missing file, a file that fails to load, a program the compiler rejects, no
+toolchain) prints one ``error:`` message and exits with status 2; ``--debug`` (or
+``CODA_CUTLASS_DEBUG=1``) shows the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import hashlib
 import importlib
 import importlib.util
+import os
+import re
 import sys
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+USER_ERROR = 2
+
+
+class UserError(Exception):
+    """Something the user can fix; printed as one line without a traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad command line in one line, with a suggestion for a misspelt word."""
+
+    def error(self, message: str) -> NoReturn:
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2))
+            close = difflib.get_close_matches(m.group(1), choices, n=1)
+            message += f"; did you mean '{close[0]}'?" if close else ""
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(USER_ERROR)
+
+
+def _private_name(path: Path) -> str:
+    """A module name no other module has: a user's math.py must not replace the real math."""
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
+    return f"_coda_cutlass_user_{re.sub(r'[^0-9A-Za-z_]', '_', path.stem)}_{digest}"
+
+
+_USER_FILES: set[str] = set()     # files loaded for the user: errors raised in them are the user's
 
 
 def load_module(spec: str) -> Any:
-    """A Python file path or an importable module name."""
+    """A Python file path (loaded under a private module name) or an importable module name."""
     path = Path(spec)
-    if path.suffix == ".py" and path.is_file():
-        sys.path.insert(0, str(path.resolve().parent))
-        mspec = importlib.util.spec_from_file_location(path.stem, path)
-        assert mspec and mspec.loader
+    if spec.endswith(".py") or os.sep in spec:
+        if not path.is_file():
+            raise UserError(f"no such file: {spec}")
+        path = path.resolve()
+        name = _private_name(path)
+        if name in sys.modules:
+            return sys.modules[name]
+        # Siblings of the file stay importable, but after everything else: they never shadow a
+        # standard or installed module.
+        if str(path.parent) not in sys.path:
+            sys.path.append(str(path.parent))
+        mspec = importlib.util.spec_from_file_location(name, path)
+        if mspec is None or mspec.loader is None:
+            raise UserError(f"cannot load {spec} as Python source")
         mod = importlib.util.module_from_spec(mspec)
-        sys.modules[path.stem] = mod
-        mspec.loader.exec_module(mod)
+        _USER_FILES.add(str(path))
+        sys.modules[name] = mod         # dataclasses and typing look their module up here
+        try:
+            mspec.loader.exec_module(mod)
+        except Exception as e:
+            del sys.modules[name]
+            raise UserError(f"loading {spec} failed: {_describe(e)}") from e
         return mod
-    return importlib.import_module(spec)
+    try:
+        mod = importlib.import_module(spec)
+    except ModuleNotFoundError as e:
+        if e.name and (spec == e.name or spec.startswith(e.name + ".")):
+            raise UserError(f"no such file or module: {spec}") from None
+        raise UserError(f"importing {spec} failed: {_describe(e)}") from e
+    except Exception as e:
+        raise UserError(f"importing {spec} failed: {_describe(e)}") from e
+    if getattr(mod, "__file__", None):
+        _USER_FILES.add(str(Path(mod.__file__).resolve()))
+    return mod
 
 
 def programs_of(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """The module's PREBUILD list of (program, options) pairs, else every epilogue program in it."""
+    from .api import BUILD_OPTIONS, GENERATION_OPTIONS
     from .frontend.trace import EpilogueProgram
-    if hasattr(mod, "PREBUILD"):
-        return [(p, dict(o)) for p, o in mod.PREBUILD]
-    return [(v, {}) for v in vars(mod).values() if isinstance(v, EpilogueProgram)]
+    if not hasattr(mod, "PREBUILD"):
+        return [(v, {}) for v in vars(mod).values() if isinstance(v, EpilogueProgram)]
+    items = []
+    for i, item in enumerate(mod.PREBUILD):
+        ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], EpilogueProgram) \
+            and isinstance(item[1], dict)
+        if not ok:
+            raise UserError(f"PREBUILD[{i}] of {mod.__name__} must be a (program, options dict) pair, got {item!r}")
+        unknown = set(item[1]) - set(GENERATION_OPTIONS) - set(BUILD_OPTIONS)
+        if unknown:
+            raise UserError(f"PREBUILD[{i}] ({item[0].name}) has unknown options {sorted(unknown)}; "
+                            f"known: {', '.join(GENERATION_OPTIONS + BUILD_OPTIONS)}")
+        items.append((item[0], dict(item[1])))
+    return items
 
 
 def cmd_emit(args: argparse.Namespace) -> int:
     import torch
     from .api import emit
-    file, _, name = args.target.partition(":")
-    mod = load_module(file)
-    progs = {p.name: p for p, _ in programs_of(mod)}
+    file, sep, name = args.target.rpartition(":")
+    if not sep or not file or not name:
+        raise UserError(f"expected FILE:PROGRAM (e.g. my_epilogues.py:bias_gelu), got {args.target!r}")
+    progs = {p.name: p for p, _ in programs_of(load_module(file))}
     if name not in progs:
-        print(f"no program '{name}' in {file}; programs: {', '.join(sorted(progs))}", file=sys.stderr)
-        return 2
+        close = difflib.get_close_matches(name, progs, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise UserError(f"no program '{name}' in {file}{hint} (programs: {', '.join(sorted(progs)) or 'none'})")
     print(emit(progs[name], getattr(torch, args.dtype), weight_layout=args.weight_layout), end="")
     return 0
 
@@ -57,8 +135,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     from .build.export import export_prebuilt, export_sources
     items = programs_of(load_module(args.file))
     if not items:
-        print(f"no epilogue programs in {args.file}", file=sys.stderr)
-        return 2
+        raise UserError(f"no epilogue programs in {args.file}")
     if args.sources_only:
         from .api import emit_many
         for path in export_sources(emit_many(items), args.out):
@@ -93,29 +170,72 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return main(quick=args.quick)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coda_cutlass", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="the main job (see README)")
-    p.add_argument("--quick", action="store_true", help="smaller timing runs")
-    p.set_defaults(fn=cmd_demo)
-    p = sub.add_parser("emit", help="print the generated CUDA of FILE:PROGRAM")
-    p.add_argument("target")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--weight-layout", default="nk", choices=["nk", "kn"])
-    p.set_defaults(fn=cmd_emit)
-    p = sub.add_parser("prebuild", help="compile and export prebuilt kernels")
-    p.add_argument("file")
-    p.add_argument("--out", required=True)
-    p.add_argument("--jobs", type=int, default=None)
-    p.add_argument("--all-candidates", action="store_true",
+def parser() -> Parser:
+    p = Parser(prog="python -m coda_cutlass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    common = argparse.ArgumentParser(add_help=False)      # --debug also after the command
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    s = sub.add_parser("demo", parents=[common], help="the main job (see README)")
+    s.add_argument("--quick", action="store_true", help="smaller timing runs")
+    s.set_defaults(fn=cmd_demo)
+    s = sub.add_parser("emit", parents=[common], help="print the generated CUDA of FILE:PROGRAM")
+    s.add_argument("target", metavar="FILE:PROGRAM")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    s.add_argument("--weight-layout", default="nk", choices=["nk", "kn"])
+    s.set_defaults(fn=cmd_emit)
+    s = sub.add_parser("prebuild", parents=[common], help="compile and export prebuilt kernels")
+    s.add_argument("file")
+    s.add_argument("--out", required=True)
+    s.add_argument("--jobs", type=int, default=None)
+    s.add_argument("--all-candidates", action="store_true",
                    help="build every autotuning candidate configuration (tuning then needs no nvcc)")
-    p.add_argument("--sources-only", action="store_true",
+    s.add_argument("--sources-only", action="store_true",
                    help="write the generated .cu files (and headers) for CMakeLists.txt instead of compiling")
-    p.set_defaults(fn=cmd_prebuild)
-    p = sub.add_parser("cache", help="show the kernel cache")
-    p.add_argument("--export", metavar="DIR", help="copy every verified kernel out as a prebuilt kernel")
-    p.set_defaults(fn=cmd_cache)
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    s.set_defaults(fn=cmd_prebuild)
+    s = sub.add_parser("cache", parents=[common], help="show the kernel cache")
+    s.add_argument("--export", metavar="DIR", help="copy every verified kernel out as a prebuilt kernel")
+    s.set_defaults(fn=cmd_cache)
+    return p
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """'file:line' of the innermost traceback frame in a file loaded for the user, if any."""
+    where = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if str(Path(frame.filename).resolve()) in _USER_FILES:
+            where = f"{frame.filename}:{frame.lineno}"
+    return where
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an exception: its type and message, and where in the user's files it was raised."""
+    text = str(e) if isinstance(e, UserError) or _is_coda_error(e) else f"{type(e).__name__}: {e}"
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"SyntaxError: {e.msg} ({e.filename}:{e.lineno})"
+    at = _user_frame(e)
+    return text + (f" (at {at})" if at else "")
+
+
+def _is_coda_error(e: BaseException) -> bool:
+    from .errors import CodaError
+    return isinstance(e, CodaError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    debug = getattr(args, "debug", False) or os.environ.get("CODA_CUTLASS_DEBUG", "") not in ("", "0")
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        # One line for what the user can fix: our own errors, a bad file or path, anything raised
+        # in the user's code. Anything else is a bug in coda-cutlass and keeps its traceback.
+        if not (isinstance(e, (UserError, OSError)) or _is_coda_error(e) or _user_frame(e)):
+            raise
+        if debug:
+            traceback.print_exc()
+        print(f"error: {_describe(e)}", file=sys.stderr)
+        return USER_ERROR

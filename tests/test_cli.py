@@ -56,3 +56,133 @@ def test_demo_runs_on_cpu(fake_nvcc, capsys):
     assert main(["demo"]) == 0
     text = capsys.readouterr().out
     assert "-> OK" in text and "no Hopper GPU here" in text and "all checks passed" in text
+
+
+# Errors a user can make: one line on stderr, status 2, no traceback.
+
+USER_FILE = '''
+import coda_cutlass as cc
+
+@cc.epilogue
+def scaled(acc, s: cc.Scalar):
+    return acc * s
+
+@cc.epilogue
+def uses_missing_name(acc):
+    return acc + not_defined_anywhere
+
+@cc.epilogue
+def branches(acc):
+    if acc > 0:
+        return acc
+    return -acc
+'''
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def math_py(tmp_path):
+    """A user file named math.py, as a user might call it."""
+    path = tmp_path / "math.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def test_user_file_named_math_py_does_not_shadow_math(math_py, capsys, monkeypatch):
+    import math
+    import sys
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    real = sys.modules["math"]
+    assert main(["emit", f"{math_py}:scaled"]) == 0
+    assert "coda-cutlass generated kernel: scaled" in capsys.readouterr().out
+    assert sys.modules["math"] is real and math.gcd(12, 18) == 6
+    loaded_as = [n for n, m in sys.modules.items() if getattr(m, "__file__", None) == str(math_py)]
+    assert len(loaded_as) == 1 and loaded_as[0].startswith("_coda_cutlass_user_math_")
+    assert sys.path[-1] == str(math_py.parent)      # siblings importable, searched after everything else
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["emit", "no/such/file.py:f"], "no such file: no/such/file.py"),
+    (["emit", "no_such_module_xyz:f"], "no such file or module: no_such_module_xyz"),
+    (["emit", "coda_cutlass.epilogues"], "expected FILE:PROGRAM"),
+    (["emit", "coda_cutlass.epilogues:swiglu_bakward"], "did you mean 'swiglu_backward'"),
+    (["prebuild", "missing.py", "--out", "x"], "no such file: missing.py"),
+])
+def test_bad_paths_and_names_are_one_line(argv, expect, capsys):
+    assert main(argv) == 2
+    line = one_error_line(capsys)
+    assert line.startswith("error: ") and expect in line, line
+
+
+def test_misspelt_command_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["emti", "x"])
+    assert e.value.code == 2
+    line = one_error_line(capsys)
+    assert "invalid choice: 'emti'" in line and "did you mean 'emit'?" in line
+
+
+def test_rejected_program_is_one_line_with_its_location(math_py, capsys):
+    assert main(["emit", f"{math_py}:branches"]) == 2
+    line = one_error_line(capsys)
+    assert "epilogue 'branches'" in line and "cc.where" in line and f"{math_py}:" in line
+
+
+def test_error_in_user_code_names_the_line(math_py, capsys):
+    assert main(["emit", f"{math_py}:uses_missing_name"]) == 2
+    line = one_error_line(capsys)
+    assert "NameError" in line and "not_defined_anywhere" in line and f"{math_py}:10" in line
+
+
+def test_file_that_fails_to_load(tmp_path, capsys):
+    (tmp_path / "syntax.py").write_text("def f(:\n")
+    (tmp_path / "dep.py").write_text("import a_module_nobody_has\n")
+    assert main(["emit", f"{tmp_path / 'syntax.py'}:f"]) == 2
+    assert "SyntaxError" in one_error_line(capsys)
+    assert main(["emit", f"{tmp_path / 'dep.py'}:f"]) == 2
+    assert "No module named 'a_module_nobody_has'" in one_error_line(capsys)
+
+
+def test_bad_prebuild_list(tmp_path, capsys):
+    (tmp_path / "pre.py").write_text("import coda_cutlass.epilogues as e\nPREBUILD = [(e.identity, {'dtyp': 1})]\n")
+    assert main(["prebuild", str(tmp_path / "pre.py"), "--out", str(tmp_path / "o")]) == 2
+    assert "unknown options ['dtyp']" in one_error_line(capsys)
+
+
+def test_debug_shows_the_traceback(math_py, capsys, monkeypatch):
+    assert main(["emit", f"{math_py}:branches", "--debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+    monkeypatch.setenv("CODA_CUTLASS_DEBUG", "1")
+    assert main(["emit", f"{math_py}:branches"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_bug_in_coda_cutlass_keeps_its_traceback(monkeypatch):
+    import coda_cutlass.api
+    monkeypatch.setattr(coda_cutlass.api, "emit", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        main(["emit", "coda_cutlass.epilogues:identity"])
+
+
+def test_missing_toolchain_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CODA_CUTLASS_NVCC", str(tmp_path / "no-nvcc"))
+    monkeypatch.setenv("CODA_CUTLASS_PREBUILT_PATH", str(tmp_path / "prebuilt"))
+    monkeypatch.setenv("CODA_CUTLASS_QUIET", "1")
+    assert main(["prebuild", "coda_cutlass.epilogues", "--out", str(tmp_path / "o")]) == 2
+    line = one_error_line(capsys)
+    assert "has no prebuilt kernel" in line and str(tmp_path / "prebuilt") in line
+
+
+def test_python_m_reports_without_traceback(tmp_path):
+    """The real entry point, in a folder that is not the repository."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "coda_cutlass", "emit", "nowhere.py:f"], capture_output=True,
+                       text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip() == "error: no such file: nowhere.py", r.stderr
