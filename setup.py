@@ -15,7 +15,7 @@ import re
 import shutil
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Distribution, find_packages, setup
 from setuptools.command.build_py import build_py
 
 try:                                   # setuptools >= 70.1 carries bdist_wheel itself
@@ -43,13 +43,16 @@ class BuildPy(build_py):
         super().run()
 
 
-class BdistWheel(bdist_wheel):
-    """Platform tag when prebuilt kernels are inside, pure otherwise (see the module docstring)."""
+class KernelDistribution(Distribution):
+    """With prebuilt kernels the package holds platform binaries: like extension modules, they make
+    the wheel impure (installed to platlib, tagged for this platform)."""
 
-    def finalize_options(self):
-        super().finalize_options()
-        if has_prebuilt_kernels():
-            self.root_is_pure = False
+    def has_ext_modules(self):
+        return super().has_ext_modules() or has_prebuilt_kernels()
+
+
+class BdistWheel(bdist_wheel):
+    """``py3-none-<platform>``: the kernels are called through ctypes, so any Python 3 will do."""
 
     def get_tag(self):
         python, abi, plat = super().get_tag()
@@ -86,4 +89,5 @@ setup(
     extras_require={"jit": [CUTLASS], "test": ["pytest>=7", CUTLASS]},
     entry_points={"console_scripts": ["coda-cutlass=coda_cutlass.cli:main"]},
     cmdclass={"build_py": BuildPy, "bdist_wheel": BdistWheel},
+    distclass=KernelDistribution,
 )

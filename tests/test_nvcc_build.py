@@ -90,3 +90,37 @@ def test_pair_layout_checks_accept_and_refuse(tmp_path):
            f"-I{include_dir()}"] + [f"-I{i}" for i in tc.cutlass_include] + [str(src)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_wheel_with_a_prebuilt_kernel_works_without_nvcc(built, tmp_path):
+    """The README's `pip wheel --no-deps -w dist .` with one real prebuilt kernel (the catalogue's
+    residual_norm_stats, the same source as coda_cutlass.epilogues.residual_norm_stats), installed
+    into a fresh environment without nvcc, without nvidia-cutlass and without the repository on
+    sys.path: the kernel is found as prebuilt (and its .so loads); a program that was not prebuilt
+    raises an error naming the program, the dtype and the folders searched."""
+    from coda_cutlass.build.export import export_prebuilt
+    from wheelcheck import (PREBUILT_CHECK, REPO, build_wheel, env_without_toolchain, fresh_venv, install_wheel,
+                            platform_tag, run_python, source_copy, wheel_files)
+    kernel = built["residual_norm_stats"]
+    so = export_prebuilt(kernel, tmp_path / "prebuilt")
+    src = source_copy(tmp_path / "src", prebuilt=[so, so.with_suffix(".json")])
+    whl = build_wheel(src)
+    assert whl.name.endswith(f"-py3-none-{platform_tag()}.whl") and f"coda_cutlass/prebuilt/{so.name}" in wheel_files(whl)
+    python = fresh_venv(tmp_path)
+    install_wheel(python, whl)
+    work = tmp_path / "work"
+    work.mkdir()
+    out = run_python(python, PREBUILT_CHECK, env_without_toolchain(tmp_path / "cache"), work)
+    site = str(tmp_path / "venv")
+    assert out["package"].startswith(site), out["package"]
+    assert not [p for p in out["sys_path"] if p and (p == str(REPO) or p.startswith(str(REPO / "tests")))]
+    assert out["nvcc"] is None and not out["cutlass"]
+    assert [r for r in out["requires"] if r.startswith("nvidia-cutlass")] and \
+        all('extra == "jit"' in r or 'extra == "test"' in r for r in out["requires"] if r.startswith("nvidia-cutlass"))
+    assert out["origin"] == "prebuilt" and out["path"].startswith(site) and out["path"].endswith(so.name)
+    assert out["described"]
+    missing = out["missing"]
+    assert missing and missing["type"] == "ToolchainError", out
+    prebuilt_dir = out["path"].rsplit("/", 1)[0]
+    for part in ("epilogue 'residual_add'", "torch.float16", prebuilt_dir, "coda-cutlass[jit]"):
+        assert part in missing["message"], (part, missing["message"])

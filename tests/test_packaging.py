@@ -1,0 +1,72 @@
+"""The wheel, built with the README's command from a copy of the repository: every module and
+template inside (packages are found, not listed), the right tag with and without prebuilt kernels,
+licence and URL metadata, nvidia-cutlass only in the [jit] extra. The prebuilt-only install in a
+fresh environment without nvcc is in test_nvcc_build.py (it needs one real kernel)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import coda_cutlass as cc
+from wheelcheck import build_wheel, expected_package_files, platform_tag, source_copy, wheel_files, wheel_metadata
+
+
+@pytest.fixture(scope="module")
+def pure_wheel(tmp_path_factory):
+    src = source_copy(tmp_path_factory.mktemp("pure"))
+    return src, build_wheel(src)
+
+
+def test_wheel_holds_every_module_and_template(pure_wheel):
+    src, whl = pure_wheel
+    files = wheel_files(whl)
+    expected = expected_package_files(src)
+    assert {"coda_cutlass/tuning/__init__.py", "coda_cutlass/epilogues/norms.py",
+            "coda_cutlass/templates/kernel.cu.j2", "coda_cutlass/templates/coda/visitor.hpp"} <= expected
+    assert expected - files == set()
+    assert not [f for f in files if f.startswith(("tests/", "bench/", "epilogues/", "templates/"))]
+    assert any(f.endswith(".dist-info/licenses/LICENSE") or f.endswith(".dist-info/LICENSE") for f in files)
+
+
+def test_pure_wheel_metadata(pure_wheel):
+    _, whl = pure_wheel
+    assert whl.name.endswith("-py3-none-any.whl")
+    assert wheel_metadata(whl, "WHEEL")["Root-Is-Purelib"] == "true"
+    meta = wheel_metadata(whl)
+    assert "MIT" in (meta.get("License-Expression") or meta.get("License") or "")
+    assert meta["Home-page"] or meta.get_all("Project-URL")
+    requires = meta.get_all("Requires-Dist")
+    plain = [r for r in requires if "extra ==" not in r]
+    assert sorted(r.split(">")[0].split("<")[0] for r in plain) == ["jinja2", "torch"], requires
+    assert any(r.startswith("nvidia-cutlass") and 'extra == "jit"' in r for r in requires)
+    assert {"jit", "test"} <= set(meta.get_all("Provides-Extra"))
+
+
+def test_wheel_with_prebuilt_kernels_is_tagged_for_the_platform(tmp_path):
+    """The tag depends only on the presence of a .so under coda_cutlass/prebuilt (a stand-in here;
+    test_nvcc_build.py ships a real kernel)."""
+    (tmp_path / "k.so").write_bytes(b"\x7fELF stand-in")
+    (tmp_path / "k.json").write_text(json.dumps({"source_key": "k"}))
+    src = source_copy(tmp_path / "src", prebuilt=[tmp_path / "k.so", tmp_path / "k.json"])
+    whl = build_wheel(src)
+    assert whl.name.endswith(f"-py3-none-{platform_tag()}.whl"), whl.name
+    wheel = wheel_metadata(whl, "WHEEL")
+    assert wheel["Root-Is-Purelib"] == "false" and wheel["Tag"] == f"py3-none-{platform_tag()}"
+    assert {"coda_cutlass/prebuilt/k.so", "coda_cutlass/prebuilt/k.json"} <= wheel_files(whl)
+
+
+def test_missing_kernel_without_toolchain_names_program_dtype_and_folders(tmp_path, monkeypatch):
+    from coda_cutlass.build.prebuilt import PACKAGE_PREBUILT
+    from coda_cutlass.epilogues import bias_gelu
+    monkeypatch.setenv("CODA_CUTLASS_NVCC", str(tmp_path / "no-nvcc"))
+    monkeypatch.setenv("CODA_CUTLASS_PREBUILT_PATH", str(tmp_path / "mine"))
+    key = __import__("coda_cutlass.build.keys", fromlist=["x"]).source_key(cc.emit(bias_gelu, torch.float16))
+    with pytest.raises(cc.ToolchainError) as e:
+        cc.compile_epilogue(bias_gelu, dtype=torch.float16, verbose=False)
+    msg = str(e.value)
+    for part in ("epilogue 'bias_gelu'", "torch.float16", f"{key}.so", str(tmp_path / "mine"), str(PACKAGE_PREBUILT),
+                 "CODA_CUTLASS_NVCC", "coda-cutlass[jit]"):
+        assert part in msg, (part, msg)
