@@ -109,7 +109,7 @@ def run(ms: list[int], epilogue_names: list[str], shape_names: list[str], tune: 
                 if tune:    # tune (or load the stored choice) before anything is timed
                     fused.choice(sets[0]["A"], sets[0]["W"])
                     ident.choice(sets[0]["A"], sets[0]["W"])
-                with GpuSampler() as gpu:   # per row: cuBLAS itself moves with the clock (RESULTS.md)
+                with GpuSampler() as gpu:   # per row: cuBLAS itself moves with the clock (docs/RESULTS.md)
                     times = interleaved(fns, sets, rounds=rounds)
                     # the sustained figure: each of cuBLAS and the fused kernel in long runs of itself
                     held = sustained({k: fns[k] for k in ("cublas", "coda_fused")}, sets)

@@ -1,7 +1,7 @@
 """Kernel configurations: the mainloop/epilogue choices that are baked into a build, and the runtime
 knobs (raster order, swizzle) that are not.
 
-Measured on the H200 (GPU.md): 128x256x64 cooperative with a 2x1 or 1x2 cluster lands within a
+Measured on the H200 (docs/GPU.md): 128x256x64 cooperative with a 2x1 or 1x2 cluster lands within a
 few percent of cuBLAS on Llama shapes in short runs; the untuned 128x128 1x1 is 1.17-1.40x with an
 EVT. In long runs at the card's power limit the autotuner picks ping-pong 128x128 (cluster 1x2 or
 2x1) for nearly every epilogue, which is therefore the default: ``DEFAULT`` below, the one default

@@ -1,5 +1,5 @@
 """Ready-made epilogue programs for the non-attention work of a Llama-style block
-(TRANSFORMER_MATH.md). Import them from ``coda_cutlass.epilogues``.
+(docs/TRANSFORMER_MATH.md). Import them from ``coda_cutlass.epilogues``.
 
 Forward:  residual_norm_stats (out-proj / down-proj), rowscale (the consumer of an RMSNorm),
           swiglu / geglu / reglu (gate/up GEMM, half-width output), rope (QKV GEMM),

@@ -1,4 +1,4 @@
-"""RMSNorm around GEMMs, split as in TRANSFORMER_MATH.md: statistics in the producer GEMM's
+"""RMSNorm around GEMMs, split as in docs/TRANSFORMER_MATH.md: statistics in the producer GEMM's
 epilogue, the row scale in the consumer's, the backward in the norm-backward dX GEMM."""
 
 import torch

@@ -1,5 +1,5 @@
 """Pairwise epilogues: gated MLP activations on interleaved gate/up weights, RoPE, and their
-backward passes (TRANSFORMER_MATH.md: SwiGLU, RoPE). Convert standard checkpoints with
+backward passes (docs/TRANSFORMER_MATH.md: SwiGLU, RoPE). Convert standard checkpoints with
 ``coda_cutlass.layouts`` (interleave_gate_up, rope_half_split_to_pairs)."""
 
 import torch

@@ -278,7 +278,7 @@ def _swiglu_separate(acc, up: cc.Tile):
     return torch.nn.functional.silu(acc) * up
 
 
-# The RMSNorm backward dX epilogue of TRANSFORMER_MATH.md: acc = delta.
+# The RMSNorm backward dX epilogue of docs/TRANSFORMER_MATH.md: acc = delta.
 @case("norm_backward",
       merge(tile("x"), row("r", 0.5, 1.5, torch.float32), row("c", -0.5, 0.5, torch.float32), col("g", 0.5, 1.5),
             tile("dres")),

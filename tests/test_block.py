@@ -1,7 +1,7 @@
 """A Llama-style block through the library's epilogue programs, in fp32 on the CPU (the torch
 interpreter), against a standard block written with separate q/k/v and gate/up weights,
 half-split RoPE and F.rms_norm, after converting the weights with coda_cutlass.layouts
-(TRANSFORMER_MATH.md: kernels F1-F4 forward, the SwiGLU backward B4 against autograd)."""
+(docs/TRANSFORMER_MATH.md: kernels F1-F4 forward, the SwiGLU backward B4 against autograd)."""
 
 from __future__ import annotations
 

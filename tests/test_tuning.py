@@ -23,7 +23,7 @@ def graph(prog):
 
 
 def test_stage_estimate_matches_measured_facts():
-    """GPU.md: the EVT's smem takes the 128x256 mainloop from 4 stages to 3."""
+    """docs/GPU.md: the EVT's smem takes the 128x256 mainloop from 4 stages to 3."""
     ident = graph(cc.epilogue(lambda acc: acc, name="i"))
     stats = graph(_stats())
     assert estimate_stages(CANDIDATES[0], ident) == 4

@@ -1,6 +1,6 @@
 """Finding nvcc and the CUTLASS headers, and the exact flags every kernel is built with.
 
-Flags (DESIGN.md): always -DNDEBUG (device asserts make ptxas serialize wgmma), sm_90a, C++17.
+Flags (docs/DESIGN.md): always -DNDEBUG (device asserts make ptxas serialize wgmma), sm_90a, C++17.
 """
 
 from __future__ import annotations

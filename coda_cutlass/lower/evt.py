@@ -95,7 +95,7 @@ def lower(program: Program) -> EvtGraph:
 
     # CUTLASS gives visitors of 2-4 nodes special base classes with a different Arguments layout
     # (a 2-node visitor fails to compile, and the 2-4 node bases misplace reduction workspaces,
-    # CUTLASS_EVT.md section 6); 5 or more nodes use the generic tuple base. Pad with unused leaves.
+    # docs/CUTLASS_EVT.md section 6); 5 or more nodes use the generic tuple base. Pad with unused leaves.
     while len(vnodes) < MIN_VISITOR_NODES - 1:
         vnodes.append(VisitorNode(len(vnodes), ACC, (), "padding (unused): keeps the visitor at >= 5 nodes"))
 

@@ -1,6 +1,6 @@
 """GPU correctness of every catalogue program (skips cleanly without an sm_90 GPU).
 
-Rules (TRANSFORMER_MATH.md): fresh random inputs for every run; every output buffer the kernel
+Rules (docs/TRANSFORMER_MATH.md): fresh random inputs for every run; every output buffer the kernel
 writes is poisoned with NaN first; for every output
     max|out - ref32| <= 2 * max|ref_lowp - ref32| + 1e-6,
 with ref32 the interpreter in fp32 on fp32 copies and ref_lowp the same math at the operand
