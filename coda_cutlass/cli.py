@@ -38,10 +38,10 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line in one line, with a suggestion for a misspelt word."""
 
     def error(self, message: str) -> NoReturn:
-        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
-        if m:
-            choices = re.findall(r"'([^']*)'", m.group(2))
-            close = difflib.get_close_matches(m.group(1), choices, n=1)
+        m = re.search(r"invalid choice: (.*) \(choose from (.*)\)", message)
+        if m:       # (Python versions differ in how they quote the choices)
+            choices = [c.strip().strip("'\"") for c in m.group(2).split(",")]
+            close = difflib.get_close_matches(m.group(1).strip("'\""), choices, n=1)
             message += f"; did you mean '{close[0]}'?" if close else ""
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(USER_ERROR)

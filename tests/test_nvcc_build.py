@@ -124,3 +124,6 @@ def test_wheel_with_a_prebuilt_kernel_works_without_nvcc(built, tmp_path):
     prebuilt_dir = out["path"].rsplit("/", 1)[0]
     for part in ("epilogue 'residual_add'", "torch.float16", prebuilt_dir, "coda-cutlass[jit]"):
         assert part in missing["message"], (part, missing["message"])
+    assert out["emit"]["rc"] == 0 and "coda-cutlass generated kernel: swiglu" in out["emit"]["stdout"]
+    err = out["prebuild"]["stderr"].strip()
+    assert out["prebuild"]["rc"] == 2 and len(err.splitlines()) == 1 and "has no prebuilt kernel" in err, err

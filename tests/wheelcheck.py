@@ -141,10 +141,12 @@ def run_python(python: Path, code: str, env: dict[str, str], cwd: Path) -> dict:
 
 
 # Run inside the fresh environment: where things come from, a prebuilt kernel's lookup (and its
-# .so loaded through ctypes, which needs no GPU), and the error for a kernel that was not prebuilt.
+# .so loaded through ctypes, which needs no GPU), the error for a kernel that was not prebuilt, and
+# the command line (emit works; prebuild without a toolchain fails in one line).
 PREBUILT_CHECK = r'''
-import importlib.metadata, importlib.util, json, shutil, sys, torch
+import contextlib, importlib.metadata, importlib.util, io, json, shutil, sys, torch
 import coda_cutlass as cc
+from coda_cutlass.cli import main
 from coda_cutlass.epilogues import residual_add, residual_norm_stats
 from coda_cutlass.runtime.library import load
 out = {"package": cc.__file__, "sys_path": sys.path, "nvcc": shutil.which("nvcc"),
@@ -157,5 +159,11 @@ try:
     out["missing"] = None
 except cc.CodaError as e:
     out["missing"] = {"type": type(e).__name__, "message": str(e)}
+for name, argv in (("emit", ["emit", "coda_cutlass.epilogues:swiglu"]),
+                   ("prebuild", ["prebuild", "coda_cutlass.epilogues", "--out", "kernels"])):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = main(argv)
+    out[name] = {"rc": rc, "stdout": stdout.getvalue()[:2000], "stderr": stderr.getvalue()}
 print(json.dumps(out))
 '''
