@@ -2,8 +2,8 @@
 
 The forward uses the library's programs as they are: rope (QKV + rstd + RoPE), residual_norm_stats
 (out-proj and down-proj), swiglu (gate/up + rstd + SwiGLU), residual_add, lm_head_lse. This module
-adds the two map kernels (no GEMM) and a backward that follows TRANSFORMER_MATH.md
-(docs/TRANSFORMER_MATH.md) with one change that saves bytes:
+adds the two map kernels (no GEMM) and a backward that follows
+docs/TRANSFORMER_MATH.md with one change that saves bytes:
 
 The producer of a norm consumer's gradient ``dz`` writes ``dz' = r * dz`` (r = rstd per row)
 instead of dz. Then the norm-backward dX GEMM's accumulator is ``r * delta`` (delta = dL/dy) and

@@ -58,15 +58,12 @@ def test_wheel_with_prebuilt_kernels_is_tagged_for_the_platform(tmp_path):
     assert {"coda_cutlass/prebuilt/k.so", "coda_cutlass/prebuilt/k.json"} <= wheel_files(whl)
 
 
-def test_missing_kernel_without_toolchain_names_program_dtype_and_folders(tmp_path, monkeypatch):
-    from coda_cutlass.build.prebuilt import PACKAGE_PREBUILT
-    from coda_cutlass.epilogues import bias_gelu
+def test_missing_map_kernel_without_toolchain_is_explained(tmp_path, monkeypatch):
+    """Like a GEMM kernel's (test_build_process.py): a map kernel names its program and dtype."""
+    @cc.epilogue
+    def scale_rows(acc, r: cc.PerRow(torch.float32)):
+        return acc * r
     monkeypatch.setenv("CODA_CUTLASS_NVCC", str(tmp_path / "no-nvcc"))
-    monkeypatch.setenv("CODA_CUTLASS_PREBUILT_PATH", str(tmp_path / "mine"))
-    key = __import__("coda_cutlass.build.keys", fromlist=["x"]).source_key(cc.emit(bias_gelu, torch.float16))
-    with pytest.raises(cc.ToolchainError) as e:
-        cc.compile_epilogue(bias_gelu, dtype=torch.float16, verbose=False)
-    msg = str(e.value)
-    for part in ("epilogue 'bias_gelu'", "torch.float16", f"{key}.so", str(tmp_path / "mine"), str(PACKAGE_PREBUILT),
-                 "CODA_CUTLASS_NVCC", "coda-cutlass[jit]"):
-        assert part in msg, (part, msg)
+    with pytest.raises(cc.ToolchainError, match=r"epilogue kernel 'scale_rows' for (torch\.)?bf(loat)?16") as e:
+        cc.compile_map(scale_rows, dtype=torch.bfloat16, verbose=False)
+    assert "prebuilt kernels" in str(e.value)

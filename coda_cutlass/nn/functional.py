@@ -1,4 +1,4 @@
-"""The Llama block's forward and backward as GEMM + epilogue programs (TRANSFORMER_MATH.md, kernels
+"""The Llama block's forward and backward as GEMM + epilogue programs (docs/TRANSFORMER_MATH.md, kernels
 F1-F4 and B1-B9), written once over a ``Runner``: compiled kernels on a GPU, the reference
 interpreter elsewhere.
 

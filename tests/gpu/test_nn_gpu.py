@@ -1,6 +1,6 @@
 """GPU correctness of map kernels and of coda_cutlass.nn (skips cleanly without an sm_90 GPU).
 
-Kernels: the 2x rule of TRANSFORMER_MATH.md on fresh random inputs with poisoned outputs:
+Kernels: the 2x rule of docs/TRANSFORMER_MATH.md on fresh random inputs with poisoned outputs:
     max|out - ref32| <= 2 * max|ref_lowp - ref32| + 1e-6.
 Block and model: the same rule one level up: the coda module in bf16/fp16 against the standard
 torch block in fp32, bounded by twice the error of the standard block run eagerly in bf16/fp16,
