@@ -1,6 +1,6 @@
 """coda-cutlass: fused GEMM + epilogue kernels for Hopper, compiled from small Python programs.
 
-Packaging rules (tests/test_wheel.py checks them on a built wheel):
+Packaging rules (tests/test_packaging.py and tests/test_nvcc_build.py check them on built wheels):
 - every package under ``coda_cutlass/`` is found automatically (a folder with an ``__init__.py``);
   the repository's top-level ``epilogues/`` is ``coda_cutlass.epilogues`` and ``templates/`` is
   package data (``coda_cutlass/templates`` links to it; the wheel carries real copies);
