@@ -1,9 +1,10 @@
 """coda-cutlass: fused GEMM + epilogue kernels for Hopper, compiled from small Python programs.
 
 Packaging rules (tests/test_packaging.py and tests/test_nvcc_build.py check them on built wheels):
-- every package under ``coda_cutlass/`` is found automatically (a folder with an ``__init__.py``);
-  the repository's top-level ``epilogues/`` is ``coda_cutlass.epilogues`` and ``templates/`` is
-  package data (``coda_cutlass/templates`` links to it; the wheel carries real copies);
+- every package under ``coda_cutlass/`` is found automatically (a folder with an ``__init__.py``),
+  and every other file in it is package data; the repository's top-level ``epilogues/`` is
+  ``coda_cutlass.epilogues`` and ``templates/`` is data (``coda_cutlass/templates`` links to it;
+  the wheel carries real copies);
 - a wheel with prebuilt kernels (``coda_cutlass/prebuilt/*.so``) is tagged for this platform
   (``py3-none-linux_x86_64``): the kernels are host-specific shared libraries but use no Python
   ABI (ctypes). Without them the wheel is pure (``py3-none-any``);
@@ -84,7 +85,10 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["coda_cutlass", "coda_cutlass.*"]),
     package_dir={"coda_cutlass.epilogues": "epilogues"},
-    package_data={"coda_cutlass": ["templates/**/*.j2", "templates/**/*.hpp", "prebuilt/*.so", "prebuilt/*.json"]},
+    # Every other file under coda_cutlass/ ships too: templates and headers, prebuilt kernels,
+    # data such as nn/plans/*.json.
+    package_data={"coda_cutlass": ["**/*"]},
+    exclude_package_data={"coda_cutlass": ["*.pyc", "*.pyo"]},
     install_requires=["torch>=2.4", "jinja2>=3.0"],
     extras_require={"jit": [CUTLASS], "test": ["pytest>=7", CUTLASS]},
     entry_points={"console_scripts": ["coda-cutlass=coda_cutlass.cli:main"]},

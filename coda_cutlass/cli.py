@@ -9,8 +9,9 @@
 
 FILE is a path to a .py file or an importable module (``coda_cutlass.epilogues``). A mistake on the
 user's side (a typo, a missing file, a file that fails to load, a program the compiler rejects, no
-toolchain) prints one ``error:`` message and exits with status 2; ``--debug`` (or
-``CODA_CUTLASS_DEBUG=1``) shows the traceback too.
+toolchain) prints an ``error:`` message without a traceback (one line, except the errors that list
+where they looked) and exits with status 2; ``--debug`` (or ``CODA_CUTLASS_DEBUG=1``) shows the
+traceback too.
 """
 
 from __future__ import annotations

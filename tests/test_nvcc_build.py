@@ -122,8 +122,9 @@ def test_wheel_with_a_prebuilt_kernel_works_without_nvcc(built, tmp_path):
     missing = out["missing"]
     assert missing and missing["type"] == "ToolchainError", out
     prebuilt_dir = out["path"].rsplit("/", 1)[0]
-    for part in ("epilogue 'residual_add'", "torch.float16", prebuilt_dir, "coda-cutlass[jit]"):
+    for part in ("epilogue kernel 'residual_add'", "torch.float16", prebuilt_dir):
         assert part in missing["message"], (part, missing["message"])
     assert out["emit"]["rc"] == 0 and "coda-cutlass generated kernel: swiglu" in out["emit"]["stdout"]
     err = out["prebuild"]["stderr"].strip()
-    assert out["prebuild"]["rc"] == 2 and len(err.splitlines()) == 1 and "has no prebuilt kernel" in err, err
+    assert out["prebuild"]["rc"] == 2 and err.startswith("error: cannot build epilogue kernel") and \
+        "Traceback" not in err, err

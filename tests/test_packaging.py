@@ -17,6 +17,9 @@ from wheelcheck import build_wheel, expected_package_files, platform_tag, source
 @pytest.fixture(scope="module")
 def pure_wheel(tmp_path_factory):
     src = source_copy(tmp_path_factory.mktemp("pure"))
+    stray = src / "coda_cutlass" / "nn" / "__pycache__"      # bytecode must never ship
+    stray.mkdir(parents=True, exist_ok=True)
+    (stray / "block.cpython-311.pyc").write_bytes(b"stale")
     return src, build_wheel(src)
 
 
@@ -25,8 +28,10 @@ def test_wheel_holds_every_module_and_template(pure_wheel):
     files = wheel_files(whl)
     expected = expected_package_files(src)
     assert {"coda_cutlass/tuning/__init__.py", "coda_cutlass/epilogues/norms.py",
-            "coda_cutlass/templates/kernel.cu.j2", "coda_cutlass/templates/coda/visitor.hpp"} <= expected
+            "coda_cutlass/templates/kernel.cu.j2", "coda_cutlass/templates/coda/visitor.hpp",
+            "coda_cutlass/prebuilt/README.md"} <= expected
     assert expected - files == set()
+    assert not [f for f in files if f.endswith(".pyc") or "__pycache__" in f]
     assert not [f for f in files if f.startswith(("tests/", "bench/", "epilogues/", "templates/"))]
     assert any(f.endswith(".dist-info/licenses/LICENSE") or f.endswith(".dist-info/LICENSE") for f in files)
 

@@ -73,14 +73,12 @@ def wheel_metadata(whl: Path, name: str = "METADATA") -> email.message.Message:
 
 
 def expected_package_files(src: Path) -> set[str]:
-    """Every module and template of the source tree, as its path inside the wheel."""
-    pkg = src / "coda_cutlass"
+    """Every file of the package in the source tree (modules, templates, headers, data), as its
+    path inside the wheel."""
     out = set()
-    for root, _dirs, files in os.walk(pkg, followlinks=True):
-        for f in files:
-            rel = (Path(root) / f).relative_to(src).as_posix()
-            if f.endswith(".py") or f.endswith((".j2", ".hpp")) or "/prebuilt/" in rel and f.endswith((".so", ".json")):
-                out.add(rel)
+    for root, dirs, files in os.walk(src / "coda_cutlass", followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        out.update((Path(root) / f).relative_to(src).as_posix() for f in files if not f.endswith(".pyc"))
     return out
 
 
@@ -142,7 +140,7 @@ def run_python(python: Path, code: str, env: dict[str, str], cwd: Path) -> dict:
 
 # Run inside the fresh environment: where things come from, a prebuilt kernel's lookup (and its
 # .so loaded through ctypes, which needs no GPU), the error for a kernel that was not prebuilt, and
-# the command line (emit works; prebuild without a toolchain fails in one line).
+# the command line (emit works; prebuild without a toolchain fails without a traceback).
 PREBUILT_CHECK = r'''
 import contextlib, importlib.metadata, importlib.util, io, json, shutil, sys, torch
 import coda_cutlass as cc
