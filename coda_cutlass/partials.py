@@ -1,7 +1,7 @@
 """Reduction partials: the one description of how a kernel lays out its per-tile partial results
 (``PartialLayout``, carried by the reduction's ``TensorSlot``) and how they are finished.
 
-Reductions across CTA tiles run in partial mode (DESIGN.md): each CTA writes the reduction of its
+Reductions across CTA tiles run in partial mode (docs/DESIGN.md): each CTA writes the reduction of its
 own tile into an fp32 buffer, and a small deterministic step after the kernel finishes them. The
 buffer of a reduction over N (row, all, lse, segment) has one row of partials per N-tile, each
 ``round_up(M, tile_m)`` long; over M (col), one row per M-tile, ``round_up(N, tile_n)`` long.
