@@ -23,8 +23,8 @@ def accum(acc, y: cc.Tile):
 
 def test_schema_and_fake_shapes(fake_nvcc):
     k = cc.compile_epilogue(stats, torch.bfloat16, output_dtypes={"ss": torch.bfloat16})
-    assert schema(k) == ("(Tensor A, Tensor W, Tensor resid, Tensor g, float s) -> "
-                         "(Tensor, Tensor, Tensor, Tensor, Tensor)")
+    assert schema(k) == ("(Tensor A, Tensor W, Tensor resid, Tensor g, float s, *, str? raster=None, "
+                         "int? swizzle=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
     op = k.op
     assert k.op is op                       # registered once
     with FakeTensorMode():
@@ -51,5 +51,6 @@ def test_partials_fake_shapes(fake_nvcc):
 
 def test_accumulated_output_is_a_mutated_argument(fake_nvcc):
     k = cc.compile_epilogue(accum, torch.bfloat16)
-    assert schema(k) == "(Tensor A, Tensor W, Tensor y, Tensor(a0!) dx) -> Tensor"
+    assert schema(k) == ("(Tensor A, Tensor W, Tensor y, Tensor(a0!) dx, *, str? raster=None, "
+                         "int? swizzle=None) -> Tensor")
     assert k.op.default._schema.arguments[3].alias_info.is_write
