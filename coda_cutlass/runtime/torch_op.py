@@ -72,6 +72,8 @@ def op_name(k: OpKernel) -> str:
     """``<program>_<digest>``: the program name reduced to ASCII identifier characters (so distinct
     names may read alike; the digest, which covers the real name, tells them apart)."""
     base = re.sub(r"[^0-9a-zA-Z_]", "_", k.name)[:40].strip("_") or "epilogue"
+    if base[0].isdigit():
+        base = "p" + base
     return f"{base}_{identity(k)[:24]}"
 
 
