@@ -91,18 +91,24 @@ def as_program(program: Any) -> EpilogueProgram:
                         f"got {type(program).__name__}")
 
 
-def _innermost(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The function behind ``functools.partial`` layers, or a callable object's ``__call__``."""
+def _unpartial(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The callable behind ``functools.partial`` layers."""
     while isinstance(fn, functools.partial):
         fn = fn.func
+    return fn
+
+
+def _innermost(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function that holds the annotations and code: behind partials, a callable object's
+    ``__call__``."""
+    fn = _unpartial(fn)
     if not inspect.isroutine(fn) and not inspect.isclass(fn):
         fn = getattr(type(fn), "__call__", fn)
     return fn
 
 
 def _callable_name(fn: Callable[..., Any]) -> str:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    fn = _unpartial(fn)
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
@@ -114,7 +120,7 @@ def _source_location(fn: Callable[..., Any]) -> str:
 def constant_value(value: Any, what: str, program: str | None = None) -> float:
     """A constant's value as the float the program is traced with; a clear error for anything
     else (strings, None, a number too large for a float)."""
-    if isinstance(value, (str, bytes, bool)) or not isinstance(value, (numbers.Real, float, int)):
+    if isinstance(value, (str, bytes, bool)) or not isinstance(value, numbers.Real):
         raise EpilogueError(f"{what}={value!r}: a constant must be a real number (int or float), "
                             f"got {type(value).__name__}", program=program)
     try:
