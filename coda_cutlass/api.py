@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .compiler import CompiledEpilogue, compile_generated, compile_parallel
+from .compiler import CompiledEpilogue, compile_generated, compile_parallel, parallel_jobs
 from .config import KernelConfig
 from .dtypes import BF16, as_dtype, as_operand_dtype
 from .interpret import PRECISIONS, interpret
@@ -131,6 +131,7 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     """
     # Generate everything first (each program lowered once) so program errors surface before any
     # compiler runs.
+    jobs = parallel_jobs(jobs)
     lower_once = _LowerOnce()
     items: list[tuple[Any, dict[str, Any]]] = []
     for item in programs:
@@ -140,7 +141,7 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     return compile_parallel(items, jobs=jobs, verbose=verbose, skip_failed=skip_failed)  # type: ignore[return-value]
 
 
-def reference(program: Any, A: torch.Tensor, W: torch.Tensor, *, dtype: Any = None, weight_layout: str = "nk",
+def reference(program: Any, A: torch.Tensor, W: torch.Tensor, /, *, dtype: Any = None, weight_layout: str = "nk",
               precision: str = "kernel", input_dtypes: Mapping[str, Any] | None = None,
               output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
               **operands: Any) -> dict[str, torch.Tensor]:

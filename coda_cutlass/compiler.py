@@ -4,6 +4,7 @@ one or many in parallel. The api and the autotuner are both built on it.
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ import torch
 
 from .build.builder import build
 from .build.progress import say
-from .errors import BuildError
+from .errors import BuildError, ConfigError
 from .interpret import interpret
 from .pipeline import Generated
 from .runtime.kernel import Kernel
@@ -24,7 +25,7 @@ class CompiledEpilogue(Kernel):
     """A fused GEMM + epilogue kernel built from an epilogue program (see ``runtime.kernel.Kernel``),
     with the program's reference interpreter beside it."""
 
-    def reference(self, A: torch.Tensor, W: torch.Tensor, *, precision: str = "kernel",
+    def reference(self, A: torch.Tensor, W: torch.Tensor, /, *, precision: str = "kernel",
                   **operands: Any) -> dict[str, torch.Tensor]:
         """The torch interpreter's result for the same call (same output dict; nothing is mutated)."""
         tile = self.config.tile if self.partial_reductions else None
@@ -51,12 +52,22 @@ def default_jobs() -> int:
     return max(1, min(cores, int(mem_gib // 2)))
 
 
+def parallel_jobs(jobs: Any) -> int:
+    """The number of parallel nvcc jobs asked for: a positive int, or None for ``default_jobs()``."""
+    if jobs is None:
+        return default_jobs()
+    if isinstance(jobs, bool) or not isinstance(jobs, numbers.Integral) or jobs < 1:
+        raise ConfigError(f"jobs must be a positive number of parallel nvcc jobs, or None for one per core "
+                          f"(memory permitting), got {jobs!r}")
+    return int(jobs)
+
+
 def compile_parallel(items: Sequence[tuple[Generated, dict[str, Any]]], *, jobs: int | None = None,
                      verbose: bool | None = None, skip_failed: bool = False) -> list[CompiledEpilogue | None]:
     """Build (generated kernel, build options) pairs with up to ``jobs`` nvcc processes at once;
     results in input order. Build options: partial_reductions, cache_dir, force_rebuild, build_timeout. A failed
     build raises ``BuildError`` once all builds finish, unless ``skip_failed`` (then its entry is None)."""
-    jobs = jobs or default_jobs()
+    jobs = parallel_jobs(jobs)
     total = len(items)
     start = time.monotonic()
     done = [0]

@@ -10,6 +10,7 @@ configuration (lower/plan.py falls back to smaller tiles for programs that do no
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -54,6 +55,7 @@ class KernelConfig:
     swizzle: int = 1
 
     def __post_init__(self) -> None:
+        _normalise_types(self)
         check_config(self)
 
     @property
@@ -83,6 +85,40 @@ class KernelConfig:
         if d.get("epilogue_tile") is not None:
             d["epilogue_tile"] = tuple(d["epilogue_tile"])
         return cls(**d)
+
+
+_INT_FIELDS = ("tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "swizzle")
+_STR_FIELDS = ("schedule", "scheduler", "raster")
+
+
+def _as_int(value: Any, what: str) -> int:
+    """An int field: Python and numpy integers; not floats (128.0), bools or strings."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise ConfigError(f"KernelConfig {what} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ConfigError(f"KernelConfig {what} must be an int, got {type(value).__name__} {value!r}") from None
+    if abs(v) >= 1 << 31:
+        raise ConfigError(f"KernelConfig {what} is out of range ({len(str(abs(v)))} digits)")
+    return v
+
+
+def _normalise_types(c: KernelConfig) -> None:
+    """Check each field's type, storing integers as Python ints (numpy integers are accepted)."""
+    for name in _INT_FIELDS:
+        object.__setattr__(c, name, _as_int(getattr(c, name), name))
+    for name in _STR_FIELDS:
+        if not isinstance(getattr(c, name), str):
+            raise ConfigError(f"KernelConfig {name} must be a string, got {getattr(c, name)!r}")
+    et = c.epilogue_tile
+    if et is not None:
+        if isinstance(et, (str, bytes)) or not hasattr(et, "__len__") or len(et) != 2:
+            raise ConfigError(f"KernelConfig epilogue_tile must be None or a pair (M, N) of ints, got {et!r}")
+        em, en = (_as_int(v, "epilogue_tile") for v in et)
+        if em <= 0 or en <= 0:
+            raise ConfigError(f"KernelConfig epilogue_tile must be positive, got {et!r}")
+        object.__setattr__(c, "epilogue_tile", (em, en))
 
 
 def check_config(c: KernelConfig) -> None:

@@ -52,7 +52,7 @@ def compile_map(program: Any, dtype: Any = torch.bfloat16, *, input_dtypes: Mapp
     return CompiledMap(graph, source, result, partial_reductions=partial_reductions)
 
 
-def map_reference(program: Any, X: torch.Tensor, *, dtype: Any = None, precision: str = "kernel",
+def map_reference(program: Any, X: torch.Tensor, /, *, dtype: Any = None, precision: str = "kernel",
                   input_dtypes: Mapping[str, Any] | None = None, output_dtypes: Mapping[str, Any] | None = None,
                   constants: Mapping[str, float] | None = None, **operands: Any) -> dict[str, torch.Tensor]:
     """The torch interpreter's result of a map kernel call ``k(X, **operands)`` (CPU or GPU).

@@ -4,12 +4,13 @@ configuration (``generate``, once per configuration). No nvcc, no GPU."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any
 
 from .config import KernelConfig
 from .dtypes import DType, as_dtype, as_operand_dtype
-from .frontend.trace import EpilogueProgram, as_program
+from .frontend.trace import EpilogueProgram, as_program, constant_value
 from .ir.nodes import Program
 from .lower.evt import lower
 from .lower.graph import EvtGraph
@@ -32,16 +33,34 @@ class Options:
     def make(cls, dtype: Any, weight_layout: str = "nk", config: KernelConfig | None = None,
              input_dtypes: Mapping[str, Any] | None = None, output_dtypes: Mapping[str, Any] | None = None,
              constants: Mapping[str, float] | None = None) -> "Options":
+        if config is not None and not isinstance(config, KernelConfig):
+            raise TypeError(f"config must be a KernelConfig or None (the heuristic default), got {config!r}"
+                            + (" (config='tune' is for cc.compile_epilogue)" if config == "tune" else ""))
+        if not isinstance(weight_layout, str):
+            raise TypeError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
         return cls(
             dtype=as_operand_dtype(dtype),
             weight_layout=weight_layout,
             config=config,
             input_dtypes=tuple(sorted((k, as_dtype(v, what=f"dtype of operand '{k}'").name)
-                                      for k, v in (input_dtypes or {}).items())),
+                                      for k, v in _mapping(input_dtypes, "input_dtypes"))),
             output_dtypes=tuple(sorted((k, as_dtype(v, what=f"dtype of output '{k}'").name)
-                                       for k, v in (output_dtypes or {}).items())),
-            constants=tuple(sorted((k, float(v)) for k, v in (constants or {}).items())),
+                                       for k, v in _mapping(output_dtypes, "output_dtypes"))),
+            constants=tuple(sorted((k, constant_value(v, f"constants['{k}']"))
+                                   for k, v in _mapping(constants, "constants"))),
         )
+
+
+def _mapping(m: Mapping[str, Any] | None, what: str) -> list[tuple[str, Any]]:
+    """The items of a name -> value option (None: none); a clear error for anything else."""
+    if m is None:
+        return []
+    if not isinstance(m, Mapping):
+        raise TypeError(f"{what} must be a dict of name -> value, got {type(m).__name__}")
+    bad = [k for k in m if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"{what}: names must be strings, got {bad[0]!r}")
+    return list(m.items())
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,10 @@ and ``cc.accumulate(v)`` makes the output an in/out tensor updated ``out += v``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import keyword
+import numbers
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
@@ -23,16 +25,35 @@ from .operands import OperandSpec, resolve_spec
 from .values import Accumulate, HalfWidth, ReductionResult, Tracer, Value, apply
 
 _MISSING = inspect.Parameter.empty
-# Keyword names the compiled kernel's call already uses.
-RESERVED_NAMES = frozenset({"A", "W", "raster", "swizzle", "out"})
+# Names an operand (or accumulated output, passed by name) cannot have: the GEMM inputs, and the
+# keyword options of the kernel call k(A, W, raster=, swizzle=, out=, ...) and of
+# cc.reference(program, A, W, dtype=, weight_layout=, precision=, ...). (self, program and X are
+# positional-only in those calls, so operands may have those names.)
+CALL_KEYWORDS = frozenset({"raster", "swizzle", "out"})
+REFERENCE_KEYWORDS = frozenset({"dtype", "weight_layout", "precision", "input_dtypes", "output_dtypes",
+                                "constants"})
+RESERVED_NAMES = frozenset({"A", "W"}) | CALL_KEYWORDS | REFERENCE_KEYWORDS
+
+
+def _reserved(name: str) -> str:
+    """Why an operand name is reserved (for errors)."""
+    if name in REFERENCE_KEYWORDS:
+        why = f"a keyword option of cc.reference(program, A, W, {name}=..., **operands)"
+    else:
+        why = "taken by the kernel call k(A, W, raster=..., swizzle=..., out=..., **operands)"
+    return f"'{name}' is reserved ({why}; reserved names: {', '.join(sorted(RESERVED_NAMES))})"
 
 
 class EpilogueProgram:
     """A traced-on-demand epilogue program; see ``cc.epilogue``."""
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None):
+        if not callable(fn):
+            raise EpilogueError(f"an epilogue program must be a function, got {type(fn).__name__}")
+        if name is not None and (not isinstance(name, str) or not name.strip()):
+            raise EpilogueError(f"cc.epilogue(name=...): the name must be a non-empty string, got {name!r}")
         self.fn = fn
-        self.name = name or fn.__name__
+        self.name = name or _callable_name(fn)
         self.source = _source_location(fn)
         self.specs, self.constants = _parse_signature(fn, self.name)
         self.__doc__ = fn.__doc__
@@ -70,9 +91,48 @@ def as_program(program: Any) -> EpilogueProgram:
                         f"got {type(program).__name__}")
 
 
+def _unpartial(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The callable behind ``functools.partial`` layers."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def _innermost(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function that holds the annotations and code: behind partials, a callable object's
+    ``__call__``."""
+    fn = _unpartial(fn)
+    if not inspect.isroutine(fn) and not inspect.isclass(fn):
+        fn = getattr(type(fn), "__call__", fn)
+    return fn
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    fn = _unpartial(fn)
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
 def _source_location(fn: Callable[..., Any]) -> str:
-    code = getattr(fn, "__code__", None)
+    code = getattr(_innermost(fn), "__code__", None)
     return f"{code.co_filename}:{code.co_firstlineno}" if code else "?"
+
+
+def constant_value(value: Any, what: str, program: str | None = None) -> float:
+    """A constant's value as the float the program is traced with; a clear error for anything
+    else (strings, None, a number too large for a float)."""
+    if isinstance(value, (str, bytes, bool)) or not isinstance(value, numbers.Real):
+        raise EpilogueError(f"{what}={value!r}: a constant must be a real number (int or float), "
+                            f"got {type(value).__name__}", program=program)
+    try:
+        return float(value)
+    except OverflowError:
+        raise EpilogueError(f"{what}: {type(value).__name__} {_short(value)} is too large for a float "
+                            "(write float('inf') for infinity)", program=program) from None
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...{text[-6:]} ({len(text)} digits)"
 
 
 def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, OperandSpec], dict[str, float]]:
@@ -80,8 +140,8 @@ def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, Opera
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
         raise EpilogueError(f"cannot read the signature: {e}", program=name) from None
-    try:
-        annotations = inspect.get_annotations(fn, eval_str=True)
+    try:    # a functools.partial or callable object: the annotations of the function behind it
+        annotations = inspect.get_annotations(_innermost(fn), eval_str=True)
     except Exception as e:  # noqa: BLE001 - any failure to evaluate string annotations
         raise EpilogueError(f"cannot evaluate the parameter annotations: {e}", program=name) from None
     params = list(sig.parameters.values())
@@ -95,8 +155,7 @@ def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, Opera
         if i == 0:
             continue
         if p.name in RESERVED_NAMES:
-            raise EpilogueError(f"parameter '{p.name}': the names {', '.join(sorted(RESERVED_NAMES))} are "
-                                "reserved by the kernel call k(A, W, ...); rename it", program=name)
+            raise EpilogueError(f"parameter '{p.name}': {_reserved(p.name)}; rename it", program=name)
         ann = annotations.get(p.name, _MISSING)
         spec = resolve_spec(ann)
         if spec is not None:
@@ -106,7 +165,7 @@ def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, Opera
         if ann in (float, int) or (ann is _MISSING and is_number_default):
             if not is_number_default:
                 raise EpilogueError(f"constant parameter '{p.name}' needs a numeric default value", program=name)
-            constants[p.name] = float(p.default)
+            constants[p.name] = constant_value(p.default, f"constant parameter '{p.name}'", name)
             continue
         raise EpilogueError(
             f"parameter '{p.name}' needs an operand annotation: cc.Tile (M x N), cc.PerRow (M), "
@@ -122,7 +181,7 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
         if k not in consts:
             raise EpilogueError(f"constants: '{k}' is not a constant parameter (constant parameters: "
                                 f"{', '.join(consts) or 'none'})", program=program.name)
-        consts[k] = float(v)
+        consts[k] = constant_value(v, f"constants['{k}']", program.name)
 
     tracer = Tracer(program.name)
     acc = Value(tracer, tracer.emit("acc", (), Kind.TILE))
@@ -135,10 +194,14 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
         kwargs[pname] = Value(tracer, tracer.emit(op, (), spec.kind, operand=pname, **attrs))
     kwargs.update(consts)
 
-    sig_names = list(inspect.signature(program.fn).parameters)
+    # Positional parameters positionally (they may be positional-only), keyword-only ones by name
+    # (e.g. those after a functools.partial's keyword).
+    params = list(inspect.signature(program.fn).parameters.values())[1:]
+    positional = [kwargs[p.name] for p in params if p.kind != p.KEYWORD_ONLY]
+    by_name = {p.name: kwargs[p.name] for p in params if p.kind == p.KEYWORD_ONLY}
     with tracer:    # cc.* functions without a traced argument (cc.col_index()) find the trace here
         try:
-            result = program.fn(acc, **{k: kwargs[k] for k in sig_names[1:]})
+            result = program.fn(acc, *positional, **by_name)
         except EpilogueError as e:
             if e.program is None:    # raised by a cc.* function that had no trace to name
                 raise EpilogueError(e.reason, program=program.name, node=e.node) from None
@@ -170,7 +233,7 @@ def _record_outputs(tracer: Tracer, program: EpilogueProgram, result: Any, opera
             raise tracer.error(f"output name {name!r} must be a Python identifier")
         if name in RESERVED_NAMES and isinstance(value, Accumulate):
             raise tracer.error(f"accumulated output '{name}' is passed to the kernel call k(A, W, ...) by name, "
-                               f"and '{name}' is reserved there; rename it")
+                               f"but {_reserved(name)}; rename it")
         if name in names_used:
             raise tracer.error(f"output '{name}' has the same name as an operand; pick another name "
                                "(accumulated outputs are passed by their output name)")
@@ -215,4 +278,4 @@ def _record_output(tracer: Tracer, name: str, value: Any, operands: list[Operand
     tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=accumulate, **attrs)
 
 
-__all__ = ["EpilogueProgram", "epilogue", "trace", "as_program"]
+__all__ = ["EpilogueProgram", "epilogue", "trace", "as_program", "constant_value", "RESERVED_NAMES"]

@@ -7,26 +7,36 @@ constants. Anything the IR cannot express raises ``EpilogueError`` at the line t
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Callable
 
 import torch
 
 from ..errors import EpilogueError
-from ..ir.nodes import Kind, Node, make_attrs
+from ..ir.nodes import Kind, Node, const_key, make_attrs
 from ..ir.ops import OPS, UNPACK_OPS, result_kind
 from .torch_functions import plain_call
 
 Number = (int, float)
 
 
-_ACTIVE: list["Tracer"] = []
+class _ActiveTracers(threading.local):
+    """The programs being traced, innermost last: one stack per thread, so programs traced in
+    several threads at once never see each other's traces."""
+
+    def __init__(self) -> None:
+        self.stack: list[Tracer] = []
+
+
+_ACTIVE = _ActiveTracers()
 
 
 def active_tracer(what: str) -> "Tracer":
-    """The tracer of the program being traced (for cc.* functions that take no traced value)."""
-    if not _ACTIVE:
+    """The tracer of the program being traced in this thread (for cc.* functions that take no
+    traced value)."""
+    if not _ACTIVE.stack:
         raise EpilogueError(f"{what} can only be used inside an epilogue program while it is traced")
-    return _ACTIVE[-1]
+    return _ACTIVE.stack[-1]
 
 
 class Tracer:
@@ -35,7 +45,7 @@ class Tracer:
     def __init__(self, program: str):
         self.program = program
         self.nodes: list[Node] = []
-        self._consts: dict[float, int] = {}
+        self._consts: dict[bytes, int] = {}
 
     def error(self, reason: str, node: str | None = None) -> EpilogueError:
         return EpilogueError(reason, program=self.program, node=node)
@@ -46,17 +56,19 @@ class Tracer:
         return nid
 
     def const(self, value: float) -> "Value":
-        key = float(value)
-        if key not in self._consts or math.isnan(key):
-            self._consts[key] = self.emit("const", (), Kind.SCALAR, value=key)
+        """One node per constant, told apart by bit pattern (-0.0 is not 0.0; NaNs are never shared)."""
+        value = float(value)
+        key = const_key(value)
+        if key not in self._consts or math.isnan(value):
+            self._consts[key] = self.emit("const", (), Kind.SCALAR, value=value)
         return Value(self, self._consts[key])
 
     def __enter__(self) -> "Tracer":
-        _ACTIVE.append(self)
+        _ACTIVE.stack.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _ACTIVE.remove(self)
+        _ACTIVE.stack.remove(self)
 
     def lift(self, x: Any, what: str) -> "Value":
         if isinstance(x, Value):
@@ -68,7 +80,7 @@ class Tracer:
         if isinstance(x, bool):
             return self.const(1.0 if x else 0.0)
         if isinstance(x, Number):
-            return self.const(float(x))
+            return self.const(number(x, what, self))
         if isinstance(x, ReductionResult):
             raise self.error(x.misuse_message(what), node=x.label)
         if isinstance(x, Accumulate):
@@ -78,6 +90,15 @@ class Tracer:
                 f"{what}: a torch.Tensor was captured inside the epilogue; pass tensors as operands "
                 "(cc.Tile, cc.PerRow, cc.PerCol) and numbers as Python constants or cc.Scalar")
         raise self.error(f"{what}: cannot use a {type(x).__name__} in an epilogue program")
+
+
+def number(x: int | float, what: str, tracer: Tracer | None = None) -> float:
+    """A Python number used in a program, as a float (an int too large for one is an error)."""
+    try:
+        return float(x)
+    except OverflowError:
+        reason = f"{what}: the int {str(x)[:10]}... ({len(str(x))} digits) is too large for a float"
+        raise (tracer.error(reason) if tracer else EpilogueError(reason)) from None
 
 
 def find_tracer(args: tuple[Any, ...]) -> Tracer | None:
@@ -99,7 +120,7 @@ def apply(op: str, *args: Any, **attrs: Any) -> Any:
         for a in args:
             if not isinstance(a, Number):
                 raise EpilogueError(f"{op}: cannot use a {type(a).__name__} in an epilogue program")
-        ts = [torch.tensor(float(a), dtype=torch.float32) for a in args]
+        ts = [torch.tensor(number(a, f"argument {i} of {op}"), dtype=torch.float32) for i, a in enumerate(args)]
         return float(opdef.ref(*ts))
     values = [tracer.lift(a, f"argument {i} of {op}") for i, a in enumerate(args)]
     for v in values:
@@ -218,7 +239,7 @@ def power(x: Any, exponent: Any) -> Any:
         raise tracer.error("pow: the exponent must be a Python number (pow by a constant)")
     if not isinstance(exponent, Number):
         raise EpilogueError(f"pow: exponent must be a number, got {type(exponent).__name__}")
-    c = float(exponent)
+    c = number(exponent, "pow: the exponent", x.tracer if isinstance(x, Value) else None)
     if c == 1.0:
         return x
     if c == 2.0:

@@ -30,6 +30,7 @@ feed unpack_lo / unpack_hi. A pack value may only be stored.
 from __future__ import annotations
 
 import enum
+import struct
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
@@ -95,6 +96,17 @@ class Node:
 
 def make_attrs(**kwargs: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(kwargs.items()))
+
+
+def const_key(value: float) -> bytes:
+    """What tells two constants apart: their bit pattern, so -0.0 and 0.0 (equal as floats, but
+    1/x tells them apart) stay two constants."""
+    return struct.pack("<d", value)
+
+
+def attrs_key(attrs: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """Attributes as a key for deduplication: float values by bit pattern (``const_key``)."""
+    return tuple((k, const_key(v) if isinstance(v, float) else v) for k, v in attrs)
 
 
 @dataclass(frozen=True)

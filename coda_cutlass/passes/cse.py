@@ -1,10 +1,11 @@
-"""Common-subexpression elimination: identical nodes (same op, inputs, attributes) become one."""
+"""Common-subexpression elimination: identical nodes (same op, inputs, attributes) become one.
+Constants are identical only bit for bit (-0.0 and 0.0 stay apart); NaN constants never merge."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..ir.nodes import Node, Program
+from ..ir.nodes import Node, Program, attrs_key
 
 
 def eliminate_common_subexpressions(program: Program) -> Program:
@@ -14,7 +15,7 @@ def eliminate_common_subexpressions(program: Program) -> Program:
     for n in program.nodes:
         inputs = tuple(canon[i] for i in n.inputs)
         n = replace(n, inputs=inputs)
-        key = (n.op, inputs, n.attrs, n.kind, n.dtype)
+        key = (n.op, inputs, attrs_key(n.attrs), n.kind, n.dtype)
         if not n.is_sink and key in seen and not _is_nan_const(n):
             canon[n.id] = seen[key]
             continue

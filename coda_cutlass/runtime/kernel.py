@@ -11,7 +11,6 @@ in by name and updated in place. Under ``torch.compile`` the same call goes thro
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from ..build.builder import BuildResult
 from ..config import KernelConfig
 from ..dtypes import as_dtype
+from ..env import env_flag
 from ..errors import CallError, DeviceError
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
@@ -63,7 +63,7 @@ def _kernel_ld(layout: str, ld: int) -> int:
 
 # CODA_CUTLASS_POISON=1 fills every buffer the runtime allocates with NaN before the launch, so an
 # element the kernel fails to write shows up (used by the GPU tests).
-POISON = os.environ.get("CODA_CUTLASS_POISON", "") not in ("", "0")
+POISON = env_flag("CODA_CUTLASS_POISON", False)
 
 
 def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: bool) -> torch.Tensor:
@@ -139,7 +139,7 @@ class Kernel:
         return lib
 
     # ------------------------------------------------------------------ calling
-    def __call__(self, A: torch.Tensor, W: torch.Tensor, *, raster: str | None = None, swizzle: int | None = None,
+    def __call__(self, A: torch.Tensor, W: torch.Tensor, /, *, raster: str | None = None, swizzle: int | None = None,
                  out: dict[str, torch.Tensor] | None = None, **operands: Any) -> dict[str, torch.Tensor]:
         """Run the fused kernel: ``k(A, W, name=tensor, ...)`` -> dict of outputs.
 
@@ -149,7 +149,7 @@ class Kernel:
         if torch.compiler.is_compiling():
             if out is not None:
                 raise CallError("out= is not supported under torch.compile")
-            return call_op(self, A, W, operands)
+            return call_op(self, A, W, operands, raster=raster, swizzle=swizzle)
         return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
 
     def _check_names(self, operands: dict[str, Any]) -> None:

@@ -125,7 +125,7 @@ class CompiledMap:
             raise CallError(f"map kernel library {self.path} does not match the program it was loaded for")
         return lib
 
-    def __call__(self, X: torch.Tensor, *, out: dict[str, torch.Tensor] | None = None,
+    def __call__(self, X: torch.Tensor, /, *, out: dict[str, torch.Tensor] | None = None,
                  **operands: Any) -> dict[str, torch.Tensor]:
         device = X.device if isinstance(X, torch.Tensor) else None
         ensure_gpu(device, self.name)

@@ -1,19 +1,28 @@
 """Registering a compiled kernel as a ``torch.library`` custom op with a fake (meta) implementation,
 so ``torch.compile`` traces through it without a graph break.
 
-Schema: ``coda_cutlass::<program>_<key>(Tensor A, Tensor W, <operands>, <accumulated outputs as
-Tensor(a!)>) -> (<other outputs>)``. Accumulated outputs are mutated in place, not returned.
+Schema: ``coda_cutlass::<program>_<digest>(Tensor A, Tensor W, <operands>, <accumulated outputs as
+Tensor(a!)>, *, str? raster=None, int? swizzle=None) -> (<other outputs>)``. Accumulated outputs
+are mutated in place, not returned; raster and swizzle are the call's overrides (None: the kernel's
+defaults). The digest covers everything the op's implementation depends on (the source key, the
+.so path, the runtime defaults, partial reductions, the call's names), so two kernels share an op
+only if they are the same kernel. Operand names that are not ASCII identifiers (``γ``) are renamed
+in the schema (torch's schema parser reads ASCII only); the op is called positionally.
 The kernel (``runtime.kernel.Kernel``) registers itself; this module sees it as an ``OpKernel``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import threading
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from ..config import KernelConfig
 from ..ir.nodes import Kind, Operand
 
 
@@ -21,6 +30,8 @@ class OpKernel(Protocol):
     """What registration needs of a kernel."""
     name: str
     source_key: str
+    path: Path
+    config: KernelConfig
     partial_reductions: bool
     weight_layout: str
     operands: tuple[Operand, ...]
@@ -28,7 +39,8 @@ class OpKernel(Protocol):
     outputs: tuple[str, ...]
     _op: Any
 
-    def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any]) -> dict[str, torch.Tensor]: ...
+    def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *, raster: str | None = None,
+            swizzle: int | None = None) -> dict[str, torch.Tensor]: ...
     def output_spec(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]: ...
     def _check_names(self, operands: dict[str, Any]) -> None: ...
 
@@ -44,18 +56,55 @@ def _library() -> torch.library.Library:
     return _LIB
 
 
+def identity(k: OpKernel) -> str:
+    """A digest of what the op's implementation runs: the kernel (source key and .so), its runtime
+    defaults, how reductions are returned, and the names it is called with."""
+    fields = {
+        "program": k.name, "source_key": k.source_key, "path": str(Path(k.path).resolve()),
+        "raster": k.config.raster, "swizzle": k.config.swizzle, "partial_reductions": k.partial_reductions,
+        "weight_layout": k.weight_layout, "operands": [(o.name, o.kind.value) for o in k.operands],
+        "inout": list(k.inout), "outputs": list(k.outputs),
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
 def op_name(k: OpKernel) -> str:
-    base = re.sub(r"[^0-9a-zA-Z_]", "_", k.name)[:40] or "epilogue"
-    tag = "p" if k.partial_reductions else "f"
-    return f"{base}_{k.source_key[:16]}{tag}"
+    """``<program>_<digest>``: the program name reduced to ASCII identifier characters (so distinct
+    names may read alike; the digest, which covers the real name, tells them apart)."""
+    base = re.sub(r"[^0-9a-zA-Z_]", "_", k.name)[:40].strip("_") or "epilogue"
+    if base[0].isdigit():
+        base = "p" + base
+    return f"{base}_{identity(k)[:24]}"
+
+
+def schema_names(k: OpKernel) -> list[str]:
+    """The schema's argument names for the operands and accumulated outputs, in call order: their
+    own names when they are ASCII identifiers, else ``arg<i>`` (unique among all of them)."""
+    names = [o.name for o in k.operands] + list(k.inout)
+    taken = {"A", "W", "raster", "swizzle"} | {n for n in names if _schema_ident(n)}
+    out = []
+    for i, n in enumerate(names):
+        if not _schema_ident(n):
+            n = f"arg{i}"
+            while n in taken:
+                n = "_" + n
+            taken.add(n)
+        out.append(n)
+    return out
+
+
+def _schema_ident(name: str) -> bool:
+    return name.isascii() and name.isidentifier()
 
 
 def schema(k: OpKernel) -> str:
     args = ["Tensor A", "Tensor W"]
-    for o in k.operands:
-        args.append(f"float {o.name}" if o.kind == Kind.SCALAR else f"Tensor {o.name}")
-    for i, name in enumerate(k.inout):
+    names = schema_names(k)
+    for o, name in zip(k.operands, names):
+        args.append(f"float {name}" if o.kind == Kind.SCALAR else f"Tensor {name}")
+    for i, name in enumerate(names[len(k.operands):]):
         args.append(f"Tensor(a{i}!) {name}")
+    args += ["*", "str? raster=None", "int? swizzle=None"]
     rets = [n for n in k.outputs if n not in k.inout]
     ret = "()" if not rets else ("Tensor" if len(rets) == 1 else "(" + ", ".join("Tensor" for _ in rets) + ")")
     return f"({', '.join(args)}) -> {ret}"
@@ -75,8 +124,9 @@ def register(k: OpKernel) -> Any:
         arg_names = [o.name for o in k.operands] + list(k.inout)
         returned = _returned(k)
 
-        def impl(A: torch.Tensor, W: torch.Tensor, *args: Any) -> Any:
-            out = k.run(A, W, dict(zip(arg_names, args)))
+        def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
+                 swizzle: int | None = None) -> Any:
+            out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
             vals = tuple(out[n] for n in returned)
             if not vals:
                 return None
@@ -84,7 +134,8 @@ def register(k: OpKernel) -> Any:
             vals = tuple(v.clone() if v._base is not None else v for v in vals)
             return vals[0] if len(vals) == 1 else vals
 
-        def fake(A: torch.Tensor, W: torch.Tensor, *args: Any) -> Any:
+        def fake(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
+                 swizzle: int | None = None) -> Any:
             vals = tuple(_fake_output(k, n, A, W) for n in returned)
             if not vals:
                 return None
@@ -104,12 +155,13 @@ def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> to
     return A.new_empty(shape, dtype=dtype)
 
 
-def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any]) -> dict:
+def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *,
+            raster: str | None = None, swizzle: int | None = None) -> dict:
     """The torch.compile path of ``k(A, W, ...)`` (traced by Dynamo: no locks, no registration)."""
     op = k._op
     k._check_names(operands)
     args = [operands[o.name] for o in k.operands] + [operands[n] for n in k.inout]
-    out = op(A, W, *args)
+    out = op(A, W, *args, raster=raster, swizzle=swizzle)
     returned = _returned(k)
     if len(returned) == 1:
         out = (out,)

@@ -124,11 +124,9 @@ class TunedEpilogue:
             self._choices[local] = rec
         return rec
 
-    def __call__(self, A: torch.Tensor, W: torch.Tensor, **operands: Any) -> dict[str, torch.Tensor]:
+    def __call__(self, A: torch.Tensor, W: torch.Tensor, /, **operands: Any) -> dict[str, torch.Tensor]:
         rec = self.choice(A, W)
         k = self.kernel(KernelConfig.from_dict(rec["config"]))
-        if torch.compiler.is_compiling():
-            return k(A, W, **operands)
         return k(A, W, raster=rec["raster"], swizzle=rec["swizzle"], **operands)
 
     # ------------------------------------------------------------------ tuning

@@ -4,9 +4,10 @@ geometry for shared-memory estimates, element types and float literals."""
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ...dtypes import F32, DType
 from ...ir.nodes import Node
@@ -45,13 +46,15 @@ def element(slot: TensorSlot) -> DType:
 
 
 def float_literal(value: float) -> str:
-    """A C++ float literal that rounds to the same fp32 value the interpreter uses."""
+    """A C++ float literal for the fp32 value the interpreter uses: ``value`` rounded to fp32 (a
+    constant beyond fp32's range, e.g. 1e39, is then infinity, as ``torch.tensor(1e39,
+    dtype=torch.float32)`` is)."""
     if math.isnan(value):
         return "cutlass::platform::numeric_limits<float>::quiet_NaN()"
-    if math.isinf(value):
+    f32 = float(torch.tensor(value, dtype=torch.float32))
+    if math.isinf(f32):
         inf = "cutlass::platform::numeric_limits<float>::infinity()"
-        return inf if value > 0 else "-" + inf
-    f32 = struct.unpack("f", struct.pack("f", value))[0]
+        return inf if f32 > 0 else "-" + inf
     text = "%.9g" % f32
     if not any(c in text for c in ".e"):
         text += ".0"
