@@ -44,7 +44,7 @@ def test_guide_examples_run():
 
 def repo_files():
     for root, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info") and not d.startswith(".")]
         for f in files:
             yield Path(root) / f
 
