@@ -22,7 +22,8 @@ from .frontend.primitives import (abs, accumulate, cast, col_index, col_max, col
                                   pair_map, pairs, pow, reciprocal, relu, rotate_pairs, row_index,
                                   row_logsumexp,
                                   row_max, row_min, row_sum, rsqrt, segment_sum, sigmoid, silu, sin,
-                                  sqrt, square, tanh, total_sum, unpack, where)
+                                  sqrt, square, tanh, total_max, total_min, total_sum, unpack,
+                                  where)
 from .frontend.trace import EpilogueProgram, epilogue
 from .api import compile_epilogue, compile_many, emit, reference
 from .maps import compile_map, emit_map, map_reference
@@ -34,6 +35,7 @@ __all__ = [
     "abs", "accumulate", "cast", "col_index", "col_max", "col_min", "col_sum", "cos", "exp", "gather",
     "gelu", "half_width", "interleave", "log", "maximum", "minimum", "pack", "pair_map", "pairs", "pow",
     "reciprocal", "relu", "rotate_pairs", "row_index", "row_logsumexp", "row_max", "row_min", "row_sum", "rsqrt",
-    "segment_sum", "sigmoid", "silu", "sin", "sqrt", "square", "tanh", "total_sum", "unpack", "where",
+    "segment_sum", "sigmoid", "silu", "sin", "sqrt", "square", "tanh", "total_max", "total_min", "total_sum",
+    "unpack", "where",
     "CodaError", "EpilogueError", "ConfigError", "CallError", "BuildError", "ToolchainError", "DeviceError",
 ]

@@ -12,11 +12,13 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .compiler import CompiledEpilogue, compile_generated, compile_parallel, parallel_jobs
+from .compiler import CompiledEpilogue, checked_reference, compile_generated, compile_parallel, parallel_jobs
 from .config import KernelConfig
 from .dtypes import BF16, as_dtype, as_operand_dtype
-from .interpret import PRECISIONS, interpret
+from .errors import CallError
+from .interpret import PRECISIONS
 from .pipeline import Lowered, Options, generate, lower_program, typed_ir
+from .runtime.arguments import CallSpec
 from .tuning.space import candidate_configs
 from .tuning.tuner import TunedEpilogue
 
@@ -146,12 +148,31 @@ def reference(program: Any, A: torch.Tensor, W: torch.Tensor, /, *, dtype: Any =
               output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
               **operands: Any) -> dict[str, torch.Tensor]:
     """Evaluate a program with the torch reference interpreter (CPU or GPU), returning the same dict
-    a compiled kernel returns. ``precision``: ``"kernel"`` (the kernel's rounding points), ``"fp32"``
-    (no rounding) or ``"lowp"`` (every op rounded to the operand dtype, like eager torch)."""
+    the kernel compiled with these options returns for this call.
+
+    ``precision``: ``"kernel"`` (the kernel's rounding points), ``"fp32"`` (nothing rounded but
+    explicit casts) or ``"lowp"`` (every op rounded to the operand dtype, like eager torch).
+
+    The arguments are checked as the kernel call checks them (names, dtypes, shapes, devices; not
+    memory layout), with the same messages. ``precision="fp32"`` also takes float32 copies of A, W
+    and every tensor operand, for the exact reference. ``dtype`` (the GEMM operand dtype) defaults
+    to A's when A is bf16 or fp16; with a float32 A it must be given, except at ``precision="fp32"``,
+    whose results do not depend on it. As the kernel, accumulated outputs are updated in place in
+    the tensors passed, A may have leading batch dimensions, and reductions over an empty M or N
+    give their identity."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if dtype is None:
-        dtype = A.dtype if A.dtype in (torch.bfloat16, torch.float16) else BF16
+        a_dtype = getattr(A, "dtype", None)
+        if a_dtype in (torch.bfloat16, torch.float16):
+            dtype = a_dtype
+        elif precision == "fp32" or not isinstance(A, torch.Tensor):
+            dtype = BF16      # fp32 precision rounds nothing the GEMM dtype decides; a non-tensor A is reported below
+        else:
+            raise CallError(f"cc.reference: A is {a_dtype} and no dtype was given. Precision '{precision}' "
+                            "models the kernel's operand dtype: pass dtype=torch.bfloat16 or torch.float16 (with "
+                            "A and W in it), or use precision='fp32' for the unrounded reference")
     opts = _options(as_operand_dtype(as_dtype(dtype)), weight_layout, None, input_dtypes, output_dtypes, constants)
     ir = typed_ir(program, opts)
-    return interpret(ir, A, W, operands, weight_layout=weight_layout, precision=precision)
+    return checked_reference(ir, CallSpec.of(ir), A, W, operands, dtype=opts.dtype, weight_layout=weight_layout,
+                             precision=precision)

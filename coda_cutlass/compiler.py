@@ -15,10 +15,37 @@ import torch
 
 from .build.builder import build
 from .build.progress import say
+from .config import WEIGHT_LAYOUTS
+from .dtypes import DType
 from .errors import BuildError, ConfigError
-from .interpret import interpret
+from .interpret import PRECISIONS, interpret
+from .ir.nodes import Program
 from .pipeline import Generated
+from .runtime.arguments import CallSpec, flatten_batch
 from .runtime.kernel import Kernel
+
+REFERENCE_KEYWORDS = ("dtype", "weight_layout", "precision", "input_dtypes", "output_dtypes", "constants")
+
+
+def checked_reference(ir: Program, spec: CallSpec, A: Any, W: Any, operands: dict[str, Any], *, dtype: DType,
+                      weight_layout: str, precision: str,
+                      partial_tile: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """The interpreter behind a call checked as the kernel checks it (``runtime/arguments.py``; at
+    ``precision="fp32"`` float32 tensors are accepted for every tensor argument), with leading batch
+    dimensions flattened and restored as the kernel does. Accumulated outputs are updated in place."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
+    batch = None
+    if isinstance(A, torch.Tensor) and A.dim() > 2:
+        A, flat, _, batch = flatten_batch(spec, A, W, operands, weight_layout)
+        given = {o.name: operands[o.name] for o in spec.operands if o.inout and o.name in operands}
+        operands = flat
+    spec.check_reference(A, W, operands, dtype, weight_layout, fp32_ok=precision == "fp32",
+                         keywords=REFERENCE_KEYWORDS)
+    out = interpret(ir, A, W, operands, weight_layout=weight_layout, precision=precision, partial_tile=partial_tile)
+    return batch.restore(spec, out, given, partial_tile is not None) if batch else out
 
 
 class CompiledEpilogue(Kernel):
@@ -27,10 +54,12 @@ class CompiledEpilogue(Kernel):
 
     def reference(self, A: torch.Tensor, W: torch.Tensor, /, *, precision: str = "kernel",
                   **operands: Any) -> dict[str, torch.Tensor]:
-        """The torch interpreter's result for the same call (same output dict; nothing is mutated)."""
+        """The torch interpreter's result for the same call (the same output dict), after the kernel
+        call's checks. As the kernel, it updates accumulated outputs in place: pass copies to keep
+        the originals. ``precision="fp32"`` also takes float32 copies of every tensor."""
         tile = self.config.tile if self.partial_reductions else None
-        return interpret(self.ir, A, W, operands, weight_layout=self.weight_layout, precision=precision,
-                         partial_tile=tile)
+        return checked_reference(self.ir, self.spec, A, W, operands, dtype=self.dtype,
+                                 weight_layout=self.weight_layout, precision=precision, partial_tile=tile)
 
 
 def compile_generated(gen: Generated, *, partial_reductions: bool = False, cache_dir: str | Path | None = None,

@@ -10,7 +10,11 @@ Three precisions:
 - ``"lowp"``: what eager torch does at the operand precision: the GEMM result and every op result
   rounded to the GEMM dtype. The error of this against ``"fp32"`` sets the test tolerance.
 
-Runs wherever the tensors are (CPU or GPU).
+As the kernel does, an accumulated output (``cc.accumulate``) is written into the tensor passed for
+it (rounded to that tensor's dtype) and returned as that tensor, and a reduction over an empty M or
+N gives its identity (0 for sums, -inf for max, +inf for min). The interpreter checks nothing about
+its arguments: ``cc.reference`` and ``k.reference`` check them first as the kernel call does
+(``runtime/arguments.py``). Runs wherever the tensors are (CPU or GPU).
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
 
     vals: dict[int, torch.Tensor] = {}
     outs: dict[str, torch.Tensor] = {}
+    updated: dict[str, torch.Tensor] = {}     # accumulated outputs, written back once all is read
     for n in program.nodes:
         if n.op == "acc" and acc is not None:
             vals[n.id] = acc.float()
@@ -131,11 +136,17 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
             if layout == "half":
                 v = v[:, 0::2]
             outs[n.attr("name")] = v.clone() if precision == "fp32" else v.to(_dtype(n).torch)
+            if n.attr("accumulate"):
+                updated[n.attr("name")] = outs[n.attr("name")]
         elif n.op == "reduce":
             outs[n.attr("name")] = _reduction(n, vals[n.inputs[0]].expand(M, N), precision, partial_tile,
                                               gemm_dtype)
         else:
             raise ValueError(f"interpreter: unknown op {n.op}")
+    for name, v in updated.items():       # as the kernel: the tensor passed is updated in place
+        target = operands[name]
+        if isinstance(target, torch.Tensor):
+            outs[name] = target.copy_(v)
     return {name: outs[name] for name in program.outputs}
 
 
@@ -148,10 +159,15 @@ def _reduction(n: Node, x: torch.Tensor, precision: str, partial_tile: tuple[int
     fn, axis = n.attr("fn"), n.attr("axis")
     out_dtype = as_dtype(n.attr("out_dtype", "f32"))
     x = x.float()
+    layout = PartialLayout.of(n)
+    M, N = x.shape
+    if M == 0 or N == 0:      # as the kernel: the identity of the reduction, nothing is launched
+        shape = layout.partial_shape(M, N, partial_tile) if partial_tile else layout.result_shape(M, N)
+        r = torch.full(shape, layout.identity, dtype=torch.float32, device=x.device)
+        return r if partial_tile or precision == "fp32" else r.to(out_dtype.torch)
     if partial_tile is not None:
-        return PartialLayout.of(n).reference(x, partial_tile)
+        return layout.reference(x, partial_tile)
     if axis == "segment":
-        M, N = x.shape
         r = x.reshape(M, N // n.attr("width"), n.attr("width")).sum(2)
     else:
         dim = {"row": 1, "col": 0, "all": None}[axis]

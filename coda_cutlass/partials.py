@@ -89,7 +89,7 @@ class PartialLayout:
 
     def doc(self, tile_n: int) -> str:
         """The slot's comment in the generated source."""
-        what = f"{self.axis}_{self.fn}" if self.axis != "all" else "total_sum"
+        what = f"{self.axis}_{self.fn}" if self.axis != "all" else f"total_{self.fn}"
         layout = ("[ceil(N / tile_n), round_up(M, tile_m)]" if self.over_n
                   else "[ceil(M / tile_m), round_up(N, tile_n)]")
         if self.fn == "lse":
@@ -113,7 +113,7 @@ class PartialLayout:
         if self.axis == "segment":
             return finish_segments(buf[:, :n], self.width, tile_n, N)
         if self.axis == "all":
-            return buf[:, :n].sum()
+            return _reduce_all(buf[:, :n], self.fn)
         if self.fn == "sum":
             return sum_tiles(buf)[:n]        # reduce the padded buffer (contiguous), then slice
         return (torch.amax(buf, 0) if self.fn == "max" else torch.amin(buf, 0))[:n]
@@ -136,6 +136,13 @@ class PartialLayout:
         pad = torch.full((mt * tm, N), self.identity, dtype=x.dtype, device=x.device)
         pad[:M] = x
         return _reduce(pad.view(mt, tm, N), self.fn, 1)
+
+
+def _reduce_all(x: torch.Tensor, fn: str) -> torch.Tensor:
+    """A total over every element, the identity when there is none (as the kernel's empty shapes)."""
+    if x.numel() == 0:
+        return torch.tensor(REDUCTION_IDENTITY[fn], dtype=x.dtype, device=x.device)
+    return x.sum() if fn == "sum" else (x.amax() if fn == "max" else x.amin())
 
 
 def _reduce(x: torch.Tensor, fn: str, dim: int) -> torch.Tensor:

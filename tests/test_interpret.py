@@ -54,10 +54,10 @@ def test_lowp_rounds_every_op():
     @cc.epilogue
     def p(acc):
         return {"D": (acc * 3.0) * (1.0 / 3.0)}
-    A = torch.randn(8, 16)
-    W = torch.randn(8, 16)
-    lo = cc.reference(p, A, W, precision="lowp", dtype=torch.bfloat16)["D"]
-    k = cc.reference(p, A, W, precision="kernel", dtype=torch.bfloat16)["D"]
+    A = torch.randn(8, 16).bfloat16()
+    W = torch.randn(8, 16).bfloat16()
+    lo = cc.reference(p, A, W, precision="lowp")["D"]
+    k = cc.reference(p, A, W, precision="kernel")["D"]
     assert lo.dtype == torch.bfloat16 and not torch.equal(lo, k)
 
 
@@ -83,4 +83,4 @@ def test_reference_missing_operand():
     def p(acc, t: cc.Tile):
         return acc + t
     with pytest.raises(cc.CallError, match="missing operand 't'"):
-        cc.reference(p, torch.randn(4, 8), torch.randn(8, 8))
+        cc.reference(p, torch.randn(4, 8), torch.randn(8, 8), precision="fp32")

@@ -5,9 +5,9 @@ abs, maximum, minimum, pow, where, cast, cos, sin; row_index / col_index (the el
 Pairwise over adjacent columns (2i, 2i+1): pairs, interleave, pair_map, rotate_pairs; half_width outputs;
 packed 16-bit pairs: unpack (cc.PairTile operands), pack (outputs).
 Reductions, returned as outputs only: row_sum/row_max/row_min (over N: one value per row),
-col_sum/col_max/col_min (over M: one value per column), total_sum (all), row_logsumexp (online
-log-sum-exp per row), segment_sum (per row and fixed-width column segment, e.g. per head), gather
-(one column per row, chosen by a per-row index vector).
+col_sum/col_max/col_min (over M: one value per column), total_sum/total_max/total_min (all),
+row_logsumexp (online log-sum-exp per row), segment_sum (per row and fixed-width column segment,
+e.g. per head), gather (one column per row, chosen by a per-row index vector).
 """
 
 from __future__ import annotations
@@ -202,6 +202,17 @@ def col_min(x: Any) -> ReductionResult:
 def total_sum(x: Any) -> ReductionResult:
     """Sum over the whole M x N output: a 0-dim fp32 tensor."""
     return _reduce(x, "sum", "all")
+
+
+def total_max(x: Any) -> ReductionResult:
+    """Max over the whole M x N output: a 0-dim fp32 tensor (-inf when M or N is 0), e.g. the amax
+    of an fp8 scale."""
+    return _reduce(x, "max", "all")
+
+
+def total_min(x: Any) -> ReductionResult:
+    """Min over the whole M x N output: a 0-dim fp32 tensor (+inf when M or N is 0)."""
+    return _reduce(x, "min", "all")
 
 
 def row_logsumexp(x: Any) -> ReductionResult:

@@ -268,9 +268,15 @@ class ReductionResult:
         return f"%{self.id} ({self.desc})"
 
     def misuse_message(self, what: str) -> str:
+        node = self.tracer.nodes[self.id]
+        if node.attr("axis") == "segment":
+            operand = "a cc.Tile operand: its shape is (M, N / width)"
+        else:
+            operand = {Kind.ROW: "a cc.PerRow operand", Kind.COL: "a cc.PerCol operand",
+                       Kind.SCALAR: "a cc.Scalar operand"}[node.kind]
         return (f"{what} uses the result of {self.desc}, a reduction across the whole tile grid that is "
                 "only finished after the kernel; it cannot be used later in the same epilogue. Return it "
-                "as an output and pass it to the next kernel (e.g. as a cc.PerRow operand)")
+                f"as an output and pass it to the next kernel (e.g. as {operand})")
 
     def _misuse(self, *_: Any) -> Any:
         raise self.tracer.error(self.misuse_message("an expression"), node=self.label)

@@ -29,30 +29,13 @@ feed unpack_lo / unpack_hi. A pack value may only be stored.
 
 from __future__ import annotations
 
-import enum
 import struct
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from ..dtypes import DType
-
-
-class Kind(enum.Enum):
-    SCALAR = "scalar"
-    ROW = "row"
-    COL = "col"
-    TILE = "tile"
-
-    def join(self, other: "Kind") -> "Kind":
-        """The kind of an elementwise result of two values (broadcasting)."""
-        if self == other:
-            return self
-        if self == Kind.SCALAR:
-            return other
-        if other == Kind.SCALAR:
-            return self
-        return Kind.TILE   # ROW x COL, or anything with TILE
-
+from .kind import Kind
+from .printer import format_program, format_signature
 
 SINK_OPS = frozenset({"store", "reduce"})
 LEAF_OPS = frozenset({"acc", "load", "scalar", "const", "index"})
@@ -127,6 +110,13 @@ class Program:
     outputs: tuple[str, ...]           # output names in the order the program returned them
     source: str = ""                   # where the program was defined (file:line), for messages
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __str__(self) -> str:
+        """The whole program, one node per line (``print(k.ir)``)."""
+        return format_program(self)
+
+    def __repr__(self) -> str:
+        return f"<Program {format_signature(self)}, {len(self.nodes)} nodes>"
 
     def node(self, i: int) -> Node:
         return self.nodes[i]

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .nodes import Kind
+from .kind import Kind
 
 Tensor = torch.Tensor
 

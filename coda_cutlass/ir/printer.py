@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from .nodes import Kind, Node, Program
+from typing import TYPE_CHECKING
+
+from .kind import Kind
 from .ops import DTYPE_OPS, UNPACK_OPS
+
+if TYPE_CHECKING:     # nodes.py prints its Program with this module
+    from .nodes import Node, Program
 
 _KIND = {Kind.SCALAR: "scalar", Kind.ROW: "per-row", Kind.COL: "per-col", Kind.TILE: "tile"}
 
@@ -43,9 +48,14 @@ def node_line(n: Node) -> str:
     return f"{lhs}{node_text(n)}".ljust(40) + f"  : {_KIND[n.kind]}{dtype}"
 
 
-def format_program(p: Program) -> str:
+def format_signature(p: Program) -> str:
+    """``name(acc, resid: tile bf16, ...) -> (D, ...)``."""
     params = ", ".join(
         f"{o.name}: {_KIND[o.kind]}" + (f" {o.dtype}" if o.dtype is not None else "") for o in p.operands)
-    lines = [f"epilogue {p.name}(acc{', ' if params else ''}{params}) -> ({', '.join(p.outputs)})"]
+    return f"{p.name}(acc{', ' if params else ''}{params}) -> ({', '.join(p.outputs)})"
+
+
+def format_program(p: Program) -> str:
+    lines = [f"epilogue {format_signature(p)}"]
     lines += ["  " + node_line(n) for n in p.nodes]
     return "\n".join(lines)

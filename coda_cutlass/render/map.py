@@ -13,7 +13,7 @@ from .cuda import environment
 
 def map_slot_doc(s: MapSlot) -> str:
     if s.partials is not None:
-        what = "total_sum" if s.partials.axis == "all" else f"row_{s.partials.fn}"
+        what = f"total_{s.partials.fn}" if s.partials.axis == "all" else f"row_{s.partials.fn}"
         return f"fp32 partials of {what}, [ceil(N / 256), M]"
     if s.role == "acc":
         return f"X, the program's acc: {s.dtype.name} [M, N] (strided view)"

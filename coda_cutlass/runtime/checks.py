@@ -3,6 +3,10 @@
 TMA (the Hopper tensor memory accelerator) reads and writes M x N tiles, A and W: their base
 pointers must be 16-byte aligned, their innermost stride 1, and their row strides a multiple of
 16 bytes (8 elements for 16-bit types). Vectors are read element by element.
+
+With ``tma=False`` the same checks run without those of memory layout (strides, alignment, a CUDA
+device): what ``cc.reference`` checks, with the same messages. ``fp32_ok`` also accepts float32
+tensors (the reference's ``precision="fp32"`` on fp32 copies).
 """
 
 from __future__ import annotations
@@ -24,19 +28,24 @@ def _is_tensor(name: str, t: Any) -> torch.Tensor:
 
 def _device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
-        raise CallError(f"{name}: is on {t.device}, but A is on {device}; all tensors must be on the same GPU")
+        raise CallError(f"{name}: is on {t.device}, but A is on {device}; all tensors must be on the same device")
 
 
-def _dtype(name: str, t: torch.Tensor, dtype: DType) -> None:
-    if t.dtype != dtype.torch:
-        raise CallError(f"{name}: dtype is {t.dtype}, the kernel was compiled for {dtype.torch}"
-                        " (recompile with input_dtypes/output_dtypes, or convert the tensor)")
+def _dtype(name: str, t: torch.Tensor, dtype: DType, fp32_ok: bool = False) -> None:
+    if t.dtype != dtype.torch and not (fp32_ok and t.dtype == torch.float32):
+        also = " (or torch.float32 with precision='fp32')" if fp32_ok else ""
+        raise CallError(f"{name}: dtype is {t.dtype}, the kernel was compiled for {dtype.torch}{also}"
+                        " (compile with dtype/input_dtypes/output_dtypes, or convert the tensor)")
+
+
+def _shape(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
+    if t.dim() != 2 or tuple(t.shape) != (rows, cols):
+        raise CallError(f"{name}: shape is {tuple(t.shape)}, expected ({rows}, {cols})")
 
 
 def check_tma_matrix(name: str, t: torch.Tensor, rows: int, cols: int, elem_bytes: int) -> int:
     """Checks a row-major matrix read or written by TMA; returns its row stride in elements."""
-    if t.dim() != 2 or tuple(t.shape) != (rows, cols):
-        raise CallError(f"{name}: shape is {tuple(t.shape)}, expected ({rows}, {cols})")
+    _shape(name, t, rows, cols)
     if cols > 1 and t.stride(1) != 1:
         raise CallError(f"{name}: must be row-major with unit column stride, got strides {t.stride()}; "
                         "call .contiguous()")
@@ -83,11 +92,25 @@ def _check_gemm_detailed(A: Any, W: Any, dtype: DType, weight_layout: str) -> tu
     W = _is_tensor("W", W)
     if not A.is_cuda:
         raise CallError(f"A: is on {A.device}; the kernel runs on a CUDA GPU")
+    M, N, K = check_gemm_shapes(A, W, dtype, weight_layout)
+    elem = dtype.bits // 8
+    lda = check_tma_matrix("A", A, M, K, elem) if M > 0 else K
+    w_rows, w_cols = (N, K) if weight_layout == "nk" else (K, N)
+    ldw = check_tma_matrix("W", W, w_rows, w_cols, elem) if N > 0 else w_cols
+    return M, N, K, lda, ldw
+
+
+def check_gemm_shapes(A: Any, W: Any, dtype: DType, weight_layout: str, fp32_ok: bool = False
+                      ) -> tuple[int, int, int]:
+    """Types, device, dtypes and shapes of A and W, without their memory layout; returns (M, N, K)."""
+    A = _is_tensor("A", A)
+    W = _is_tensor("W", W)
     _device("W", W, A.device)
-    _dtype("A", A, dtype)
-    _dtype("W", W, dtype)
+    _dtype("A", A, dtype, fp32_ok)
+    _dtype("W", W, dtype, fp32_ok)
     if A.dim() != 2:
-        raise CallError(f"A: expected a 2-D (M, K) tensor, got shape {tuple(A.shape)}")
+        raise CallError(f"A: expected an (M, K) tensor, or (..., K) with leading batch dimensions, got shape "
+                        f"{tuple(A.shape)}")
     if W.dim() != 2:
         raise CallError(f"W: expected a 2-D tensor, got shape {tuple(W.shape)}")
     M, K = A.shape
@@ -106,37 +129,34 @@ def _check_gemm_detailed(A: Any, W: Any, dtype: DType, weight_layout: str) -> tu
         if n % 8 != 0:
             raise CallError(f"{name} = {n} is not a multiple of 8: TMA needs 16-byte aligned rows for "
                             f"{dtype.torch} (pad {name} to a multiple of 8)")
-    elem = dtype.bits // 8
-    lda = check_tma_matrix("A", A, M, K, elem) if M > 0 else K
-    w_rows, w_cols = (N, K) if weight_layout == "nk" else (K, N)
-    ldw = check_tma_matrix("W", W, w_rows, w_cols, elem) if N > 0 else w_cols
-    return M, N, K, lda, ldw
+    return M, N, K
 
 
-def check_tile(name: str, t: Any, M: int, N: int, dtype: DType, device: torch.device) -> int:
-    ld = _fast_matrix(t, M, N, dtype.torch, device, dtype.bits // 8)
+def check_tile(name: str, t: Any, M: int, N: int, dtype: DType, device: torch.device, *, tma: bool = True,
+               fp32_ok: bool = False) -> int:
+    ld = _fast_matrix(t, M, N, dtype.torch, device, dtype.bits // 8) if tma else -1
     if ld > 0:
         return ld
     t = _is_tensor(name, t)
     _device(name, t, device)
-    _dtype(name, t, dtype)
-    if M == 0 or N == 0:
-        if tuple(t.shape) != (M, N):
-            raise CallError(f"{name}: shape is {tuple(t.shape)}, expected ({M}, {N})")
+    _dtype(name, t, dtype, fp32_ok)
+    if not tma or M == 0 or N == 0:
+        _shape(name, t, M, N)
         return N
     return check_tma_matrix(name, t, M, N, dtype.bits // 8)
 
 
-def check_vector(name: str, t: Any, length: int, what: str, dtype: DType, device: torch.device) -> None:
+def check_vector(name: str, t: Any, length: int, what: str, dtype: DType, device: torch.device, *,
+                 tma: bool = True, fp32_ok: bool = False) -> None:
     if (type(t) is torch.Tensor and t.dtype is dtype.torch and t.device == device and t.shape == (length,)
             and t.stride() == (1,)):
         return
     t = _is_tensor(name, t)
     _device(name, t, device)
-    _dtype(name, t, dtype)
+    _dtype(name, t, dtype, fp32_ok)
     if t.dim() != 1 or t.shape[0] != length:
         raise CallError(f"{name}: shape is {tuple(t.shape)}, expected ({length},): one value per {what}")
-    if length > 1 and t.stride(0) != 1:
+    if tma and length > 1 and t.stride(0) != 1:
         raise CallError(f"{name}: must be contiguous (stride 1), got stride {t.stride(0)}; call .contiguous()")
 
 

@@ -4,8 +4,9 @@ reference interpreter on top).
 ``k(A, W, **operands)`` checks every argument, allocates the outputs, launches the fused GEMM
 once on the current stream, finishes the reductions (one small deterministic torch or cuBLAS call
 each, by the slot's ``PartialLayout``) and returns a dict of outputs. Accumulated outputs are passed
-in by name and updated in place. Under ``torch.compile`` the same call goes through a registered
-``torch.library`` custom op.
+in by name and updated in place. An A with leading batch dimensions, (..., K), is flattened to
+(M, K) like ``nn.Linear`` (``arguments.flatten_batch``). Under ``torch.compile`` the same call goes
+through a registered ``torch.library`` custom op.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..pipeline import Generated
 from . import checks
+from .arguments import CallSpec, flatten_batch
 from .library import KernelLibrary, load
 from .torch_op import call_op, register
 
@@ -95,6 +97,7 @@ class Kernel:
         self.build_seconds = build.seconds
         self.partial_reductions = partial_reductions
         self.outputs = self.ir.outputs
+        self.spec = CallSpec.of(self.ir)
         self.inout = tuple(n.attr("name") for n in self.ir.nodes if n.op == "store" and n.attr("accumulate"))
         self.operands = tuple(o for o in self.ir.operands if o.name not in self.inout)
         self._slots_by_name = {t.name: t for t in self.graph.tensors}
@@ -103,7 +106,7 @@ class Kernel:
         self._n_args = len(self._arg_names)
         self._tile_outputs = tuple(t.name for t in self.graph.tensors if t.role == "output")
         self._scalar_names = tuple(o.name for o in self.operands if o.kind == Kind.SCALAR)
-        self._unused_tensors = tuple((o.name, o.kind, o.dtype) for o in self.operands
+        self._unused_tensors = tuple(o for o in self.spec.operands
                                      if o.kind != Kind.SCALAR and o.name not in self._slots_by_name)
         self._n_slots = len(self.graph.tensors)
         self._ptr_array = ctypes.c_void_p * max(self._n_slots, 1)
@@ -114,9 +117,7 @@ class Kernel:
         self._finish_plan = {n.attr("name"): (self._slots_by_name[n.attr("name")].partials,
                                               as_dtype(n.attr("out_dtype", "f32")).torch)
                              for n in self.ir.nodes if n.op == "reduce"}
-        # Programs whose element indices must stay exact in fp32 (and segment widths must divide N).
-        self._segment_widths = {name: p.width for name, (p, _) in self._finish_plan.items() if p.width}
-        self._uses_index = any(n.op == "index" for n in self.ir.nodes) or bool(self._segment_widths)
+        self._uses_index = self.spec.uses_index   # element indices must stay exact, segments divide N
         # Registered now, not on first use: torch.compile cannot trace op registration.
         self._op = register(self)
 
@@ -145,7 +146,15 @@ class Kernel:
 
         ``out`` may give preallocated (M, N) tensors (or row-major views) for tile outputs.
         ``raster`` ("heuristic", "m", "n") and ``swizzle`` (1, 2, 4, 8) override the config's
-        tile-scheduler order for this call."""
+        tile-scheduler order for this call. An A of shape (..., K) is flattened to (M, K) like
+        ``nn.Linear``: tile operands and ``out`` tensors are then (..., N), per-row vectors (...),
+        and tile outputs and row reductions come back with the leading dimensions."""
+        if type(A) is torch.Tensor and A.dim() > 2:
+            A2, flat, flat_out, batch = flatten_batch(self.spec, A, W, operands, self.weight_layout, out)
+            given = {n: operands[n] for n in self.inout if n in operands}
+            given.update(out or {})
+            return batch.restore(self.spec, self(A2, W, raster=raster, swizzle=swizzle, out=flat_out, **flat),
+                                 given, self.partial_reductions)
         if torch.compiler.is_compiling():
             if out is not None:
                 raise CallError("out= is not supported under torch.compile")
@@ -153,17 +162,7 @@ class Kernel:
         return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
 
     def _check_names(self, operands: dict[str, Any]) -> None:
-        expected = [o.name for o in self.operands] + list(self.inout)
-        missing = [n for n in expected if n not in operands]
-        extra = [n for n in operands if n not in expected]
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"missing {', '.join(missing)}")
-            if extra:
-                parts.append(f"unexpected {', '.join(extra)}")
-            raise CallError(f"{self.name}: {'; '.join(parts)}. The call is "
-                            f"k(A, W, {', '.join(n + '=...' for n in expected)})")
+        self.spec.check_names(operands, keywords=("raster", "swizzle", "out"))
 
     def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *, raster: str | None = None,
             swizzle: int | None = None, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -173,7 +172,7 @@ class Kernel:
             ensure_gpu(device, self.name)
         M, N, K, lda, ldw = checks.check_gemm(A, W, self.dtype, self.weight_layout)
         if self._uses_index:
-            self._check_indexed_shape(M, N)
+            self.spec.check_extent(M, N)
         if device.index != torch.cuda.current_device():
             with torch.cuda.device(device):     # the kernel launches on the current device
                 return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
@@ -186,8 +185,8 @@ class Kernel:
                                     f"{', '.join(self._tile_outputs) or 'none'})")
         poison = POISON
         scalars = [checks.check_scalar(name, operands[name]) for name in self._scalar_names]
-        for name, kind, dtype in self._unused_tensors:     # operands the program does not use: still checked
-            self._check_tensor(name, kind, operands[name], dtype, M, N, device)
+        for o in self._unused_tensors:     # operands the program does not use: still checked
+            self.spec.check_operand(o, operands[o.name], M, N, device)
 
         ptrs = [0] * self._n_slots
         lds = [0] * self._n_slots
@@ -216,7 +215,7 @@ class Kernel:
                 if s.kind == Kind.TILE:
                     lds[i] = _kernel_ld(s.layout, checks.check_tile(name, t, M, s.columns(N), s.dtype, device))
                 else:
-                    self._check_tensor(name, s.kind, t, s.dtype, M, N, device)
+                    self._check_vector(name, s.kind, t, s.dtype, M, N, device)
                 if role == "inout":
                     results[name] = t
                     written = written or {}
@@ -253,23 +252,11 @@ class Kernel:
             results[name] = self._finish(name, buf, M, N)
         return {name: results[name] for name in self.outputs}
 
-    def _check_tensor(self, name: str, kind: Kind, t: Any, dtype, M: int, N: int, device: torch.device) -> int:
-        if kind == Kind.TILE:
-            return checks.check_tile(name, t, M, N, dtype, device)
+    def _check_vector(self, name: str, kind: Kind, t: Any, dtype, M: int, N: int, device: torch.device) -> None:
         if kind == Kind.ROW:
             checks.check_vector(name, t, M, "row (length M)", dtype, device)
         else:
             checks.check_vector(name, t, N, "column (length N)", dtype, device)
-        return 0
-
-    def _check_indexed_shape(self, M: int, N: int) -> None:
-        if max(M, N) >= 1 << 24:
-            raise CallError(f"{self.name}: M={M}, N={N}: programs that use element indices (gather, "
-                            "row_index/col_index, segment sums) need M and N below 2^24 (exact in fp32)")
-        for name, width in self._segment_widths.items():
-            if N % width:
-                raise CallError(f"{self.name}: output '{name}' sums {width}-wide segments, but N={N} is not "
-                                f"a multiple of {width}")
 
     def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
         """Finish fp32 partials [tiles, padded length] with one small deterministic call (sums: cuBLAS)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -110,7 +111,7 @@ class TunedEpilogue:
 
     # ------------------------------------------------------------------ dispatch
     def choice(self, A: torch.Tensor, W: torch.Tensor) -> dict[str, Any]:
-        M, K = A.shape
+        M, K = math.prod(A.shape[:-1]), A.shape[-1]      # leading batch dimensions flatten into M
         N = W.shape[0] if self.options.weight_layout == "nk" else W.shape[1]
         local = (N, K, m_bucket(M))
         rec = self._choices.get(local)
