@@ -215,6 +215,14 @@ def _total_sum(acc):
     return {"D": acc, "loss": cc.total_sum(acc * acc)}
 
 
+# fp8 amax scaling: the global max |y| (a 0-dim fp32 tensor), finished from per-tile row partials.
+@case("total_max_min", tile("x"),
+      lambda acc, x: {"D": acc * x, "amax": (acc * x).abs().amax(), "tmin": (acc + x).amin()}, nvcc_ci=True)
+def _total_max_min(acc, x: cc.Tile):
+    y = acc * x
+    return {"D": y, "amax": cc.total_max(abs(y)), "tmin": cc.total_min(acc + x)}
+
+
 @case("many_reductions", tile("x"),
       lambda acc, x: {"D": acc + x, "rs": (acc + x).sum(1), "rmx": acc.amax(1), "cs": (acc * x).sum(0),
                       "cmn": x.amin(0) + 0 * acc.amin(0), "tot": (acc + x).sum()})

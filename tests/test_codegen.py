@@ -172,3 +172,14 @@ def test_description_round_trips_through_json_with_an_epilogue_tile():
     m = re.search(r'kDescription\[\] = "(.*)";', gen.source)
     embedded = json.loads(m.group(1).encode().decode("unicode_escape"))
     assert embedded == gen.plan.describe()
+
+
+def test_total_max_and_min_are_per_tile_row_partials():
+    @cc.epilogue
+    def p(acc):
+        return {"amax": cc.total_max(abs(acc)), "tmin": cc.total_min(acc)}
+    src = cc.emit(p)
+    assert re.search(r"Sm90ColReduction<\s*cutlass::maximum", src)
+    assert re.search(r"Sm90ColReduction<\s*cutlass::minimum", src)
+    assert "amax: fp32 partials of total_max" in src and "tmin: fp32 partials of total_min" in src
+    assert "fp32 partials of total_max, [ceil(N / 256), M]" in cc.emit_map(p)

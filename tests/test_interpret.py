@@ -20,6 +20,10 @@ def fp32(v):
     return v.float() if isinstance(v, torch.Tensor) else v
 
 
+def clone(ops: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_interpreter_matches_handwritten_torch(case):
     M, N, K = 37, fit_n(case, 48), 24
@@ -43,8 +47,8 @@ def test_kernel_precision_rounds_outputs_once(case):
     M, N, K = 16, fit_n(case, 32), 16
     A, W, ops = make_inputs(case, M, N, K, "cpu", seed=2)
     kw = ref_kwargs(case)
-    k = cc.reference(case.program, A, W, precision="kernel", **kw, **ops)
-    f = cc.reference(case.program, A, W, precision="fp32", **kw, **ops)
+    k = cc.reference(case.program, A, W, precision="kernel", **kw, **clone(ops))   # accumulated outputs
+    f = cc.reference(case.program, A, W, precision="fp32", **kw, **clone(ops))     # are updated in place
     for name in k:
         if k[name].dtype != torch.float32:
             assert torch.equal(k[name], f[name].to(k[name].dtype)), name
@@ -61,7 +65,7 @@ def test_lowp_rounds_every_op():
     assert lo.dtype == torch.bfloat16 and not torch.equal(lo, k)
 
 
-@pytest.mark.parametrize("fn,axis", [(f, a) for f in ("sum", "max", "min") for a in ("row", "col")] + [("sum", "all")])
+@pytest.mark.parametrize("fn,axis", [(f, a) for f in ("sum", "max", "min") for a in ("row", "col", "all")])
 def test_partials_finish_to_full_reduction(fn, axis):
     x = torch.randn(300, 520)
     layout = PartialLayout(fn, axis)
@@ -76,6 +80,16 @@ def test_partials_finish_to_full_reduction(fn, axis):
     want = {"sum": x.sum, "max": x.amax, "min": x.amin}[fn]() if dim is None else \
         {"sum": x.sum, "max": x.amax, "min": x.amin}[fn](dim)
     torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-4)
+    # the kernel's buffer is padded to whole tiles: finishing reads only the first M (or N) entries
+    padded = torch.full((p.shape[0], p.shape[1] + 84), float("nan"))
+    padded[:, :p.shape[1]] = p
+    torch.testing.assert_close(layout.finish(padded, 300, 520, 256), full, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fn", ["sum", "max", "min"])
+def test_total_of_no_partials_is_the_identity(fn):
+    got = PartialLayout(fn, "all").finish(torch.empty(0, 300), 300, 0, 256)
+    assert got.shape == () and got.item() == {"sum": 0.0, "max": float("-inf"), "min": float("inf")}[fn]
 
 
 def test_reference_missing_operand():

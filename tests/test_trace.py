@@ -200,3 +200,36 @@ def test_program_is_not_directly_callable():
     p = cc.epilogue(lambda acc: acc)
     with pytest.raises(TypeError, match="compile_epilogue"):
         p(torch.ones(1))
+
+
+def test_total_max_and_min_trace_to_scalar_reductions():
+    @cc.epilogue
+    def p(acc):
+        return {"D": acc, "amax": cc.total_max(abs(acc)), "tmin": cc.total_min(acc)}
+    prog = p.trace()
+    for name, fn in (("amax", "max"), ("tmin", "min")):
+        red = prog.sink(name)
+        assert (red.attr("fn"), red.attr("axis"), red.kind) == (fn, "all", Kind.SCALAR)
+    assert "reduce amax = all_max" in format_program(prog)
+
+
+@pytest.mark.parametrize("reduce,operand", [(cc.row_sum, "cc.PerRow"), (cc.col_max, "cc.PerCol"),
+                                            (cc.total_max, "cc.Scalar"),
+                                            (lambda x: cc.segment_sum(x, 8), "cc.Tile")])
+def test_error_reduction_reuse_suggests_the_operand_of_its_shape(reduce, operand):
+    def f(acc):
+        return acc * reduce(acc)
+    with pytest.raises(cc.EpilogueError) as e:
+        cc.epilogue(f).trace()
+    assert f"as a {operand} operand" in str(e.value)
+
+
+def test_program_prints_as_its_text_form():
+    @cc.epilogue
+    def stats(acc, g: cc.PerCol):
+        return {"D": acc * g, "ss": cc.row_sum(acc * acc)}
+    prog = stats.trace()
+    assert str(prog) == format_program(prog)
+    assert str(prog).splitlines()[0] == "epilogue stats(acc, g: per-col) -> (D, ss)"
+    assert repr(prog) == "<Program stats(acc, g: per-col) -> (D, ss), 6 nodes>"
+    assert "\n" not in repr(prog) and "Node(" not in repr(prog)

@@ -53,7 +53,8 @@ def seed_of(name: str, shape: tuple[int, int, int], salt: int = 0) -> int:
 
 
 def fp32_copy(ops: dict) -> dict:
-    return {k: (v.float() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
+    """fp32 copies (always new tensors: the reference updates accumulated outputs in place)."""
+    return {k: (v.to(torch.float32, copy=True) if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
 
 
 def clone(ops: dict) -> dict:
@@ -137,8 +138,10 @@ def test_errors_before_launch(kernels):
     W = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
     R = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(256, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(cc.CallError, match="missing g"):
+    with pytest.raises(cc.CallError, match="missing operand 'g'"):
         k(A, W, resid=R)
+    with pytest.raises(cc.CallError, match="unknown operand 'gg'; did you mean 'g'"):
+        k(A, W, resid=R, gg=g)
     with pytest.raises(cc.CallError, match="dtype"):
         k(A.float(), W, resid=R, g=g)
     with pytest.raises(cc.CallError, match="shape"):
@@ -167,6 +170,34 @@ def test_empty_dimensions(kernels):
             assert torch.all(out["rs"] == 0) and torch.all(out["rmx"] == float("-inf"))
         else:
             assert torch.all(out["cmn"] == float("inf"))
+        ref = k.reference(A, W, x=x)          # the reference gives the same identities
+        for name in out:
+            assert torch.equal(out[name], ref[name]), name
+    k = kernels["total_max_min"]
+    for M, N in ((0, 776), (1000, 0)):
+        A = torch.randn(M, 520, device="cuda", dtype=torch.bfloat16)
+        W = torch.randn(N, 520, device="cuda", dtype=torch.bfloat16)
+        out = k(A, W, x=torch.randn(M, N, device="cuda", dtype=torch.bfloat16))
+        assert out["amax"].item() == float("-inf") and out["tmin"].item() == float("inf")
+
+
+def test_leading_batch_dims_flatten_like_nn_linear(kernels):
+    """(B, S, K) activations, (B, S, N) tiles and (B, S) per-row vectors: the same results as the
+    flattened 2-D call, outputs with the leading dimensions back, accumulation in place."""
+    k = kernels["norm_backward"]
+    c = BY_NAME["norm_backward"]
+    B, S, N, K = 4, 250, 776, 520
+    A, W, ops = make_inputs(c, B * S, N, K, "cuda", seed=21)
+    flat = k(A, W, **clone(ops))
+    batched = {n: (v.view(B, S, *v.shape[1:]) if isinstance(v, torch.Tensor) and v.shape[0] == B * S else v)
+               for n, v in clone(ops).items()}
+    out = k(A.view(B, S, K), W, **batched)
+    assert out["dres"] is batched["dres"] and out["y"].shape == (B, S, N) and out["dgamma"].shape == (N,)
+    for name in flat:
+        assert torch.equal(out[name].reshape(flat[name].shape), flat[name]), name
+    ref = k.reference(A.view(B, S, K), W, **{n: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                             for n, v in batched.items()})
+    assert ref["y"].shape == (B, S, N)
 
 
 def test_torch_compile_traces_without_graph_break(kernels, monkeypatch):
