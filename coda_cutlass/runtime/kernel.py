@@ -149,7 +149,7 @@ class Kernel:
         tile-scheduler order for this call. An A of shape (..., K) is flattened to (M, K) like
         ``nn.Linear``: tile operands and ``out`` tensors are then (..., N), per-row vectors (...),
         and tile outputs and row reductions come back with the leading dimensions."""
-        if type(A) is torch.Tensor and A.dim() > 2:
+        if isinstance(A, torch.Tensor) and A.dim() > 2:     # (also a traced tensor under torch.compile)
             A2, flat, flat_out, batch = flatten_batch(self.spec, A, W, operands, self.weight_layout, out)
             given = {n: operands[n] for n in self.inout if n in operands}
             given.update(out or {})

@@ -44,7 +44,8 @@ def check(k, g, shape, seed) -> dict:
     before = {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in ops.items()}
     out = k(A, W, **ops)
     ref32 = k.reference(A.float(), W.float(), precision="fp32",
-                        **{n: (v.float() if isinstance(v, torch.Tensor) else v) for n, v in before.items()})
+                        **{n: (v.to(torch.float32, copy=True) if isinstance(v, torch.Tensor) else v)
+                           for n, v in before.items()})
     lowp = k.reference(A, W, precision="lowp", **before)
     worst = {}
     for name in ref32:

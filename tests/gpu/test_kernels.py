@@ -215,6 +215,11 @@ def test_torch_compile_traces_without_graph_break(kernels, monkeypatch):
     want = block(A, W, **ops)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+    # leading batch dimensions flatten inside the traced call too
+    got = compiled(A.view(8, 125, 520), W, ops["resid"].view(8, 125, 776), ops["g"])
+    assert got[0].shape == (8, 125, 776) and got[1].shape == (8, 125)
+    for a, b in zip(got, want):
+        assert torch.equal(a.reshape(b.shape), b)
 
 
 def test_every_candidate_config_is_correct():
