@@ -20,7 +20,7 @@ from coda_cutlass.pipeline import Options, typed_ir
 INF = "cutlass::platform::numeric_limits<float>::infinity()"
 
 
-def gemm_inputs(M=4, N=6, K=8):
+def gemm_inputs(M=4, N=8, K=8):      # N, K multiples of 8: cc.reference checks them as the kernel
     g = torch.Generator().manual_seed(0)
     return torch.randn(M, K, generator=g).bfloat16(), torch.randn(N, K, generator=g).bfloat16()
 
@@ -73,7 +73,7 @@ def test_non_ascii_names_trace_and_emit():
     src = cc.emit(greek)
     assert src.isascii()     # names reach the source only as escaped comments/description
     A, W = gemm_inputs()
-    out = cc.reference(greek, A, W, β=torch.ones(6), γ=2.0)
+    out = cc.reference(greek, A, W, β=torch.ones(8).bfloat16(), γ=2.0)
     assert set(out) == {"Dé", "σ"}
 
 
@@ -119,8 +119,8 @@ def test_negative_zero_stays_a_distinct_constant(order):
         assert zeros == ["-0.0", "0.0"]
     src = cc.emit(p)
     assert "{{-0.0f}, {nullptr}, {}}" in src and "{{0.0f}, {nullptr}, {}}" in src
-    A, W = gemm_inputs(N=4)
-    z = torch.full((4, 4), -0.0, dtype=torch.bfloat16)
+    A, W = gemm_inputs()
+    z = torch.full((4, 8), -0.0, dtype=torch.bfloat16)
     out = cc.reference(p, A, W, z=z)
     assert torch.all(out["neg"] == float("-inf")) and torch.all(out["pos"] == float("inf"))
 
@@ -144,7 +144,7 @@ def test_operands_named_self_program_and_x_reach_every_call_path(fake_nvcc):
         return acc + self * program + X
 
     A, W = gemm_inputs()
-    ops = {"self": torch.ones(4, 6), "program": torch.full((6,), 2.0), "X": torch.full((4,), 3.0)}
+    ops = {"self": torch.ones(4, 8), "program": torch.full((8,), 2.0), "X": torch.full((4,), 3.0)}
     expect = A.float() @ W.float().t() + 5.0
     torch.testing.assert_close(cc.reference(names, A, W, precision="fp32", **ops)["D"], expect)
     k = cc.compile_epilogue(names)
