@@ -16,7 +16,7 @@ import torch
 
 from ..dtypes import DType
 from ..errors import CallError
-from ..ir.nodes import Kind, Program, layout_columns
+from ..ir.nodes import OPERAND_OPS, Kind, Program, layout_columns
 from . import checks
 
 
@@ -47,8 +47,8 @@ class CallSpec:
     @classmethod
     def of(cls, ir: Program) -> "CallSpec":
         inout = [n.attr("name") for n in ir.nodes if n.op == "store" and n.attr("accumulate")]
-        loaded = {n.attr("operand") for n in ir.nodes if n.op in ("load", "scalar")}
-        ops = [OperandSpec(o.name, o.kind, o.dtype, o.packed, o.name in inout, o.name in loaded)
+        read = {n.attr("operand") for n in ir.nodes if n.op in OPERAND_OPS}
+        ops = [OperandSpec(o.name, o.kind, o.dtype, o.packed, used=o.name in read)
                for o in ir.operands if o.name not in inout]
         ops += [OperandSpec(o.name, o.kind, o.dtype, inout=True) for name in inout
                 for o in ir.operands if o.name == name]
