@@ -23,7 +23,7 @@ import torch
 from .build.builder import build
 from .dtypes import as_dtype, as_operand_dtype
 from .interpret import PRECISIONS, interpret
-from .lower.map import lower_map
+from .lower.map import PARTIALS_TILE, lower_map
 from .pipeline import Options, typed_ir
 from .render.map import render_map_kernel
 from .runtime.map_kernel import CompiledMap, logical_shape
@@ -54,9 +54,11 @@ def compile_map(program: Any, dtype: Any = torch.bfloat16, *, input_dtypes: Mapp
 
 def map_reference(program: Any, X: torch.Tensor, /, *, dtype: Any = None, precision: str = "kernel",
                   input_dtypes: Mapping[str, Any] | None = None, output_dtypes: Mapping[str, Any] | None = None,
-                  constants: Mapping[str, float] | None = None, **operands: Any) -> dict[str, torch.Tensor]:
+                  constants: Mapping[str, float] | None = None, partial_reductions: bool = False,
+                  **operands: Any) -> dict[str, torch.Tensor]:
     """The torch interpreter's result of a map kernel call ``k(X, **operands)`` (CPU or GPU).
-    Tile operands may be 2-D, 3-D or 4-D like the kernel's; outputs are (M, N) matrices."""
+    Tile operands may be 2-D, 3-D or 4-D like the kernel's; outputs are (M, N) matrices.
+    ``partial_reductions``: row reductions as the kernel's per-(row, 256-column tile) partials."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if dtype is None:
@@ -66,4 +68,4 @@ def map_reference(program: Any, X: torch.Tensor, /, *, dtype: Any = None, precis
     M, N = logical_shape("X", X)
     flat = {k: (v.reshape(M, -1) if isinstance(v, torch.Tensor) and v.dim() > 2 else v) for k, v in operands.items()}
     return interpret(typed_ir(program, opts), None, None, flat, precision=precision,  # type: ignore[arg-type]
-                     acc=X.reshape(M, N))
+                     acc=X.reshape(M, N), partial_tile=PARTIALS_TILE if partial_reductions else None)

@@ -20,11 +20,11 @@ from ..interpret import interpret
 from ..lower.plan import default_config
 from ..maps import compile_map, map_reference
 from ..pipeline import Options, lower_program, typed_ir
+from ..timing import timed_call
 from ..tuning.store import m_bucket
 from .plan_store import Choice, load_plan
 
 REFERENCE_TILE = DEFAULT.tile   # partial-reduction layout the reference runner reproduces
-MAP_TILE = (1, 256)             # map kernels: one partial per (row, 256-column tile)
 
 
 @dataclass
@@ -33,12 +33,9 @@ class Recorder:
     events: dict[str, list[tuple[Any, Any]]] = field(default_factory=dict)
 
     def around(self, site: str, fn: Callable[[], Any]) -> Any:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        self.events.setdefault(site, []).append((start, end))
-        return out
+        result: list[Any] = []
+        self.events.setdefault(site, []).append(timed_call(lambda: result.append(fn())))
+        return result[0]
 
     def times_us(self) -> dict[str, list[float]]:
         torch.cuda.synchronize()
@@ -64,7 +61,8 @@ class Runner:
         raise NotImplementedError
 
     def timed(self, site: str, fn: Callable[[], Any]) -> Any:
-        """Plain torch work (cuBLAS weight gradients, attention), timed when a recorder is set."""
+        """Run ``fn``, between CUDA events when a recorder is set (every launch of a step goes through
+        here: the kernels and the plain torch work, cuBLAS weight gradients and attention)."""
         return fn() if self.recorder is None else self.recorder.around(site, fn)
 
 
@@ -92,14 +90,8 @@ class ReferenceRunner(Runner):
         return _into(res, out)
 
     def map(self, site, program, X, *, partial=False, out=None, **operands):
-        if not partial:
-            res = map_reference(program, X, dtype=self.dtype, precision=self._precision(X), **operands)
-        else:
-            M = X.shape[0] * X.shape[1] if X.dim() in (3, 4) else X.shape[0]
-            flat = {k: (v.reshape(M, -1) if isinstance(v, torch.Tensor) and v.dim() > 2 else v)
-                    for k, v in operands.items()}
-            res = interpret(self._typed(program), None, None, flat, precision=self._precision(X),  # type: ignore[arg-type]
-                            partial_tile=MAP_TILE, acc=X.reshape(M, -1))
+        res = map_reference(program, X, dtype=self.dtype, precision=self._precision(X), partial_reductions=partial,
+                            **operands)
         return _into(res, out)
 
 
@@ -161,8 +153,7 @@ class KernelRunner(Runner):
     def gemm(self, site, program, A, W, *, layout="nk", partial=False, out=None, **operands):
         c = self.choice(site, program, layout)
         k = self.kernel(program, layout, partial, c.config)
-        run = lambda: k(A, W, raster=c.raster, swizzle=c.swizzle, out=out, **operands)  # noqa: E731
-        return run() if self.recorder is None else self.recorder.around(site, run)
+        return self.timed(site, lambda: k(A, W, raster=c.raster, swizzle=c.swizzle, out=out, **operands))
 
     def map(self, site, program, X, *, partial=False, out=None, **operands):
         key = (program.name, id(program), partial)
@@ -170,8 +161,7 @@ class KernelRunner(Runner):
         if k is None:
             k = self._maps[key] = compile_map(program, self.dtype, partial_reductions=partial,
                                               cache_dir=self.cache_dir, verbose=self.verbose)
-        run = lambda: k(X, out=out, **operands)  # noqa: E731
-        return run() if self.recorder is None else self.recorder.around(site, run)
+        return self.timed(site, lambda: k(X, out=out, **operands))
 
 
 def default_runner(device: torch.device, dtype: torch.dtype) -> Runner:
