@@ -157,3 +157,29 @@ def test_tuning_without_a_hopper_gpu_is_a_clear_error():
     model = LlamaModel(32, 64, 1, 4, 2, 96, dtype=torch.float32)
     with pytest.raises(cc.DeviceError, match="Hopper GPU"):
         model.tune(torch.randint(0, 32, (1, 8)))
+
+
+def test_tuner_scores_are_free_of_the_clock_drift_between_runs(monkeypatch):
+    """Two candidates timed one after the other while the GPU heats up: B is 5% faster than A, but
+    the clock drops 20% between the two runs, so B's raw time is larger. Scored against the same
+    steps' untouched cuBLAS / attention work and one fixed scale, B wins."""
+    from coda_cutlass.nn import tuning
+
+    def run(candidate_us: float, clock: float):
+        class FakeRecorder:
+            def times_us(self):
+                return {"gate_up": [candidate_us * clock] * 4, "o": [50.0] * 4,       # fused sites
+                        "down.wgrad": [200 * clock] * 4, "attention.bwd": [300 * clock] * 4,
+                        "rope.dgrad": [5.0] * 12}           # 3 launches a step: not a reference
+        monkeypatch.setattr(tuning, "Recorder", FakeRecorder)
+        return tuning._site_times(type("R", (), {"recorder": None})(), lambda: None, iters=4, warmup=0,
+                                  fused={"gate_up", "o"})
+
+    base = run(100.0, 1.0)
+    a, b = run(100.0, 1.0), run(95.0, 1.2)
+    assert b.medians["gate_up"] > a.medians["gate_up"]                  # raw: the drift decides
+    assert base.reference_median == 500.0
+    assert a.score("gate_up", 500.0) == pytest.approx(100.0)
+    assert b.score("gate_up", 500.0) == pytest.approx(95.0)            # drift-free: B is faster
+    assert b.score("rope.dgrad", 500.0) == 5.0      # several launches a step: the plain median
+    assert b.score("gate_up", None) == b.medians["gate_up"]

@@ -56,13 +56,32 @@ def discover_sites(runner: KernelRunner, step: Callable[[], Any]) -> list[Site]:
     return list(seen.values())
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """Times (us) of every site over several steps: ``medians`` per site; ``per_step`` for sites
+    launched once a step; ``reference`` per step: the work outside the fused GEMM sites (cuBLAS
+    GEMMs, attention), which no tuning choice changes (None when there is none)."""
+    medians: dict[str, float]
+    per_step: dict[str, list[float]]
+    reference: list[float] | None
+
+    def score(self, site: str, scale: float | None) -> float:
+        """A site's time, comparable between runs while the GPU's clock drifts (it heats up at its
+        power limit by several percent during tuning, which would favour whichever candidate ran
+        first): median over steps of (site time / reference time) times a fixed ``scale`` (the
+        untuned run's reference). Without a reference, the plain median."""
+        steps = self.per_step.get(site)
+        if scale is None or steps is None or self.reference is None:
+            return self.medians[site]
+        return statistics.median(t / r for t, r in zip(steps, self.reference)) * scale
+
+    @property
+    def reference_median(self) -> float | None:
+        return statistics.median(self.reference) if self.reference else None
+
+
 def _site_times(runner: KernelRunner, step: Callable[[], Any], iters: int, warmup: int,
-                tuned: set[str] | None = None, fused: set[str] = frozenset()) -> dict[str, float]:
-    """Median time per site (us) over ``iters`` steps. Sites in ``tuned`` are scored against the
-    step's timed work outside the ``fused`` GEMM sites (cuBLAS GEMMs, attention) in the same
-    iteration, which no tuning choice changes: the GPU's
-    clock drifts by several percent while it heats up at its power limit, which would otherwise
-    favour whichever candidate ran first. A tuned site's score is median(t / t_ref) * median(t_ref)."""
+                fused: set[str] = frozenset()) -> StepTimes:
     for _ in range(warmup):
         step()
     rec = Recorder()
@@ -73,15 +92,10 @@ def _site_times(runner: KernelRunner, step: Callable[[], Any], iters: int, warmu
     finally:
         runner.recorder = None
     times = rec.times_us()
-    out = {site: statistics.median(v) for site, v in times.items()}
-    refs = [v for site, v in times.items() if site not in fused and len(v) == iters]
-    if tuned and refs:
-        ref = [sum(v[i] for v in refs) for i in range(iters)]
-        ref_median = statistics.median(ref)
-        for site in tuned & set(times):
-            if len(times[site]) == iters:
-                out[site] = statistics.median(t / r for t, r in zip(times[site], ref)) * ref_median
-    return out
+    per_step = {site: v for site, v in times.items() if len(v) == iters}
+    refs = [v for site, v in per_step.items() if site not in fused]
+    return StepTimes({site: statistics.median(v) for site, v in times.items()}, per_step,
+                     [sum(v[i] for v in refs) for i in range(iters)] if refs else None)
 
 
 def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: str, M: int, iters: int = 6,
@@ -109,15 +123,16 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
                 runner._gemms[(s.program.name, id(s.program), s.layout, s.partial, c.name())] = k
                 usable[s.name].append(c)
     fused = {s.name for s in sites}
-    base = _site_times(runner, step, iters, warmup)
-    order = sorted(sites, key=lambda s: -base.get(s.name, 0.0))
+    base = _site_times(runner, step, iters, warmup, fused)
+    scale = base.reference_median
+    order = sorted(sites, key=lambda s: -base.medians.get(s.name, 0.0))
     timings: dict[str, list[dict[str, Any]]] = {}
     for s in order:
         best: tuple[float, Choice] | None = None
         rows = timings.setdefault(s.name, [])
         for c in usable[s.name]:
             runner.plan[s.name] = Choice(c)
-            us = _site_times(runner, step, iters, warmup, {s.name}, fused)[s.name]
+            us = _site_times(runner, step, iters, warmup, fused).score(s.name, scale)
             rows.append({"config": c.name(), "raster": "heuristic", "swizzle": 1, "us": round(us, 1)})
             if best is None or us < best[0]:
                 best = (us, Choice(c))
@@ -126,15 +141,16 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
             for raster, swizzle in RUNTIME_CHOICES:
                 choice = Choice(best[1].config, raster, swizzle)
                 runner.plan[s.name] = choice
-                us = _site_times(runner, step, iters, warmup, {s.name}, fused)[s.name]
+                us = _site_times(runner, step, iters, warmup, fused).score(s.name, scale)
                 rows.append({"config": choice.config.name(), "raster": raster, "swizzle": swizzle, "us": round(us, 1)})
                 if us < best[0]:
                     best = (us, choice)
         runner.plan[s.name] = best[1]
         say(f"  {s.name}: {best[1].config.name()} raster={best[1].raster} swizzle={best[1].swizzle} "
-            f"{best[0]:.0f} us (untuned {base.get(s.name, float('nan')):.0f} us)", verbose)
-    final = _site_times(runner, step, iters, warmup)
-    rec = {"sites": {s: c.to_json() for s, c in runner.plan.items()}, "before_us": base, "after_us": final,
+            f"{best[0]:.0f} us (untuned {base.medians.get(s.name, float('nan')):.0f} us)", verbose)
+    final = _site_times(runner, step, iters, warmup, fused)
+    rec = {"sites": {s: c.to_json() for s, c in runner.plan.items()}, "before_us": base.medians,
+           "after_us": final.medians,
            "timings": timings, "seconds": round(time.monotonic() - start, 1)}
     if store:
         store_plan(context, runner.dtype, M, rec, cache_dir)
