@@ -17,15 +17,11 @@ for s in "$@"; do
   case "$s" in
     build) run build 480 python3 -c '
 import sys, torch
+sys.path.insert(0, "bench")
 import coda_cutlass as cc
 from coda_cutlass import epilogues as E
-from coda_cutlass.api import with_candidate_configs
-from coda_cutlass.nn.kernels import SITES, prebuild_items
-block = ["qkv", "o", "gate_up", "down.dgrad", "gate_up.dgrad"]
-items = prebuild_items() + with_candidate_configs(
-    [(SITES[s][0], {"dtype": torch.bfloat16, "weight_layout": SITES[s][1]}) for s in block])
-items += [(E.identity, {"dtype": torch.bfloat16, "weight_layout": l}) for l in ("nk", "kn")]
-cc.compile_many(items, skip_failed=True)
+from block_kernels import BENCH
+cc.compile_many(BENCH, skip_failed=True)
 for dt in (torch.bfloat16, torch.float16):
     for p in (E.norm_stats, E.rope_backward):
         cc.compile_map(p, dt, verbose=False)' ;;
