@@ -14,6 +14,8 @@ computes the same partials with ``reference``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from dataclasses import dataclass
 
 import torch
@@ -197,7 +199,24 @@ def finish_segments(partials: torch.Tensor, width: int, tile_n: int, N: int) -> 
     return seg.t().contiguous()
 
 
-_ONES: dict[tuple[int, torch.device], torch.Tensor] = {}
+_CACHED: dict[tuple, torch.Tensor] = {}
+
+
+def cached_tensor(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A small constant tensor made once per key (not cached while a CUDA graph is being
+    captured: no graph-pool memory in the cache)."""
+    t = _CACHED.get(key)
+    if t is None:
+        t = make()
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _CACHED[key] = t
+    return t
+
+
+def const_vector(n: int, value: float, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A cached constant vector for finishing reductions."""
+    return cached_tensor(("full", n, value, device, dtype),
+                         lambda: torch.full((n,), value, dtype=dtype, device=device))
 
 
 def sum_tiles(partials: torch.Tensor) -> torch.Tensor:
@@ -206,11 +225,4 @@ def sum_tiles(partials: torch.Tensor) -> torch.Tensor:
     (M = 8192, 32 tiles: 6.4 us against 10.7 us for torch.sum over the tile dimension, with a
     4.1 us launch floor; bench/finish_probe.py). The reference interpreter keeps torch.sum over the
     full values; the two agree to fp32 rounding."""
-    tiles = partials.shape[0]
-    key = (tiles, partials.device)
-    ones = _ONES.get(key)
-    if ones is None:
-        ones = torch.ones(tiles, dtype=partials.dtype, device=partials.device)
-        if not (partials.is_cuda and torch.cuda.is_current_stream_capturing()):   # no graph-pool memory
-            _ONES[key] = ones
-    return torch.mv(partials.t(), ones)
+    return torch.mv(partials.t(), const_vector(partials.shape[0], 1.0, partials.device, partials.dtype))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..partials import cached_tensor
 from .attention import Attention, rope_inv_freq
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
 from .hf import block_from_hf, block_to_hf
@@ -33,17 +34,10 @@ def column_frequencies(inv_freq: torch.Tensor, n_heads: int, n_kv_heads: int) ->
     return torch.cat((head.repeat(n_heads + n_kv_heads), torch.zeros(n_kv_heads * head.numel())))
 
 
-_POSITIONS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-
 def positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    key = (batch, seq, device)
-    pos = _POSITIONS.get(key)
-    if pos is None:
-        pos = torch.arange(seq, dtype=torch.float32, device=device).repeat(batch)
-        if not (pos.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _POSITIONS[key] = pos
-    return pos
+    """The position of every token of (batch, seq), fp32, cached."""
+    return cached_tensor(("positions", batch, seq, device),
+                         lambda: torch.arange(seq, dtype=torch.float32, device=device).repeat(batch))
 
 
 class BlockFunction(torch.autograd.Function):

@@ -17,22 +17,9 @@ from typing import Any
 import torch
 
 from .. import epilogues as E
+from ..partials import const_vector
 from .attention import Attention
 from .runner import Runner
-
-_CONST: dict[tuple[int, float, torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def const_vector(n: int, value: float, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A cached constant vector (not cached while a CUDA graph is being captured)."""
-    key = (n, value, device, dtype)
-    t = _CONST.get(key)
-    if t is None:
-        t = torch.full((n,), value, dtype=dtype, device=device)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _CONST[key] = t
-    return t
-
 
 def row_mean(partials: torch.Tensor, d: int, add: float = 0.0) -> torch.Tensor:
     """Per-tile row partials [tiles, M] -> (sum over tiles) / d + add, in one addmv."""
