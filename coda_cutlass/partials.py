@@ -14,9 +14,8 @@ computes the same partials with ``reference``.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
