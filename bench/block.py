@@ -43,7 +43,7 @@ from coda_cutlass.nn.plan_store import plan_key  # noqa: E402
 from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
-from report import GpuSampler, environment, machine_line, require_hopper  # noqa: E402
+from report import GpuSampler, config_label, environment, machine_line, require_hopper  # noqa: E402
 
 WIDTHS = {
     "8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336),
@@ -343,7 +343,7 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
             if c is None or b is None:
                 continue
             plan = r["plan"].get(s)
-            cfg = "default" if plan is None else f"{plan['config']} r={plan['raster']} s={plan['swizzle']}"
+            cfg = "default" if plan is None else config_label(plan)
             ident = r["sites"].get("coda-identity", {}).get(s)
             ident_ratio = f"{ident / b:.3f}" if ident else "-"
             lines.append(f"| {r['width']} | {r['M']} | {s} | {c:.0f} | {b:.0f} | {c / b:.3f} | {ident_ratio} | {cfg} |")
