@@ -299,7 +299,8 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     if args.tune:
         print(f"[{width} M={M}] in-sequence tuning ...", flush=True)
         tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), context=wl.block.context(),
-                                 M=M, iters=args.tune_iters, warmup=1, verbose=True)
+                                 M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
+                                 verbose=True)
     res: dict[str, Any] = {"width": width, "M": M, "batch": wl.batch, "seq": wl.seq}
     for backward in (False, True):
         times = time_rounds(wl, names, backward, args.rounds, args.iters, seed=M + backward)
@@ -357,7 +358,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10, help="iterations per variant per round (rounds x iters >= 50)")
     ap.add_argument("--tune", action="store_true", help="tune the coda block's kernels in its own sequence first")
-    ap.add_argument("--tune-iters", type=int, default=4)
+    ap.add_argument("--tune-iters", type=int, default=2, help="timed steps per visit of a tuning choice")
+    ap.add_argument("--tune-rounds", type=int, default=2, help="visits of each tuning choice (a shuffled order, then its mirror)")
     ap.add_argument("--no-max-autotune", dest="max_autotune", action="store_false")
     ap.add_argument("--out", type=Path, default=Path("bench/results_block"))
     args = ap.parse_args()
