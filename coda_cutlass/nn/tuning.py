@@ -6,13 +6,14 @@ inside a block: there the GPU runs GEMMs back to back at its power limit and eac
 its real neighbours (measured on an H200: cuBLAS itself is ~10% faster right after a memory-bound
 kernel than after a GEMM). So the tuner runs the whole step repeatedly and changes one site's
 configuration at a time (coordinate descent, largest sites first), then its raster order and
-swizzle. A choice is scored by the **whole step's time**, not the site's own: at the power limit a
-configuration that draws more power can slow the kernels after it, which a site's own time does
-not show (on the H200, scoring each site by its time against the step's other work picked 128x128
-ping-pong for the 70B norm backward: 1.12x cuBLAS in the benchmark that followed, where the
-128x256 cooperative plan of an earlier run read 1.03x). The choices of a site are visited a few
+swizzle. A choice is scored by the site's own time. The choices of a site are visited a few
 steps each, in a shuffled order and then its mirror, so the clock's drift while the card heats up
-falls on all of them alike. The plan is stored in the tuning cache,
+(several percent at the power limit) falls on all of them alike and cancels in the mean. Measured
+on the H200, two other scores chose worse plans: the site's time divided by the same steps' other
+work (it can reward a configuration that slows its neighbours: 128x128 ping-pong for the 70B norm
+backward, 1.12x cuBLAS in the benchmark that followed, the block 5% behind torch.compile, 1% ahead with
+the earlier plan), and the whole step's time (step-to-step noise of +-2% at 8B widths swamps differences of
+0.1-0.4% between a site's choices: it picked a 15%-slower out-proj kernel). The plan is stored in the tuning cache,
 keyed by GPU, dtype, model widths and M bucket, and found again by later processes.
 """
 
@@ -104,11 +105,10 @@ def compare_choices(runner: KernelRunner, step: Callable[[], Any], site: str, ch
     """Time ``step`` with each choice for ``site``: ``rounds`` rounds, each visiting every choice
     once (``warmup`` untimed, then ``iters`` timed steps, all queued without synchronising). Odd
     rounds draw a fresh shuffled order, even rounds mirror the one before, so with an even number
-    of rounds each choice's mean position is the same and a steady drift of the clock cancels in
-    the score: the mean over visits of each visit's median step time."""
+    of rounds each choice's mean position is the same and a steady drift of the clock cancels:
+    times are the mean over visits of each visit's median."""
     rng = random.Random(seed)
-    visits: list[list[list[Any]]] = [[] for _ in choices]
-    recorders = [Recorder() for _ in choices]
+    visits: list[list[tuple[list[Any], Recorder]]] = [[] for _ in choices]
     order: list[int] = []
     for r in range(rounds):
         if r % 2 == 0:
@@ -120,19 +120,21 @@ def compare_choices(runner: KernelRunner, step: Callable[[], Any], site: str, ch
             runner.plan[site] = choices[i]
             for _ in range(warmup):
                 step()
-            runner.recorder = recorders[i]
+            rec = Recorder()
+            runner.recorder = rec
             try:
-                visits[i].append([timed_call(step) for _ in range(iters)])
+                visits[i].append(([timed_call(step) for _ in range(iters)], rec))
             finally:
                 runner.recorder = None
     _sync()
-    return [Scored(c, statistics.fmean(statistics.median(_us(p) for p in v) for v in visits[i]),
-                   statistics.median(recorders[i].times_us()[site])) for i, c in enumerate(choices)]
+    return [Scored(c, statistics.fmean(statistics.median(_us(p) for p in steps) for steps, _ in visits[i]),
+                   statistics.fmean(statistics.median(rec.times_us()[site]) for _, rec in visits[i]))
+            for i, c in enumerate(choices)]
 
 
 def best_choice(scored: list[Scored]) -> Scored:
-    """The choice with the fastest step (ties: the faster site)."""
-    return min(scored, key=lambda s: (s.step_us, s.site_us))
+    """The choice whose kernel is fastest in the sequence."""
+    return min(scored, key=lambda s: s.site_us)
 
 
 def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: str, M: int, iters: int = 3,
