@@ -130,14 +130,56 @@ def test_an_in_sequence_plan_is_stored_and_found_by_the_runner(tmp_path):
     rec = {"sites": {"gate_up": Choice(cfg, "m", 4).to_json()}}
     store_plan("llama:test", torch.bfloat16, 8000, rec, tmp_path, device="gpu-x")
     assert load_plan("llama:test", torch.bfloat16, 8192, tmp_path, device="gpu-x") == {"gate_up": Choice(cfg, "m", 4)}
-    assert load_plan("llama:test", torch.bfloat16, 16384, tmp_path, device="gpu-x") is None     # other M bucket
+    assert load_plan("llama:test", torch.bfloat16, 16384, tmp_path, device="gpu-x", nearest=False) is None
     assert load_plan("llama:test", torch.bfloat16, 8192, tmp_path, device="gpu-y") is None      # other GPU
     explicit = Choice(KernelConfig(), "n", 2)
     runner = KernelRunner(torch.bfloat16, plan={"qkv": explicit}, cache_dir=tmp_path)
     runner.prepare("llama:test", 8192, device="gpu-x")
     assert runner.plan == {"gate_up": Choice(cfg, "m", 4), "qkv": explicit}
+    assert runner.plan_source.endswith("|llama:test|M8192")
+    runner.prepare("llama:test", 16384, device="gpu-x")       # no plan at 16384: the nearest (8192)
+    assert runner.plan["gate_up"] == Choice(cfg, "m", 4) and runner.plan_source.endswith("|M8192")
+    runner.prepare("llama:none", 16384, device="gpu-x")
+    assert runner.plan == {"qkv": explicit} and runner.plan_source is None
+    tuned = Choice(KernelConfig(tile_n=256), "n", 8)           # the tuner adopts what it stored
+    runner.adopt("llama:test", 16384, "key16", {"gate_up": tuned})
+    runner.prepare("llama:test", 8192, device="gpu-x")
+    runner.prepare("llama:test", 16384, device="gpu-x")
+    assert runner.plan == {"gate_up": tuned, "qkv": explicit} and runner.plan_source == "key16"
     store_plan("llama:bad", torch.bfloat16, 8192, {"sites": {"x": {"config": "nonsense"}}}, tmp_path, device="gpu-x")
     assert load_plan("llama:bad", torch.bfloat16, 8192, tmp_path, device="gpu-x") is None
+
+
+def test_a_shape_without_a_plan_takes_the_nearest_m_buckets_plan(tmp_path, monkeypatch):
+    """Tuned at 8192 and 16384 tokens (one locally, one shipped): 4096 and 12288 tokens get the
+    8192 / 16384 plan, 65536 the 16384 one; between two equally near buckets the larger wins;
+    another model width, dtype or GPU gets none, and a corrupt neighbour is skipped."""
+    from coda_cutlass.config import KernelConfig
+    from coda_cutlass.nn import plan_store
+    from coda_cutlass.nn.plan_store import Choice, find_plan, load_plan, plan_key, store_plan
+    small, big = Choice(KernelConfig(), "m", 2), Choice(KernelConfig(tile_n=256), "n", 8)
+    store_plan("llama:w", torch.bfloat16, 8192, {"sites": {"o": small.to_json()}}, tmp_path, device="gpu-x")
+    shipped = {plan_key("llama:w", torch.bfloat16, 16384, "gpu-x"): {"sites": {"o": big.to_json()}},
+               plan_key("llama:w", torch.bfloat16, 1 << 20, "gpu-x"): {"sites": "corrupt"}}
+    monkeypatch.setattr(plan_store, "shipped_plans", lambda: shipped)
+
+    def site_o(M, **kw):
+        plan = load_plan("llama:w", torch.bfloat16, M, tmp_path, device="gpu-x", **kw)
+        return None if plan is None else plan["o"]
+    assert site_o(8192) == small and site_o(16384) == big
+    assert site_o(4096) == small and site_o(128) == small
+    assert site_o(12288) == big                     # bucket 16384: exact
+    assert site_o(65536) == big                     # the corrupt 2^20 record is not a candidate
+    assert site_o(4096, nearest=False) is None
+    assert find_plan("llama:w", torch.bfloat16, 4096, tmp_path, device="gpu-x")[0].endswith("|M8192")
+    store_plan("llama:w", torch.bfloat16, 32768, {"sites": {"o": small.to_json()}}, tmp_path, device="gpu-x")
+    assert site_o(65536) == small                   # now 32768 is nearer
+    store_plan("llama:tie", torch.bfloat16, 8192, {"sites": {"o": small.to_json()}}, tmp_path, device="gpu-x")
+    store_plan("llama:tie", torch.bfloat16, 32768, {"sites": {"o": big.to_json()}}, tmp_path, device="gpu-x")
+    assert load_plan("llama:tie", torch.bfloat16, 16384, tmp_path, device="gpu-x")["o"] == big
+    assert load_plan("llama:other", torch.bfloat16, 4096, tmp_path, device="gpu-x") is None
+    assert load_plan("llama:w", torch.float16, 4096, tmp_path, device="gpu-x") is None
+    assert load_plan("llama:w", torch.bfloat16, 4096, tmp_path, device="gpu-y") is None
 
 
 def test_module_to_keeps_rope_frequencies_fp32():

@@ -22,7 +22,7 @@ from ..maps import compile_map, map_reference
 from ..pipeline import Options, lower_program, typed_ir
 from ..timing import timed_call
 from ..tuning.store import m_bucket
-from .plan_store import Choice, load_plan
+from .plan_store import Choice, find_plan
 
 REFERENCE_TILE = DEFAULT.tile   # partial-reduction layout the reference runner reproduces
 
@@ -117,19 +117,30 @@ class KernelRunner(Runner):
         self._gemms: dict[tuple[Any, ...], Any] = {}
         self._maps: dict[tuple[Any, ...], Any] = {}
         self._defaults: dict[tuple[str, str], KernelConfig] = {}
-        self._stored: dict[tuple[str, int], dict[str, Choice] | None] = {}
+        self._stored: dict[tuple[str, int], tuple[str, dict[str, Choice]] | None] = {}
         self._prepared: tuple[str, int] | None = None
+        self.plan_source: str | None = None
 
     def prepare(self, context: str, M: int, device: str | None = None) -> None:
-        """Use the in-sequence tuned plan stored for this model context and M bucket, if there is
-        one (a plan passed to the constructor or tuned in this process takes precedence)."""
+        """Use the in-sequence tuned plan stored for this model context and M bucket, or the nearest
+        M bucket's (``plan_store.find_plan``), if there is one (a plan passed to the constructor or
+        tuned in this process takes precedence). ``plan_source`` names the stored plan in use."""
         key = (context, m_bucket(M))
         if key == self._prepared:
             return
         if key not in self._stored:
-            self._stored[key] = load_plan(context, self.dtype, M, self.cache_dir, device)
-        self.plan = {**(self._stored[key] or {}), **self._explicit}
+            self._stored[key] = find_plan(context, self.dtype, M, self.cache_dir, device)
+        found = self._stored[key]
+        self.plan_source = None if found is None else found[0]
+        self.plan = {**(found[1] if found else {}), **self._explicit}
         self._prepared = key
+
+    def adopt(self, context: str, M: int, key: str, plan: dict[str, Choice]) -> None:
+        """Use ``plan`` (just tuned and stored under ``key``) for this model context and M bucket from
+        now on, also after ``prepare`` has switched to another M and back."""
+        self._stored[(context, m_bucket(M))] = (key, dict(plan))
+        self._prepared = None
+        self.prepare(context, M)
 
     def choice(self, site: str, program: Any, layout: str) -> Choice:
         c = self.plan.get(site)

@@ -33,7 +33,7 @@ from ..config import KernelConfig
 from ..errors import DeviceError
 from ..pipeline import Options, lower_program
 from ..tuning.space import RUNTIME_CHOICES, candidate_configs
-from .plan_store import Choice, store_plan
+from .plan_store import Choice, plan_key, store_plan
 from ..timing import timed_call
 from .runner import KernelRunner, Recorder
 
@@ -186,6 +186,7 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
            "timings": timings, "seconds": round(time.monotonic() - start, 1)}
     if store:
         store_plan(context, runner.dtype, M, rec, cache_dir)
+    runner.adopt(context, M, plan_key(context, runner.dtype, M), runner.plan)
     return rec
 
 
