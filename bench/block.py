@@ -309,6 +309,7 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     res["sites"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4))
     res["device"] = device_breakdown(wl, names, iters=3)
     res["plan"] = {s: c.to_json() for s, c in wl.runner.plan.items()}
+    res["plan_source"] = wl.runner.plan_source    # the plan key in use (None: default configurations)
     if tuned:
         res["tuning"] = {k: tuned[k] for k in ("before_us", "after_us", "seconds", "timings")}
         res["plan_key"] = plan_key(wl.block.context(), torch.bfloat16, M)
