@@ -360,7 +360,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10, help="iterations per variant per round (rounds x iters >= 50)")
     ap.add_argument("--tune", action="store_true", help="tune the coda block's kernels in its own sequence first")
     ap.add_argument("--tune-iters", type=int, default=2, help="timed steps per visit of a tuning choice")
-    ap.add_argument("--tune-rounds", type=int, default=2, help="visits of each tuning choice (a shuffled order, then its mirror)")
+    ap.add_argument("--tune-rounds", type=int, default=2,
+                    help="visits of each tuning choice (a shuffled order, then its mirror)")
     ap.add_argument("--no-max-autotune", dest="max_autotune", action="store_false")
     ap.add_argument("--out", type=Path, default=Path("bench/results_block"))
     args = ap.parse_args()

@@ -1,20 +1,20 @@
-"""In-sequence tuning: choose each site's kernel configuration where the kernel really runs, inside
-the training step's own sequence of GEMMs and attention, sustained.
+"""In-sequence tuning: choose each site's kernel configuration where the kernel really runs, inside the
+training step's own sequence of GEMMs and attention, sustained.
 
 Timed alone, a fused kernel's best configuration and its ratio to cuBLAS differ from what it gets
-inside a block: there the GPU runs GEMMs back to back at its power limit and each kernel follows
-its real neighbours (measured on an H200: cuBLAS itself is ~10% faster right after a memory-bound
-kernel than after a GEMM). So the tuner runs the whole step repeatedly and changes one site's
-configuration at a time (coordinate descent, largest sites first), then its raster order and
-swizzle. A choice is scored by the site's own time. The choices of a site are visited a few
-steps each, in a shuffled order and then its mirror, so the clock's drift while the card heats up
-(several percent at the power limit) falls on all of them alike and cancels in the mean. Measured
-on the H200, two other scores chose worse plans: the site's time divided by the same steps' other
-work (it can reward a configuration that slows its neighbours: 128x128 ping-pong for the 70B norm
-backward, 1.12x cuBLAS in the benchmark that followed, the block 5% behind torch.compile, 1% ahead with
-the earlier plan), and the whole step's time (step-to-step noise of +-2% at 8B widths swamps differences of
-0.1-0.4% between a site's choices: it picked a 15%-slower out-proj kernel). The plan is stored in the tuning cache,
-keyed by GPU, dtype, model widths and M bucket, and found again by later processes.
+inside a block: there the GPU runs GEMMs back to back at its power limit and each kernel follows its
+real neighbours (measured on an H200: cuBLAS itself is ~10% faster right after a memory-bound kernel
+than after a GEMM). So the tuner runs the whole step repeatedly and changes one site's configuration
+at a time (coordinate descent, largest sites first), then its raster order and swizzle. A choice is
+scored by the site's own time. The choices of a site are visited a few steps each, in a shuffled
+order and then its mirror, so the clock's drift while the card heats up (several percent at the
+power limit) falls on all of them alike and cancels in the mean. Measured on the H200, two other
+scores chose worse plans: the site's time divided by the same steps' other work (it can reward a
+configuration that slows its neighbours: 128x128 ping-pong for the 70B norm backward, 1.12x cuBLAS
+in the benchmark that followed, the block 5% behind torch.compile, 1% ahead with the earlier plan),
+and the whole step's time (step-to-step noise of +-2% at 8B widths swamps differences of 0.1-0.4%
+between a site's choices: it picked a 15%-slower out-proj kernel). The plan is stored in the tuning
+cache, keyed by GPU, dtype, model widths and M bucket, and found again by later processes.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from ..config import KernelConfig
 from ..errors import DeviceError
 from ..pipeline import Options, lower_program
 from ..tuning.space import RUNTIME_CHOICES, candidate_configs
-from .plan_store import Choice, plan_key, store_plan
 from ..timing import timed_call
+from .plan_store import Choice, plan_key, store_plan
 from .runner import KernelRunner, Recorder
 
 
@@ -137,7 +137,7 @@ def best_choice(scored: list[Scored]) -> Scored:
     return min(scored, key=lambda s: s.site_us)
 
 
-def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: str, M: int, iters: int = 3,
+def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: str, M: int, iters: int = 2,
                      rounds: int = 2, warmup: int = 1, runtime: bool = True,
                      candidates: Callable[[Site], list[KernelConfig]] | None = None,
                      cache_dir: Any = None, jobs: int | None = None, verbose: bool | None = None,
