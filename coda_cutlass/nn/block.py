@@ -150,7 +150,7 @@ class LlamaBlock(nn.Module):
     def tune(self, batch: int, seq: int, **options: Any) -> dict[str, Any]:
         """Tune this block's kernels inside its own forward + backward on (batch, seq) tokens,
         sustained (coda_cutlass.nn.tuning); the plan is stored and used from then on. Options go to
-        tune_in_sequence (iters, warmup, runtime, cache_dir, verbose)."""
+        tune_in_sequence (iters, rounds, warmup, runtime, cache_dir, verbose)."""
         x = torch.randn(batch, seq, self.dims.dim, device=self.qkv.device, dtype=self.qkv.dtype, requires_grad=True)
         dy = torch.randn_like(x)
         return tune_module(self, self.get_runner(), lambda: self(x).backward(dy), context=self.context(),
