@@ -63,8 +63,14 @@ def _with_pack(acc, z: cc.PairTile):
     return a * acc
 
 
+@cc.epilogue
+def _with_pack_store(acc):
+    return {"D": cc.pack(acc, acc * 2.0)}
+
+
 @pytest.mark.parametrize("program,what", [(_with_lse, "log-sum-exp"), (_with_col_sum, "col reductions"),
-                                          (_with_pack, "packed pairs")])
+                                          (_with_pack, "operand 'z'.*packed pairs"),
+                                          (_with_pack_store, r"node %\d+ \(pack\).*packed pairs")])
 def test_unsupported_nodes_are_refused_by_name(program, what):
     with pytest.raises(cc.EpilogueError, match=what):
         cc.emit_map(program)
