@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.nn import KernelRunner, LlamaBlock, Recorder  # noqa: E402
-from coda_cutlass.nn.block import BlockFunction  # noqa: E402
+from coda_cutlass.nn.runner import Runner  # noqa: E402
 from coda_cutlass.nn.functional import first_norm  # noqa: E402
 from coda_cutlass.nn.plan_store import plan_key  # noqa: E402
 from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
@@ -164,7 +163,7 @@ class Workload:
         return v
 
 
-class Skeleton:
+class Skeleton(Runner):
     """The block's 12 GEMMs (cuBLAS through torch.mm) and its attention, in the coda block's order,
     with every site timed like the coda runner's. With ``identity=True`` the forward and dX GEMMs
     run as coda kernels with an identity epilogue (heuristic default configuration): the mainloop's
@@ -181,9 +180,6 @@ class Skeleton:
         self.W = {"qkv": b.qkv.detach(), "o": b.o.detach(), "gu": b.gate_up.detach(), "down": b.down.detach()}
         self.recorder: Recorder | None = None
 
-    def _t(self, site: str, fn: Callable[[], Any]) -> Any:
-        return fn() if self.recorder is None else self.recorder.around(site, fn)
-
     def _mm(self, site: str, A: torch.Tensor, W: torch.Tensor, layout: str) -> torch.Tensor:
         """A @ W.T ("nk") or A @ W ("kn"): cuBLAS, or the coda identity kernel."""
         if self.identity is not None:
@@ -192,27 +188,27 @@ class Skeleton:
                 return self.identity.gemm(site, E.identity, A, W, layout=layout)["D"]
             finally:
                 self.identity.recorder = None
-        return self._t(site, lambda: A @ (W.t() if layout == "nk" else W))
+        return self.timed(site, lambda: A @ (W.t() if layout == "nk" else W))
 
     def run(self, backward: bool) -> None:
         W, h, x, step = self.W, self.h, self.x, self.wl.step
         with torch.no_grad():
             qkv = self._mm("qkv", h, W["qkv"], "nk")
-            o, ctx = self._t("attention.fwd", lambda: step.attention.forward(qkv, step.batch, step.seq, step.dims))
+            o, ctx = self.timed("attention.fwd", lambda: step.attention.forward(qkv, step.batch, step.seq, step.dims))
             x1 = self._mm("o", o, W["o"], "nk")
             self._mm("gate_up", x1, W["gu"], "nk")
             x2 = self._mm("down", self.y, W["down"], "nk")
             if not backward:
                 return
             self._mm("down.dgrad", x2, W["down"], "kn")
-            self._t("down.wgrad", lambda: x2.t() @ self.y)
+            self.timed("down.wgrad", lambda: x2.t() @ self.y)
             dx1 = self._mm("gate_up.dgrad", self.dz, W["gu"], "kn")
-            self._t("gate_up.wgrad", lambda: self.dz.t() @ x1)
+            self.timed("gate_up.wgrad", lambda: self.dz.t() @ x1)
             da = self._mm("o.dgrad", dx1, W["o"], "kn")
-            self._t("o.wgrad", lambda: dx1.t() @ o)
-            self._t("attention.bwd", lambda: step.attention.backward(ctx, da))
+            self.timed("o.wgrad", lambda: dx1.t() @ o)
+            self.timed("attention.bwd", lambda: step.attention.backward(ctx, da))
             self._mm("qkv.dgrad", self.dqkv, W["qkv"], "kn")
-            self._t("qkv.wgrad", lambda: self.dqkv.t() @ h)
+            self.timed("qkv.wgrad", lambda: self.dqkv.t() @ h)
 
 
 def time_rounds(wl: Workload, names: list[str], backward: bool, rounds: int, iters: int, seed: int) -> dict[str, list[float]]:
@@ -244,7 +240,7 @@ def site_times(wl: Workload, rounds: int, iters: int) -> dict[str, dict[str, flo
                     skeletons[name].recorder = rec[name]
                     skeletons[name].run(True)
                     skeletons[name].recorder = None
-    return {n: {site: statistics.median(v) for site, v in r.times_us().items()} for n, r in rec.items()}
+    return {n: r.medians_us() for n, r in rec.items()}
 
 
 def device_breakdown(wl: Workload, names: list[str], iters: int) -> dict[str, dict[str, float]]:

@@ -16,7 +16,7 @@ from .compiler import CompiledEpilogue, checked_reference, compile_generated, co
 from .config import KernelConfig
 from .dtypes import BF16, as_dtype, as_operand_dtype
 from .errors import CallError
-from .interpret import PRECISIONS
+from .interpret import check_mode
 from .pipeline import Lowered, Options, generate, lower_program, typed_ir
 from .runtime.arguments import CallSpec
 from .tuning.space import candidate_configs
@@ -160,8 +160,7 @@ def reference(program: Any, A: torch.Tensor, W: torch.Tensor, /, *, dtype: Any =
     whose results do not depend on it. As the kernel, accumulated outputs are updated in place in
     the tensors passed, A may have leading batch dimensions, and reductions over an empty M or N
     give their identity."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    check_mode(precision)
     if dtype is None:
         a_dtype = getattr(A, "dtype", None)
         if a_dtype in (torch.bfloat16, torch.float16):

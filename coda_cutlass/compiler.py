@@ -15,17 +15,14 @@ import torch
 
 from .build.builder import build
 from .build.progress import say
-from .config import WEIGHT_LAYOUTS
 from .dtypes import DType
 from .errors import BuildError, ConfigError
-from .interpret import PRECISIONS, interpret
+from .frontend.trace import REFERENCE_KEYWORDS
+from .interpret import check_mode, interpret
 from .ir.nodes import Program
 from .pipeline import Generated
 from .runtime.arguments import CallSpec, flatten_batch
 from .runtime.kernel import Kernel
-
-REFERENCE_KEYWORDS = ("dtype", "weight_layout", "precision", "input_dtypes", "output_dtypes", "constants")
-
 
 def checked_reference(ir: Program, spec: CallSpec, A: Any, W: Any, operands: dict[str, Any], *, dtype: DType,
                       weight_layout: str, precision: str,
@@ -33,10 +30,7 @@ def checked_reference(ir: Program, spec: CallSpec, A: Any, W: Any, operands: dic
     """The interpreter behind a call checked as the kernel checks it (``runtime/arguments.py``; at
     ``precision="fp32"`` float32 tensors are accepted for every tensor argument), with leading batch
     dimensions flattened and restored as the kernel does. Accumulated outputs are updated in place."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
+    check_mode(precision, weight_layout)
     batch = None
     if isinstance(A, torch.Tensor) and A.dim() > 2:
         A, flat, _, batch = flatten_batch(spec, A, W, operands, weight_layout)
@@ -104,17 +98,15 @@ def compile_parallel(items: Sequence[tuple[Generated, dict[str, Any]]], *, jobs:
     def one(i: int) -> CompiledEpilogue | BuildError:
         gen, rest = items[i]
         try:
-            res = build(gen.source, gen.program.name, cache_dir=rest.get("cache_dir"), verbose=False,
-                        force=rest.get("force_rebuild", False), timeout=rest.get("build_timeout"),
-                        dtype=gen.options.dtype.torch)
+            k = compile_generated(gen, verbose=False, **rest)
         except BuildError as e:
             done[0] += 1
             say(f"[{done[0]}/{total}] {gen.program.name}: FAILED (log: {e.log_path})", verbose)
             return e
         done[0] += 1
-        say(f"[{done[0]}/{total}] {gen.program.name}: {res.origin}"
-            + (f" in {res.seconds:.0f} s" if res.origin == "built" else ""), verbose)
-        return CompiledEpilogue(gen, res, partial_reductions=rest.get("partial_reductions", False))
+        say(f"[{done[0]}/{total}] {gen.program.name}: {k.origin}"
+            + (f" in {k.build_seconds:.0f} s" if k.origin == "built" else ""), verbose)
+        return k
 
     say(f"building {total} kernels with up to {jobs} parallel nvcc jobs", verbose)
     with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -57,6 +57,14 @@ def _reduce(x: torch.Tensor, fn: str, dim: int | None) -> torch.Tensor:
     return x.amax(dim) if fn == "max" else x.amin(dim)
 
 
+def check_mode(precision: str, weight_layout: str = "nk") -> None:
+    """Refuse an unknown ``precision`` or ``weight_layout`` (before any other argument check)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if weight_layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
+
+
 def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapping[str, Any], *,
               weight_layout: str = "nk", precision: str = "kernel",
               partial_tile: tuple[int, int] | None = None, acc: torch.Tensor | None = None
@@ -69,10 +77,7 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
     With ``partial_tile=(tm, tn)``, reductions are returned as the per-tile partials the kernel
     writes (``partials.PartialLayout``) instead of finished values.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
+    check_mode(precision, weight_layout)
     gemm_dtype = as_dtype(program.meta.get("gemm_dtype", "bf16"))
     if acc is not None:
         M, N = acc.shape

@@ -22,7 +22,7 @@ import torch
 
 from .build.builder import build
 from .dtypes import as_dtype, as_operand_dtype
-from .interpret import PRECISIONS, interpret
+from .interpret import check_mode, interpret
 from .lower.map import PARTIALS_TILE, lower_map
 from .pipeline import Options, typed_ir
 from .render.map import render_map_kernel
@@ -59,8 +59,7 @@ def map_reference(program: Any, X: torch.Tensor, /, *, dtype: Any = None, precis
     """The torch interpreter's result of a map kernel call ``k(X, **operands)`` (CPU or GPU).
     Tile operands may be 2-D, 3-D or 4-D like the kernel's; outputs are (M, N) matrices.
     ``partial_reductions``: row reductions as the kernel's per-(row, 256-column tile) partials."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    check_mode(precision)
     if dtype is None:
         dtype = X.dtype if X.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     opts = Options.make(as_operand_dtype(as_dtype(dtype)), input_dtypes=input_dtypes, output_dtypes=output_dtypes,

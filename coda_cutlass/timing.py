@@ -69,26 +69,28 @@ def timed_call(fn: Callable[..., Any], *args: Any) -> EventPair:
     return start, end
 
 
+def elapsed_us(pair: EventPair) -> float:
+    """The time between an event pair in microseconds (both recorded and completed)."""
+    start, end = pair
+    return start.elapsed_time(end) * 1000.0
+
+
 def medians_us(events: dict[str, list[EventPair]]) -> dict[str, float]:
     """Synchronise, then the median of each name's event pairs in microseconds."""
     torch.cuda.synchronize()
-    return {k: statistics.median(s.elapsed_time(e) * 1000.0 for s, e in v) for k, v in events.items()}
+    return {k: statistics.median(elapsed_us(p) for p in v) for k, v in events.items()}
 
 
 def in_bursts(names: Sequence[str], call: Callable[[str, int], EventPair | None], *, rounds: int, burst: int,
               seed: int = 0) -> dict[str, list[EventPair]]:
     """``rounds`` rounds, each visiting every name once in a fresh shuffled order and calling
     ``call(name, i)`` for i < burst back to back; keeps the event pairs the calls return."""
-    rng = random.Random(seed)
     events: dict[str, list[EventPair]] = {k: [] for k in names}
-    for _ in range(rounds):
-        order = list(names)
-        rng.shuffle(order)
-        for name in order:
-            for i in range(burst):
-                pair = call(name, i)
-                if pair is not None:
-                    events[name].append(pair)
+    for name in call_order(names, rounds, "shuffle", seed):
+        for i in range(burst):
+            pair = call(name, i)
+            if pair is not None:
+                events[name].append(pair)
     return events
 
 

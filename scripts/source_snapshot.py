@@ -30,7 +30,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 import torch  # noqa: E402
 
 import coda_cutlass as cc  # noqa: E402
-from coda_cutlass.api import with_candidate_configs  # noqa: E402
+from coda_cutlass.api import GENERATION_OPTIONS, with_candidate_configs  # noqa: E402
 
 EXTRA_CONFIGS = (
     cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1),
@@ -52,7 +52,13 @@ def _label(prog: Any, opts: dict[str, Any]) -> str:
     return " ".join(str(p) for p in parts)
 
 
-GEN_KEYS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants")
+GEN_KEYS = GENERATION_OPTIONS
+
+
+def _library() -> list[Any]:
+    """Every epilogue program of the library (coda_cutlass.epilogues)."""
+    from coda_cutlass import epilogues as E
+    return [getattr(E, n) for n in E.__all__ if isinstance(getattr(E, n), cc.EpilogueProgram)]
 
 
 def _segment_program(width: int) -> Any:
@@ -70,11 +76,10 @@ def items() -> list[tuple[Any, dict[str, Any]]]:
     import fuzzgen
     import pairwise
     import programs
-    from coda_cutlass import epilogues as E
 
     base: list[tuple[Any, dict[str, Any]]] = []
     base += [(p, {k: v for k, v in o.items() if k in GEN_KEYS}) for p, o in catalog.PREBUILD]
-    library = [getattr(E, n) for n in E.__all__ if isinstance(getattr(E, n), cc.EpilogueProgram)]
+    library = _library()
     for p in list(programs.PROGRAMS) + [p for p, _ in pairwise.PREBUILD] + library:
         for dt in (torch.bfloat16, torch.float16):
             for wl in ("nk", "kn"):
@@ -96,8 +101,7 @@ def items() -> list[tuple[Any, dict[str, Any]]]:
 
 def map_items() -> list[tuple[Any, dict[str, Any]]]:
     import catalog
-    from coda_cutlass import epilogues as E
-    library = [getattr(E, n) for n in E.__all__ if isinstance(getattr(E, n), cc.EpilogueProgram)]
+    library = _library()
     keys = ("dtype", "input_dtypes", "output_dtypes", "constants")
     return ([(p, {k: v for k, v in o.items() if k in keys}) for p, o in catalog.PREBUILD]
             + [(p, {"dtype": dt}) for p in library for dt in (torch.bfloat16, torch.float16)])
@@ -108,8 +112,7 @@ def key_items() -> list[tuple[str, Any, Any, dict[str, Any]]]:
     library epilogue at the default (bf16 nk, f16 kn) and at every candidate config (bf16 nk), the
     segment-width programs, and the map kernel of every library program the map generator takes."""
     import catalog
-    from coda_cutlass import epilogues as E
-    library = [getattr(E, n) for n in E.__all__ if isinstance(getattr(E, n), cc.EpilogueProgram)]
+    library = _library()
     gemm = [(p, {k: v for k, v in o.items() if k in GEN_KEYS}) for p, o in catalog.PREBUILD]
     for p in library:
         gemm += [(p, {"dtype": torch.bfloat16}), (p, {"dtype": torch.float16, "weight_layout": "kn"})]

@@ -12,27 +12,42 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import BinaryIO
 
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
 PRIVATE_EXEC = 0o700
 
 
-def sha256_file(path: Path) -> str:
+def sha256_stream(f: BinaryIO) -> str:
+    """SHA-256 of what is left to read in an open binary file."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        h.update(chunk)
     return h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return sha256_stream(f)
+
+
+def parse_json_object(data: str | bytes) -> dict | None:
+    """The JSON object in ``data`` (bytes as UTF-8); None if it is not JSON or not an object."""
+    try:
+        value = json.loads(data.decode("utf-8") if isinstance(data, bytes) else data)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def read_json_object(path: Path) -> dict | None:
     """The JSON object in ``path``; None if it is missing, unreadable, not JSON, or not an object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    return parse_json_object(text)
 
 
 def make_dirs(path: Path, mode: int = PRIVATE_DIR) -> None:

@@ -10,12 +10,11 @@ its ``so_sha256`` equals the SHA-256 of the bytes read through the same open fil
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .files import parse_json_object, sha256_stream
 from .trust import stat_problem, untrusted_reason
 
 
@@ -48,17 +47,11 @@ def verify(so: Path, meta_path: Path | None = None, **expected: Any) -> tuple[in
             meta_bytes = f.read(1 << 24)
         with _open_at(folder, so.name) as f:
             st = os.fstat(f.fileno())
-            h = hashlib.sha256()
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+            digest = sha256_stream(f)
     finally:
         os.close(folder)
-    digest = h.hexdigest()
-    try:
-        meta = json.loads(meta_bytes.decode("utf-8"))
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict):
+    meta = parse_json_object(meta_bytes)
+    if meta is None:
         raise Rejected(f"{meta_path.name} is not a JSON object")
     for field, value in expected.items():
         if meta.get(field) != value:

@@ -32,10 +32,6 @@ class TensorSlot:
                            # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2)
     partials: PartialLayout | None = None   # role "partials": how the reduction's buffer is laid out
 
-    @property
-    def is_tile(self) -> bool:
-        return self.kind == Kind.TILE and self.role != "partials"
-
     def columns(self, N: int) -> int:
         """Columns of a tile slot's tensor for a GEMM N."""
         return layout_columns(self.layout, N)

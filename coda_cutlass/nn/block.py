@@ -142,10 +142,10 @@ class LlamaBlock(nn.Module):
             raise ValueError(f"LlamaBlock expects (batch, seq, {self.dims.dim}) input, got {tuple(x.shape)}")
         B, S, D = x.shape
         step = self.step(B, S)
-        x2d = x.reshape(B * S, D)
+        x2d = x.reshape(B * S, D).contiguous()
         with torch.no_grad():
-            h, r = first_norm(step, x2d.detach().contiguous(), self.attn_norm)
-        return self.run(step, x2d.contiguous(), h, r, None).view(B, S, D)
+            h, r = first_norm(step, x2d.detach(), self.attn_norm)
+        return self.run(step, x2d, h, r, None).view(B, S, D)
 
     def tune(self, batch: int, seq: int, **options: Any) -> dict[str, Any]:
         """Tune this block's kernels inside its own forward + backward on (batch, seq) tokens,

@@ -12,7 +12,6 @@ block's down-proj epilogue (or, for the first block, by one map kernel over the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..config import KernelConfig
-from ..tuning.store import TuningStore, m_bucket
+from ..tuning.store import TuningStore, device_tag, m_bucket
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,6 @@ class Choice:
     def from_json(cls, d: dict[str, Any]) -> "Choice":
         return cls(KernelConfig.from_dict(d["config"]), d.get("raster", "heuristic"), int(d.get("swizzle", 1)))
 
-
-
-def device_tag() -> str:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return f"{props.name}|sm{props.major}{props.minor}|cuda{torch.version.cuda}"
 
 
 def plan_key(context: str, dtype: torch.dtype, M: int, device: str | None = None) -> str:

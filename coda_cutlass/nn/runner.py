@@ -20,7 +20,7 @@ from ..interpret import interpret
 from ..lower.plan import default_config
 from ..maps import compile_map, map_reference
 from ..pipeline import Options, lower_program, typed_ir
-from ..timing import timed_call
+from ..timing import elapsed_us, medians_us, timed_call
 from ..tuning.store import m_bucket
 from .plan_store import Choice, find_plan
 
@@ -39,10 +39,10 @@ class Recorder:
 
     def times_us(self) -> dict[str, list[float]]:
         torch.cuda.synchronize()
-        return {k: [s.elapsed_time(e) * 1000.0 for s, e in v] for k, v in self.events.items()}
+        return {k: [elapsed_us(p) for p in v] for k, v in self.events.items()}
 
-    def clear(self) -> None:
-        self.events.clear()
+    def medians_us(self) -> dict[str, float]:
+        return medians_us(self.events)
 
 
 class Runner:
@@ -152,8 +152,16 @@ class KernelRunner(Runner):
             cfg = self._defaults[key] = default_config(lower_program(program, Options.make(self.dtype, layout)).graph)
         return Choice(cfg)
 
+    @staticmethod
+    def _kernel_key(program: Any, layout: str, partial: bool, config: KernelConfig) -> tuple:
+        return (id(program), layout, partial, config.name())
+
+    def add_kernel(self, program: Any, layout: str, partial: bool, config: KernelConfig, kernel: Any) -> None:
+        """Use ``kernel`` (already built, e.g. by the tuner) for this program, layout and config."""
+        self._gemms[self._kernel_key(program, layout, partial, config)] = kernel
+
     def kernel(self, program: Any, layout: str, partial: bool, config: KernelConfig) -> Any:
-        key = (program.name, id(program), layout, partial, config.name())
+        key = self._kernel_key(program, layout, partial, config)
         k = self._gemms.get(key)
         if k is None:
             k = self._gemms[key] = compile_epilogue(program, self.dtype, weight_layout=layout, config=config,

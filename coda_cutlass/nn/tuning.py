@@ -33,6 +33,7 @@ from ..config import KernelConfig
 from ..errors import DeviceError
 from ..pipeline import Options, lower_program
 from ..tuning.space import RUNTIME_CHOICES, candidate_configs
+from ..timing import elapsed_us as _us
 from ..timing import timed_call
 from .plan_store import Choice, plan_key, store_plan
 from .runner import KernelRunner, Recorder
@@ -76,7 +77,7 @@ def _site_medians(runner: KernelRunner, step: Callable[[], Any], iters: int, war
             step()
     finally:
         runner.recorder = None
-    return {site: statistics.median(v) for site, v in rec.times_us().items()}
+    return rec.medians_us()
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,6 @@ class Scored:
     def row(self) -> dict[str, Any]:
         return {"config": self.choice.config.name(), "raster": self.choice.raster, "swizzle": self.choice.swizzle,
                 "step_us": round(self.step_us, 1), "us": round(self.site_us, 1)}
-
-
-def _us(pair: Any) -> float:
-    start, end = pair
-    return start.elapsed_time(end) * 1000.0
 
 
 def _sync() -> None:
@@ -149,18 +145,18 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
     cands = {s.name: (candidates(s) if candidates else
                       candidate_configs(lower_program(s.program, Options.make(runner.dtype, s.layout)).graph))
              for s in sites}
+    # sites that share a program, layout and reduction mode (the two norm backwards) share kernels
+    kernels = {(id(s.program), s.layout, s.partial, c.name()): (s, c) for s in sites for c in cands[s.name]}
     items = [(s.program, {"weight_layout": s.layout, "config": c, "partial_reductions": s.partial,
-                          "cache_dir": cache_dir}) for s in sites for c in cands[s.name]]
+                          "cache_dir": cache_dir}) for s, c in kernels.values()]
     say(f"in-sequence tuning of {len(sites)} sites: building {len(items)} candidate kernels", verbose)
-    built = compile_many(items, runner.dtype, jobs=jobs, verbose=verbose, skip_failed=True)
+    built = dict(zip(kernels, compile_many(items, runner.dtype, jobs=jobs, verbose=verbose, skip_failed=True)))
     usable: dict[str, list[KernelConfig]] = {s.name: [] for s in sites}
-    i = 0
     for s in sites:
         for c in cands[s.name]:
-            k = built[i]
-            i += 1
+            k = built[(id(s.program), s.layout, s.partial, c.name())]
             if k is not None:
-                runner._gemms[(s.program.name, id(s.program), s.layout, s.partial, c.name())] = k
+                runner.add_kernel(s.program, s.layout, s.partial, c, k)
                 usable[s.name].append(c)
     base = _site_medians(runner, step, iters + 2, warmup + 1)
     order = sorted(sites, key=lambda s: -base.get(s.name, 0.0))

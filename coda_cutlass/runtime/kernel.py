@@ -23,6 +23,7 @@ from ..config import KernelConfig
 from ..dtypes import as_dtype
 from ..env import env_flag
 from ..errors import CallError, DeviceError
+from ..frontend.trace import CALL_KEYWORDS
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..pipeline import Generated
@@ -162,7 +163,7 @@ class Kernel:
         return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
 
     def _check_names(self, operands: dict[str, Any]) -> None:
-        self.spec.check_names(operands, keywords=("raster", "swizzle", "out"))
+        self.spec.check_names(operands, keywords=CALL_KEYWORDS)
 
     def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *, raster: str | None = None,
             swizzle: int | None = None, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

@@ -17,11 +17,20 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
+
 from ..build.cache import resolve_root
 from ..build.files import PRIVATE_FILE, make_dirs, read_json_object, write_file
 
 # field -> type of a stored per-kernel choice (what TunedEpilogue reads back).
 CHOICE_FIELDS: Mapping[str, type] = {"config": dict, "raster": str, "swizzle": int}
+
+
+def device_tag(device: Any = None) -> str:
+    """The GPU part of a tuning key: name, compute capability and CUDA version (current device by
+    default)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device)
+    return f"{props.name}|sm{props.major}{props.minor}|cuda{torch.version.cuda}"
 
 
 def m_bucket(M: int) -> int:

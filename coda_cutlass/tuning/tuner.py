@@ -31,7 +31,7 @@ from ..lower.plan import default_config
 from ..pipeline import Options, generate, lower_program
 from ..timing import interleaved, time_cuda
 from .space import RUNTIME_CHOICES, candidate_configs
-from .store import CHOICE_FIELDS, TuningStore, m_bucket
+from .store import CHOICE_FIELDS, TuningStore, device_tag, m_bucket
 
 
 REFINE_TOP = 4
@@ -105,9 +105,7 @@ class TunedEpilogue:
         return k
 
     def key(self, M: int, N: int, K: int, device: torch.device) -> str:
-        props = torch.cuda.get_device_properties(device)
-        return (f"{props.name}|sm{props.major}{props.minor}|cuda{torch.version.cuda}|{self.program_hash[:24]}"
-                f"|N{N}|K{K}|M{m_bucket(M)}")
+        return f"{device_tag(device)}|{self.program_hash[:24]}|N{N}|K{K}|M{m_bucket(M)}"
 
     # ------------------------------------------------------------------ dispatch
     def choice(self, A: torch.Tensor, W: torch.Tensor) -> dict[str, Any]:
