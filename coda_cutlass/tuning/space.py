@@ -24,6 +24,12 @@ CANDIDATES: tuple[KernelConfig, ...] = (
     # norm-statistics workloads in bench/config_sweep.py (docs/results/config_sweep.json).
     KernelConfig(tile_m=64, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1, schedule="pingpong"),
     KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong"),
+    # Not here: 256x192 cooperative, the tile with the least shared-memory traffic per FLOP. With an
+    # identity epilogue, run sustained at the power limit, it was the one configuration at or under
+    # cuBLAS on Llama-70B shapes (0.98-1.01x, bench/power_probe.py); with the block's epilogues, in
+    # the block's sequence, it lost at every site: 5-12% slower than the chosen configuration on
+    # gate/up, 1.6-1.8x on the kn-layout dgrad sites, where only 2 mainloop stages fit
+    # (docs/results/power_probe/).
 )
 assert DEFAULT in CANDIDATES
 
