@@ -15,9 +15,16 @@ def enabled(verbose: bool | None) -> bool:
     return not env_flag("CODA_CUTLASS_QUIET", False)
 
 
+_SAY = threading.Lock()
+
+
 def say(message: str, verbose: bool | None = None) -> None:
     if enabled(verbose):
-        print(f"coda-cutlass: {message}", file=sys.stderr, flush=True)
+        # one write per line under a lock: parallel build threads printed "...prebuiltcoda-cutlass: ..."
+        # when print()'s separate writes of the text and the newline interleaved
+        with _SAY:
+            sys.stderr.write(f"coda-cutlass: {message}\n")
+            sys.stderr.flush()
 
 
 class Ticker:
