@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import coda_cutlass as cc
 from coda_cutlass.nn import LlamaBlock, LlamaModel, ReferenceRunner
 from llama_reference import coda_grads_standard, standard_block, standard_model_loss, standard_weights
 
@@ -44,6 +45,51 @@ def test_block_forward_and_every_gradient_match_a_standard_block(heads, kv_heads
     grads = coda_grads_standard(block)
     for name, leaf in w.items():
         assert rel(grads[name], leaf.grad) < RTOL, name
+
+
+class SiteLog(ReferenceRunner):
+    """The reference runner, listing the GEMM sites it runs."""
+
+    def __init__(self):
+        super().__init__(torch.bfloat16)
+        self.sites: list[str] = []
+
+    def gemm(self, site, program, A, W, **kw):
+        self.sites.append(site)
+        return super().gemm(site, program, A, W, **kw)
+
+
+def test_a_forward_without_autograd_skips_the_saved_pre_activation():
+    """Under no_grad the block runs its forward alone: the gate/up GEMM writes only the SwiGLU
+    output (site gate_up.infer, program swiglu_only), and the result is the training forward's."""
+    g = torch.Generator().manual_seed(3)
+    block = LlamaBlock(64, 4, 2, 96, eps=1e-5, rope_theta=10000.0, dtype=torch.float32)
+    perturb_norms(block, g)
+    block.runner = SiteLog()
+    x = torch.randn(2, 8, 64, generator=g)
+    y_train = block(x.clone().requires_grad_())
+    assert "gate_up" in block.runner.sites and "gate_up.infer" not in block.runner.sites
+    block.runner.sites.clear()
+    with torch.no_grad():
+        y_infer = block(x)
+    assert block.runner.sites == ["qkv", "o", "gate_up.infer", "down.last"]
+    assert not y_infer.requires_grad
+    assert rel(y_infer, y_train.detach()) < RTOL
+    block.runner.sites.clear()
+    for p in block.parameters():            # nothing requires a gradient: the same forward-only path
+        p.requires_grad_(False)
+    block(x)
+    assert "gate_up.infer" in block.runner.sites
+
+
+def test_an_inference_site_uses_its_training_sites_tuned_choice():
+    from coda_cutlass import epilogues as E
+    from coda_cutlass.nn.plan_store import Choice
+    from coda_cutlass.nn.runner import KernelRunner
+    cfg = cc.KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1)
+    runner = KernelRunner(torch.bfloat16, plan={"gate_up": Choice(cfg, "m", 4)})
+    assert runner.choice("gate_up.infer", E.swiglu_only, "nk") == Choice(cfg, "m", 4)
+    assert runner.choice("down.dgrad", E.swiglu_backward_scaled, "kn").config != cfg
 
 
 def test_model_loss_and_every_gradient_match_a_standard_model():

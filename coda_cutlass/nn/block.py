@@ -133,8 +133,14 @@ class LlamaBlock(nn.Module):
 
     def run(self, step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
             g_next: torch.Tensor | None) -> Any:
-        """The block on an (M, D) stream with its normed copy h and rstd r (as a stack calls it)."""
-        return BlockFunction.apply(x, h, r, *self.weights(), g_next, step)
+        """The block on an (M, D) stream with its normed copy h and rstd r (as a stack calls it).
+        Without autograd (no_grad, or nothing requires a gradient) it runs the forward alone, which
+        saves nothing and writes less (``block_forward(train=False)``)."""
+        weights = self.weights()
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
+            return BlockFunction.apply(x, h, r, *weights, g_next, step)
+        x2, h2, r2, _ = block_forward(step, x, h, r, BlockWeights(*weights), g_next, train=False)
+        return x2 if h2 is None else (x2, h2, r2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, S, D) -> (B, S, D)."""

@@ -22,6 +22,7 @@ from ..maps import compile_map, map_reference
 from ..pipeline import Options, lower_program, typed_ir
 from ..timing import elapsed_us, medians_us, timed_call
 from ..tuning.store import m_bucket
+from .kernels import PLAN_FALLBACK
 from .plan_store import Choice, find_plan
 
 REFERENCE_TILE = DEFAULT.tile   # partial-reduction layout the reference runner reproduces
@@ -144,6 +145,8 @@ class KernelRunner(Runner):
 
     def choice(self, site: str, program: Any, layout: str) -> Choice:
         c = self.plan.get(site)
+        if c is None and site in PLAN_FALLBACK:
+            c = self.plan.get(PLAN_FALLBACK[site])
         if c is not None:
             return c
         key = (program.name, layout)
