@@ -12,6 +12,9 @@ Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through
   next block's go out of the down-proj epilogue), every non-attention op in an epilogue.
 - cublas: the same 12 GEMMs (plain torch.mm, cuBLAS) and the same attention, in the block's
   order, and nothing else: the floor the fused kernels are held to, per GEMM and in total.
+The forward-only figures run under torch.no_grad(), as inference or evaluation does: torch.compile
+then compiles an inference graph, and the coda block runs its forward alone (nothing saved, the
+gate/up GEMM writes only the SwiGLU output).
 Timing: >= 50 back-to-back iterations per variant after warm-up, CUDA events around each
 iteration, variants visited in a fresh shuffled order every round (same clock and power state).
 Per-site times (CUDA events around each launch inside the sequence) and a profiler pass give the
@@ -243,20 +246,20 @@ def site_times(wl: Workload, rounds: int, iters: int) -> dict[str, dict[str, flo
     return {n: r.medians_us() for n, r in rec.items()}
 
 
-def device_breakdown(wl: Workload, names: list[str], iters: int) -> dict[str, dict[str, float]]:
-    """Profiler pass: device time per fwd+bwd iteration (us), split into attention and the rest,
-    and for the rest into GEMM-like kernels and others."""
+def device_breakdown(wl: Workload, names: list[str], iters: int, backward: bool = True) -> dict[str, dict[str, float]]:
+    """Profiler pass: device time per fwd+bwd (or forward-only) iteration (us), split into attention
+    and the rest, and for the rest into GEMM-like kernels and others."""
     from torch.profiler import ProfilerActivity, profile
     fns = wl.variants()
     out: dict[str, dict[str, float]] = {}
     for n in names:
         for _ in range(8):      # the sustained state the timing rounds see, not a cold start
             wl.zero_grad()
-            fns[n](True)
+            fns[n](backward)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 wl.zero_grad()
-                fns[n](True)
+                fns[n](backward)
             torch.cuda.synchronize()
         tot = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
         kernels: dict[str, float] = {}
@@ -304,6 +307,7 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
                                                      "n": len(v)} for n, v in times.items()}
     res["sites"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4))
     res["device"] = device_breakdown(wl, names, iters=3)
+    res["device_fwd"] = device_breakdown(wl, names, iters=3, backward=False)
     res["plan"] = {s: c.to_json() for s, c in wl.runner.plan.items()}
     res["plan_source"] = wl.runner.plan_source    # the plan key in use (None: default configurations)
     if tuned:
@@ -320,17 +324,20 @@ SITE_ORDER = ["qkv", "o", "gate_up", "down", "down.dgrad", "gate_up.dgrad", "qkv
 
 def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     lines = [f"# Llama block benchmark\n\n{machine_line(env)}{env.get('sampler', '')}\n"]
-    lines.append("| width | M | variant | fwd ms | fwd+bwd ms | fwd+bwd vs compile | non-attention device us | vs cuBLAS GEMMs |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("| width | M | variant | fwd ms | fwd+bwd ms | fwd+bwd vs compile | non-attention device us | "
+                 "vs cuBLAS GEMMs | fwd: non-attention us | fwd: vs cuBLAS |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         comp = r["fwd_bwd"]["compile"]["median_ms"]
         floor = r["device"]["cublas"]["non_attention"]
+        fwd = r.get("device_fwd", {})
+        floor_fwd = fwd.get("cublas", {}).get("non_attention", float("nan"))
         for n in r["fwd_bwd"]:
             fb = r["fwd_bwd"][n]["median_ms"]
-            dev = r["device"].get(n, {})
-            na = dev.get("non_attention", float("nan"))
+            na = r["device"].get(n, {}).get("non_attention", float("nan"))
+            naf = fwd.get(n, {}).get("non_attention", float("nan"))
             lines.append(f"| {r['width']} | {r['M']} | {n} | {r['fwd'][n]['median_ms']:.2f} | {fb:.2f} | "
-                         f"{comp / fb - 1:+.1%} | {na:.0f} | {na / floor:.3f} |")
+                         f"{comp / fb - 1:+.1%} | {na:.0f} | {na / floor:.3f} | {naf:.0f} | {naf / floor_fwd:.3f} |")
     lines.append("\nPer fused kernel inside the block's sequence (fwd+bwd, median us), against the same GEMM on cuBLAS "
                  "in the same sequence:\n")
     lines.append("| width | M | site | coda us | cuBLAS us | ratio | coda identity epilogue (default config) / cuBLAS | config |")
