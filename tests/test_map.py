@@ -87,6 +87,106 @@ def test_map_kernel_builds_and_describes_itself(tmp_path):
     desc = json.loads(lib.coda_describe().decode())
     assert desc["program"] == "rope_backward" and [s["name"] for s in desc["slots"]] == ["acc", "y", "r", "pos",
                                                                                        "freq", "dz", "zdz"]
+    from coda_cutlass.runtime.library import load
+    from coda_cutlass.runtime.map_kernel import MapLibrary
+    assert k.library.description == desc and load(k.path, MapLibrary) is k.library     # verified, loaded once
+    assert k.library.status_string(0)
+    with pytest.raises(cc.BuildError, match="exports no coda_abi_version"):
+        load(k.path)                                # as a GEMM kernel's library: another ABI
     if not torch.cuda.is_available():
         with pytest.raises(cc.DeviceError):
             k(torch.zeros(8, 8, dtype=torch.bfloat16), y=None, r=None, pos=None, freq=None)
+
+
+# ---------------------------------------------------------------- the call's checks, on the CPU
+# CompiledMap._prepare runs every check of k(X, ...) and builds the launch's arguments without
+# launching (a real call first needs an sm_90 GPU); CPU tensors pass its device checks.
+BF = torch.bfloat16
+
+
+@cc.epilogue
+def _checked(acc, s: cc.Scalar, v: cc.PerCol, t: cc.Tile):
+    x = cc.where(cc.col_index() < cc.row_index(), acc * s + v, t)
+    return {"D": x, "half": cc.half_width(x * 2.0), "mx": cc.row_max(x), "tot": cc.total_sum(x),
+            "acc_t": cc.accumulate(x * 0.5)}
+
+
+def _checked_ops(M: int, N: int) -> dict:
+    g = torch.Generator().manual_seed(M * 31 + N)
+    return {"s": 0.5, "v": torch.randn(N, generator=g).to(BF), "t": torch.randn(M, N, generator=g).to(BF),
+            "acc_t": torch.randn(M, N, generator=g).to(BF)}
+
+
+def _message(f) -> str:
+    with pytest.raises(cc.CallError) as e:
+        f()
+    return str(e.value)
+
+
+def test_map_call_names_operands_like_a_gemm_call(fake_nvcc):
+    k = cc.compile_map(_checked, BF)
+    X, ops = torch.randn(16, 64).to(BF), _checked_ops(16, 64)
+    M, N, ptrs, views, scalars, results, partials = k._prepare(X, ops, None)
+    assert (M, N, scalars) == (16, 64, [0.5]) and len(ptrs) * 5 == len(views)
+    assert results["acc_t"] is ops["acc_t"] and results["half"].shape == (16, 32)
+    assert [(n, tuple(b.shape)) for n, b in partials] == [("mx", (1, 16)), ("tot", (1, 16))]
+    ops["tt"] = ops.pop("t")
+    got = _message(lambda: k._prepare(X, ops, None))
+    assert "_checked: unknown operand 'tt'; did you mean 't'?" in got and "missing" not in got
+    assert got.endswith("The call is k(X, s=..., v=..., t=..., acc_t=...)")
+    del ops["tt"]
+    assert "missing operand 't'" in _message(lambda: k._prepare(X, ops, None))
+    assert "unknown operand 'ot'; did you mean 'out'?" in _message(lambda: k._prepare(X, {**_checked_ops(16, 64),
+                                                                                          "ot": {}}, None))
+
+
+def test_map_out_names_tile_outputs_only(fake_nvcc):
+    k = cc.compile_map(_checked, BF)
+    X, ops = torch.randn(16, 64).to(BF), _checked_ops(16, 64)
+    D = torch.empty(16, 64, dtype=BF)
+    assert k._prepare(X, ops, {"D": D})[5]["D"] is D
+    for name in ("mx", "acc_t", "DD"):
+        assert _message(lambda: k._prepare(X, ops, {name: D})) == (
+            f"out: '{name}' is not a tile output of _checked (tile outputs: D, half)")
+
+
+def test_map_in_place_outputs_must_not_alias_what_the_kernel_reads(fake_nvcc):
+    k = cc.compile_map(_checked, BF)
+    X, ops = torch.randn(16, 64).to(BF), _checked_ops(16, 64)
+    assert "acc_t: is updated in place and overlaps the memory of X" in _message(
+        lambda: k._prepare(X, {**ops, "acc_t": X}, None))
+    assert "acc_t: is updated in place and overlaps the memory of t" in _message(
+        lambda: k._prepare(X, {**ops, "acc_t": ops["t"]}, None))
+    assert "D: is updated in place and overlaps the memory of X" in _message(
+        lambda: k._prepare(X, ops, {"D": X}))
+    assert "acc_t: is updated in place and overlaps the memory of D" in _message(
+        lambda: k._prepare(X, ops, {"D": ops["acc_t"]}))
+    k._prepare(X, ops, {"D": torch.empty(16, 64, dtype=BF)})     # separate tensors are fine
+
+
+def test_map_programs_with_indices_need_extents_below_2_24(fake_nvcc):
+    k = cc.compile_map(_checked, BF)
+    assert k.spec.uses_index and not cc.compile_map(E.norm_stats, BF).spec.uses_index
+    tall = torch.zeros(1, 64, dtype=BF).expand(1 << 24, 64)        # no memory behind the rows
+    ops = {**_checked_ops(1, 64), "t": tall, "acc_t": tall}
+    assert "need M and N below 2^24" in _message(lambda: k._prepare(tall, ops, None))
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["finished", "partials"])
+@pytest.mark.parametrize("shape", [(0, 512), (6, 0)], ids=["M0", "N0"])
+def test_map_empty_shapes_return_what_the_reference_returns(fake_nvcc, shape, partial):
+    """No launch: tile outputs are empty, reductions their identity, shaped as cc.map_reference's
+    (partials: (ceil(N / 256), M), e.g. (2, 0) for M = 0)."""
+    M, N = shape
+    k = cc.compile_map(_checked, BF, partial_reductions=partial)
+    X, ops = torch.randn(M, N).to(BF), _checked_ops(M, N)
+    assert X.stride() == ((1, 1) if N == 0 else (N, 1))      # any strides of an empty tensor will do
+    *_, results, partials = k._prepare(X, ops, None)
+    results.update(k._empty_reductions(M, N, X.device))
+    ref = cc.map_reference(_checked, X, dtype=BF, partial_reductions=partial, **ops)
+    assert set(results) == set(ref)
+    for name in ref:
+        assert results[name].shape == ref[name].shape and results[name].dtype == ref[name].dtype, name
+        torch.testing.assert_close(results[name], ref[name])
+    if partial and M == 0:
+        assert results["mx"].shape == (2, 0)

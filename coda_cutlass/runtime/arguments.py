@@ -36,16 +36,17 @@ class OperandSpec:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """What a call of one typed program takes and returns, beyond A and W."""
+    """What a call of one typed program takes and returns, beyond A and W (a map kernel's: X)."""
     program: str
     operands: tuple[OperandSpec, ...]            # call order: inputs, then accumulated outputs
     tile_outputs: tuple[tuple[str, str], ...]    # (name, layout) of tile outputs
     row_reductions: tuple[str, ...]              # finished with one value (or row) per row m
     segment_widths: tuple[tuple[str, int], ...]
     uses_index: bool                             # element indices must stay exact in fp32
+    positional: tuple[str, ...] = ("A", "W")     # the call's positional tensors (a map kernel: X)
 
     @classmethod
-    def of(cls, ir: Program) -> "CallSpec":
+    def of(cls, ir: Program, positional: tuple[str, ...] = ("A", "W")) -> "CallSpec":
         inout = [n.attr("name") for n in ir.nodes if n.op == "store" and n.attr("accumulate")]
         read = {n.attr("operand") for n in ir.nodes if n.op in OPERAND_OPS}
         ops = [OperandSpec(o.name, o.kind, o.dtype, o.packed, used=o.name in read)
@@ -62,6 +63,7 @@ class CallSpec:
             row_reductions=tuple(n.attr("name") for n in reductions if n.attr("axis") in ("row", "segment")),
             segment_widths=segments,
             uses_index=any(n.op == "index" for n in ir.nodes) or bool(segments),
+            positional=positional,
         )
 
     @property
@@ -69,7 +71,7 @@ class CallSpec:
         return tuple(o.name for o in self.operands)
 
     def signature(self) -> str:
-        return f"k(A, W{''.join(f', {n}=...' for n in self.names)})"
+        return f"k({', '.join(self.positional + tuple(f'{n}=...' for n in self.names))})"
 
     # ------------------------------------------------------------------ names
     def check_names(self, given: Iterable[str], keywords: Iterable[str] = ()) -> None:

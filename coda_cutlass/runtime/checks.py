@@ -12,7 +12,7 @@ tensors (the reference's ``precision="fp32"`` on fp32 copies).
 from __future__ import annotations
 
 from numbers import Real
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -158,6 +158,14 @@ def check_vector(name: str, t: Any, length: int, what: str, dtype: DType, device
         raise CallError(f"{name}: shape is {tuple(t.shape)}, expected ({length},): one value per {what}")
     if tma and length > 1 and t.stride(0) != 1:
         raise CallError(f"{name}: must be contiguous (stride 1), got stride {t.stride(0)}; call .contiguous()")
+
+
+def check_out_names(program: str, out: Iterable[str], tile_outputs: Sequence[str]) -> None:
+    """``out=`` names tile outputs only (reductions and accumulated outputs cannot be given)."""
+    for name in out:
+        if name not in tile_outputs:
+            raise CallError(f"out: '{name}' is not a tile output of {program} (tile outputs: "
+                            f"{', '.join(tile_outputs) or 'none'})")
 
 
 def check_scalar(name: str, v: Any) -> float:

@@ -26,6 +26,7 @@ from ..errors import CallError, DeviceError
 from ..frontend.trace import CALL_KEYWORDS
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
+from ..partials import PartialLayout
 from ..pipeline import Generated
 from . import checks
 from .arguments import CallSpec, flatten_batch
@@ -69,13 +70,40 @@ def _kernel_ld(layout: str, ld: int) -> int:
 POISON = env_flag("CODA_CUTLASS_POISON", False)
 
 
-def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: bool) -> torch.Tensor:
+def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: bool) -> torch.Tensor:
+    """A buffer the runtime allocates (GEMM and map kernels): NaN-filled when ``poison`` (pass
+    ``POISON`` read at call time: tests switch it)."""
     if poison:
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-class Kernel:
+class ReductionOutputs:
+    """The reduction outputs of GEMM and map kernels: ``_finish_plan`` maps each to (its partials
+    layout, the finished dtype), ``_partials_tile`` is the (rows, columns) tile each partial covers;
+    with ``partial_reductions`` the partials are returned unfinished."""
+
+    partial_reductions: bool
+    _finish_plan: dict[str, tuple[PartialLayout, torch.dtype]]
+    _partials_tile: tuple[int, int]
+
+    def reduction_result(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of a returned reduction: finished, or per-tile partials (tiles, length)."""
+        partials, dtype = self._finish_plan[name]
+        if self.partial_reductions:
+            return partials.partial_shape(M, N, self._partials_tile), torch.float32
+        return partials.result_shape(M, N), dtype
+
+    def _empty_reductions(self, M: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Reductions over an empty M or N: the identity of the reduction (no launch)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, (partials, _) in self._finish_plan.items():
+            shape, dtype = self.reduction_result(name, M, N)
+            out[name] = torch.full(shape, partials.identity, dtype=dtype, device=device)
+        return out
+
+
+class Kernel(ReductionOutputs):
     """A fused GEMM + epilogue kernel. Attributes to inspect: ``source`` (the generated CUDA),
     ``ir`` (the typed IR), ``graph`` (the visitor graph), ``plan`` (graph + configuration),
     ``path`` (the .so), ``config``, ``key``."""
@@ -118,6 +146,7 @@ class Kernel:
         self._finish_plan = {n.attr("name"): (self._slots_by_name[n.attr("name")].partials,
                                               as_dtype(n.attr("out_dtype", "f32")).torch)
                              for n in self.ir.nodes if n.op == "reduce"}
+        self._partials_tile = self.config.tile
         self._uses_index = self.spec.uses_index   # element indices must stay exact, segments divide N
         # Registered now, not on first use: torch.compile cannot trace op registration.
         self._op = register(self)
@@ -180,10 +209,7 @@ class Kernel:
         if len(operands) != self._n_args or not all(n in operands for n in self._arg_names):
             self._check_names(operands)
         if out:
-            for name in out:
-                if name not in self._tile_outputs:
-                    raise CallError(f"out: '{name}' is not a tile output of {self.name} (tile outputs: "
-                                    f"{', '.join(self._tile_outputs) or 'none'})")
+            checks.check_out_names(self.name, out, self._tile_outputs)
         poison = POISON
         scalars = [checks.check_scalar(name, operands[name]) for name in self._scalar_names]
         for o in self._unused_tensors:     # operands the program does not use: still checked
@@ -204,12 +230,12 @@ class Kernel:
                     written = written or {}
                     written[name] = t
                 else:
-                    t = _new((M, cols), s.dtype.torch, device, poison)
+                    t = new_buffer((M, cols), s.dtype.torch, device, poison)
                     lds[i] = cols
                 lds[i] = _kernel_ld(s.layout, lds[i])
                 results[name] = t
             elif role == "partials":
-                t = _new(s.partials.buffer_shape(M, N, self.config.tile), torch.float32, device, poison)
+                t = new_buffer(s.partials.buffer_shape(M, N, self.config.tile), torch.float32, device, poison)
                 partials.append((name, t))
             else:
                 t = operands[name]
@@ -267,27 +293,12 @@ class Kernel:
         r = partials.finish(buf, M, N, self.config.tile_n)
         return r if dtype is torch.float32 else r.to(dtype)
 
-    def reduction_result(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of a returned reduction: finished, or per-tile partials (tiles, length)."""
-        partials, dtype = self._finish_plan[name]
-        if self.partial_reductions:
-            return partials.partial_shape(M, N, self.config.tile), torch.float32
-        return partials.result_shape(M, N), dtype
-
     def output_spec(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]:
         """Shape and dtype of a returned output (what the fake implementation allocates)."""
         if name in self._finish_plan:
             return self.reduction_result(name, M, N)
         slot = self._slots_by_name[name]
         return (M, slot.columns(N)), slot.dtype.torch
-
-    def _empty_reductions(self, M: int, N: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """Reductions over an empty M or N: the identity of the reduction (no launch)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, (partials, _) in self._finish_plan.items():
-            shape, dtype = self.reduction_result(name, M, N)
-            out[name] = torch.full(shape, partials.identity, dtype=dtype, device=device)
-        return out
 
     # ------------------------------------------------------------------ torch.library
     @property
@@ -296,4 +307,4 @@ class Kernel:
         return self._op
 
 
-__all__ = ["Kernel", "ensure_gpu"]
+__all__ = ["Kernel", "ReductionOutputs", "ensure_gpu", "new_buffer"]

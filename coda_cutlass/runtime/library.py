@@ -1,4 +1,5 @@
-"""ctypes binding of a kernel `.so` (the extern "C" ABI in templates/coda/host_abi.hpp)."""
+"""ctypes binding of a kernel `.so` (the extern "C" ABI in templates/coda/host_abi.hpp), and the
+verified, once-per-process loading that GEMM and map kernels (``map_kernel.MapLibrary``) share."""
 
 from __future__ import annotations
 
@@ -7,25 +8,48 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..build.verify import Rejected, metadata_path, verify
 from ..errors import BuildError
 from ..lower.evt import ABI_VERSION
 
 _LOCK = threading.Lock()
-_LOADED: dict[str, "KernelLibrary"] = {}
+_LOADED: dict[tuple[Any, str], Any] = {}    # (binding, resolved path) -> the loaded binding
 _REPLACED: set[str] = set()      # paths whose file changed during dlopen: what got mapped is unknown
 
 
-class KernelLibrary:
-    def __init__(self, path: Path):
+class LibraryBinding:
+    """What every kernel `.so` exports (GEMM and map kernels alike), opened through
+    ``open_verified``: its ABI version (checked), ``coda_describe`` and ``coda_status_string``."""
+
+    def __init__(self, path: Path, abi_symbol: str, abi_version: int):
         self.path = path
-        lib = open_verified(path)
-        lib.coda_abi_version.restype = ctypes.c_int
+        lib = self.lib = open_verified(path)
+        abi_fn = getattr(lib, abi_symbol, None)
+        if abi_fn is None:      # e.g. a map kernel's library where a GEMM kernel's is expected
+            raise BuildError(f"kernel library {path} exports no {abi_symbol}(): another kind of kernel; "
+                             "rebuild it")
+        abi_fn.restype = ctypes.c_int
         lib.coda_describe.restype = ctypes.c_char_p
         lib.coda_status_string.restype = ctypes.c_char_p
         lib.coda_status_string.argtypes = [ctypes.c_int]
+        abi = abi_fn()
+        if abi != abi_version:
+            raise BuildError(f"kernel library {path} has ABI version {abi}, this coda-cutlass expects "
+                             f"{abi_version}; rebuild it")
+        self.description: dict[str, Any] = json.loads(lib.coda_describe().decode())
+
+    def status_string(self, status: int) -> str:
+        return self.lib.coda_status_string(status).decode()
+
+
+class KernelLibrary(LibraryBinding):
+    """A GEMM kernel `.so`: ``coda_run`` and ``coda_workspace_size``."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, "coda_abi_version", ABI_VERSION)
+        lib = self.lib
         lib.coda_workspace_size.restype = ctypes.c_int
         lib.coda_workspace_size.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                             ctypes.POINTER(ctypes.c_size_t)]
@@ -36,17 +60,8 @@ class KernelLibrary:
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
         ]
-        self.lib = lib
         self.run = lib.coda_run
-        abi = lib.coda_abi_version()
-        if abi != ABI_VERSION:
-            raise BuildError(f"kernel library {path} has ABI version {abi}, this coda-cutlass expects "
-                             f"{ABI_VERSION}; rebuild it")
-        self.description: dict[str, Any] = json.loads(lib.coda_describe().decode())
         self._workspace: dict[tuple[int, int, int], int] = {}
-
-    def status_string(self, status: int) -> str:
-        return self.lib.coda_status_string(status).decode()
 
     def workspace_size(self, M: int, N: int, K: int) -> int:
         key = (M, N, K)
@@ -84,11 +99,12 @@ def open_verified(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def load(path: Path | str) -> KernelLibrary:
-    """Load once per process per path (verified: ``open_verified``)."""
+def load(path: Path | str, binding: Callable[[Path], Any] = KernelLibrary) -> Any:
+    """Load once per process per path and ABI. ``binding(path)`` opens the library (through
+    ``open_verified``) and binds its ABI: ``KernelLibrary`` (GEMM kernels) or ``MapLibrary``."""
     key = str(Path(path).resolve())
     with _LOCK:
-        lib = _LOADED.get(key)
+        lib = _LOADED.get((binding, key))
         if lib is None:
-            lib = _LOADED[key] = KernelLibrary(Path(path))   # metadata lies beside the given path
+            lib = _LOADED[(binding, key)] = binding(Path(path))   # metadata lies beside the given path
         return lib

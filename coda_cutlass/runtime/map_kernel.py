@@ -11,8 +11,6 @@ or 4-D (B, S, H, D) strided tensors (unit innermost stride): a 4-D one is read a
 from __future__ import annotations
 
 import ctypes
-import json
-import threading
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,35 +18,28 @@ from typing import Any
 import torch
 
 from ..build.builder import BuildResult
-from ..errors import BuildError, CallError, DeviceError
+from ..errors import CallError, DeviceError
 from ..ir.nodes import Kind
-from ..lower.map import MAP_ABI_VERSION, PARTIALS_TILE, TILE_N, MapGraph, MapSlot
+from ..lower.map import MAP_ABI_VERSION, PARTIALS_TILE, TILE_N, MapGraph
 from . import checks
 from . import kernel as _kernel
-from .kernel import current_stream, ensure_gpu
-from .library import open_verified
+from .arguments import CallSpec
+from .kernel import ReductionOutputs, current_stream, ensure_gpu, new_buffer
+from .library import LibraryBinding, load
 
-_LOCK = threading.Lock()
-_LOADED: dict[str, ctypes.CDLL] = {}
+# The call's own keyword: k(X, out=..., **operands) (a misspelling of it is suggested too).
+MAP_CALL_KEYWORDS = ("out",)
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    key = str(Path(path).resolve())
-    with _LOCK:
-        lib = _LOADED.get(key)
-        if lib is None:
-            lib = open_verified(Path(key))      # checked right before dlopen, like GEMM kernels
-            lib.coda_map_abi_version.restype = ctypes.c_int
-            lib.coda_describe.restype = ctypes.c_char_p
-            lib.coda_status_string.restype = ctypes.c_char_p
-            lib.coda_status_string.argtypes = [ctypes.c_int]
-            lib.coda_map_run.restype = ctypes.c_int
-            lib.coda_map_run.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                         ctypes.c_void_p, ctypes.c_void_p]
-            if lib.coda_map_abi_version() != MAP_ABI_VERSION:
-                raise BuildError(f"map kernel library {key} has another ABI version; rebuild it")
-            _LOADED[key] = lib
-        return lib
+class MapLibrary(LibraryBinding):
+    """A map kernel `.so`: ``coda_map_run`` (templates/map.cu.j2)."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, "coda_map_abi_version", MAP_ABI_VERSION)
+        self.lib.coda_map_run.restype = ctypes.c_int
+        self.lib.coda_map_run.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_void_p, ctypes.c_void_p]
+        self.run = self.lib.coda_map_run
 
 
 def logical_shape(name: str, t: Any) -> tuple[int, int]:
@@ -75,14 +66,16 @@ def tile_view(name: str, t: torch.Tensor, M: int, N: int, dtype: torch.dtype, de
     if logical_shape(name, t) != (M, N):
         raise CallError(f"{name}: shape {tuple(t.shape)} is a {logical_shape(name, t)} matrix, expected ({M}, {N})")
     st = t.stride()
-    if t.shape[-1] > 1 and st[-1] != 1:
-        raise CallError(f"{name}: the innermost stride must be 1, got strides {st}")
     if t.dim() == 2:
         view = [0, st[0], max(M, 1), 0, N]
     elif t.dim() == 3:
         view = [st[0], st[1], max(t.shape[1], 1), 0, N]
     else:
         view = [st[0], st[1], max(t.shape[1], 1), st[2], t.shape[3]]
+    if M == 0 or N == 0:
+        return view      # nothing is read or written (no launch): any strides will do, e.g. (1, 1) of (M, 0)
+    if t.shape[-1] > 1 and st[-1] != 1:
+        raise CallError(f"{name}: the innermost stride must be 1, got strides {st}")
     vec = 4 if half else 8      # a thread moves 8 columns (half-width outputs: 4)
     if view[4] % vec or any(s % vec for s in (view[0], view[1], view[3])):
         raise CallError(f"{name}: strides {st} and the innermost size {t.shape[-1]} must be multiples of {vec} "
@@ -93,7 +86,7 @@ def tile_view(name: str, t: torch.Tensor, M: int, N: int, dtype: torch.dtype, de
     return view
 
 
-class CompiledMap:
+class CompiledMap(ReductionOutputs):
     """A map kernel. Inspect ``source`` (the generated CUDA), ``ir``, ``path``."""
 
     def __init__(self, graph: MapGraph, source: str, build: BuildResult, partial_reductions: bool = False):
@@ -107,91 +100,127 @@ class CompiledMap:
         self.origin = build.origin
         self.partial_reductions = partial_reductions
         self.outputs = self.ir.outputs
+        self.spec = CallSpec.of(self.ir, positional=("X",))
         self.inout = tuple(s.name for s in graph.slots if s.role == "inout")
         self.operands = tuple(o for o in self.ir.operands if o.name not in self.inout)
-        self._arg_names = {o.name for o in self.operands} | set(self.inout)
+        # Precomputed call plan (the eager path runs on every launch).
+        self._arg_names = self.spec.names
         self._scalars = graph.scalars
         self._unused = tuple(o for o in self.operands if o.kind != Kind.SCALAR
                              and o.name not in {s.name for s in graph.slots})
+        self._tile_outputs = tuple(s.name for s in graph.slots if s.role == "output")
+        self._read = tuple(s.name for s in graph.slots if s.role == "input")    # what out= and inout must not alias
+        # reduction output -> (its partials layout, the finished dtype); partials per (row, 256 columns),
+        # so with partial_reductions a reduction is (ceil(N / 256), M) like cc.map_reference's, empty or not
+        self._finish_plan = {s.name: (s.partials, s.dtype.torch) for s in graph.slots if s.role == "partials"}
+        self._partials_tile = PARTIALS_TILE
+        self._ptr_array = ctypes.c_void_p * len(graph.slots)
+        self._view_array = ctypes.c_int64 * (5 * len(graph.slots))
+        self._scalar_array = ctypes.c_float * max(len(self._scalars), 1)
+        self._uses_index = self.spec.uses_index   # row/col indices are fp32 in the kernel: exact below 2^24
 
     def __repr__(self) -> str:
         args = ", ".join(["X"] + [o.name for o in self.operands] + list(self.inout))
         return f"<CompiledMap {self.name}({args}) -> ({', '.join(self.outputs)}) {self.dtype.name} [{self.origin}]>"
 
     @cached_property
-    def library(self) -> ctypes.CDLL:
-        lib = _load(self.path)
-        if json.loads(lib.coda_describe().decode()) != self.graph.describe():
+    def library(self) -> MapLibrary:
+        lib = load(self.path, MapLibrary)
+        if lib.description != self.graph.describe():
             raise CallError(f"map kernel library {self.path} does not match the program it was loaded for")
         return lib
 
     def __call__(self, X: torch.Tensor, /, *, out: dict[str, torch.Tensor] | None = None,
                  **operands: Any) -> dict[str, torch.Tensor]:
+        """Run the map kernel: ``k(X, name=tensor, ...)`` -> dict of outputs. ``out`` may give
+        preallocated (M, N) tensors (or strided views) for tile outputs."""
         device = X.device if isinstance(X, torch.Tensor) else None
-        ensure_gpu(device, self.name)
-        missing = sorted(self._arg_names - set(operands))
-        extra = sorted(set(operands) - self._arg_names)
-        if missing or extra:
-            raise CallError(f"{self.name}: " + "; ".join(
-                p for p in (f"missing {', '.join(missing)}" if missing else "",
-                            f"unexpected {', '.join(extra)}" if extra else "") if p)
-                + f". The call is k(X, {', '.join(n + '=...' for n in sorted(self._arg_names))})")
+        if device is None or device.index not in _kernel._READY_DEVICES:
+            ensure_gpu(device, self.name)
+            if device is not None and device.type != "cuda":
+                raise CallError(f"X: is on {device}; the kernel runs on a CUDA GPU")
+        M, N, ptrs, views, scalars, results, partials = self._prepare(X, operands, out)
+        if M == 0 or N == 0:
+            results.update(self._empty_reductions(M, N, X.device))
+            return {n: results[n] for n in self.outputs}
+        lib = self.library
+        args = (M, N, self._ptr_array(*ptrs), self._view_array(*views), self._scalar_array(*scalars),
+                current_stream(X.device))
+        if X.device.index == torch.cuda.current_device():
+            status = lib.run(*args)
+        else:
+            with torch.cuda.device(X.device):     # the kernel launches on the current device
+                status = lib.run(*args)
+        if status != 0:
+            raise DeviceError(f"{self.name}: {lib.status_string(status)} (M={M}, N={N})")
+        for name, buf in partials:
+            results[name] = buf if self.partial_reductions else self._finish(name, buf, M, N)
+        return {n: results[n] for n in self.outputs}
+
+    def _prepare(self, X: Any, operands: dict[str, Any], out: dict[str, torch.Tensor] | None
+                 ) -> tuple[int, int, list[int], list[int], list[float], dict[str, torch.Tensor],
+                            list[tuple[str, torch.Tensor]]]:
+        """Every check of a call, and the launch's arguments: (M, N, pointers, views, scalars, the
+        tile outputs, the partials buffers). Launches nothing and needs no GPU (tests call it with
+        CPU tensors)."""
         M, N = logical_shape("X", X)
         if N % 8:
             raise CallError(f"N = {N} is not a multiple of 8 (the kernel moves 8 columns per thread)")
+        if self._uses_index:
+            self.spec.check_extent(M, N)
+        if len(operands) != len(self._arg_names) or not all(n in operands for n in self._arg_names):
+            self.spec.check_names(operands, keywords=MAP_CALL_KEYWORDS)
+        if out:
+            checks.check_out_names(self.name, out, self._tile_outputs)
+        device = X.device
+        poison = _kernel.POISON      # CODA_CUTLASS_POISON (read at call time: tests switch it)
         scalars = [checks.check_scalar(n, operands[n]) for n in self._scalars]
-        for o in self._unused:
+        for o in self._unused:       # operands the program does not use: still checked
             self._check_vector_or_tile(o.name, o.kind, operands[o.name], o.dtype, M, N, device)
         ptrs: list[int] = []
         views: list[int] = []
         results: dict[str, torch.Tensor] = {}
-        partials: list[tuple[MapSlot, torch.Tensor]] = []
+        partials: list[tuple[str, torch.Tensor]] = []
+        written: dict[str, torch.Tensor] | None = None
         for s in self.graph.slots:
-            view = [0, 0, 1, 0, 1]
+            view = _NO_VIEW
             if s.role == "acc":
                 t = X
                 view = tile_view("X", X, M, N, s.dtype.torch, device)
             elif s.role == "partials":
-                t = self._new(s.partials.partial_shape(M, N, PARTIALS_TILE), torch.float32, device)
-                partials.append((s, t))
+                t = new_buffer(s.partials.partial_shape(M, N, PARTIALS_TILE), torch.float32, device, poison)
+                partials.append((s.name, t))
             elif s.role == "output":
                 cols = N // 2 if s.layout == "half" else N
-                t = (out or {}).get(s.name)
+                t = out.get(s.name) if out else None
                 if t is None:
-                    t = self._new((M, cols), s.dtype.torch, device)
+                    t = new_buffer((M, cols), s.dtype.torch, device, poison)
+                else:
+                    written = written or {}
+                    written[s.name] = t
                 view = tile_view(f"out['{s.name}']", t, M, cols, s.dtype.torch, device, half=s.layout == "half")
                 results[s.name] = t
             else:
                 t = operands[s.name]
                 if s.kind == Kind.TILE:
                     view = tile_view(s.name, t, M, N, s.dtype.torch, device)
-                    if s.role == "inout":
-                        results[s.name] = t
                 else:
                     self._check_vector_or_tile(s.name, s.kind, t, s.dtype, M, N, device)
+                if s.role == "inout":
+                    results[s.name] = t
+                    written = written or {}
+                    written[s.name] = t
             ptrs.append(t.data_ptr())
             views.extend(view)
-        if M == 0 or N == 0:
-            for s, _ in partials:
-                shape = (0, M) if self.partial_reductions else s.partials.result_shape(M, N)
-                dtype = torch.float32 if self.partial_reductions else s.dtype.torch
-                results[s.name] = torch.full(shape, s.partials.identity, dtype=dtype, device=device)
-            return {n: results[n] for n in self.outputs}
-        lib = self.library
-        status = lib.coda_map_run(M, N, (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_int64 * len(views))(*views),
-                                  (ctypes.c_float * max(len(scalars), 1))(*scalars), current_stream(device))
-        if status != 0:
-            raise DeviceError(f"{self.name}: {lib.coda_status_string(status).decode()} (M={M}, N={N})")
-        for s, buf in partials:
-            results[s.name] = buf if self.partial_reductions else \
-                s.partials.finish(buf, M, N, TILE_N).to(s.dtype.torch)
-        return {n: results[n] for n in self.outputs}
+        if written:
+            read = {"X": X}
+            read.update((n, operands[n]) for n in self._read)
+            checks.check_no_overlap(written, read)
+        return M, N, ptrs, views, scalars, results, partials
 
-    @staticmethod
-    def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if _kernel.POISON:      # CODA_CUTLASS_POISON (read at call time: tests switch it)
-            return torch.full(shape, float("nan"), dtype=dtype, device=device)
-        return torch.empty(shape, dtype=dtype, device=device)
+    def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
+        partials, dtype = self._finish_plan[name]
+        return partials.finish(buf, M, N, TILE_N).to(dtype)
 
     @staticmethod
     def _check_vector_or_tile(name: str, kind: Kind, t: Any, dtype: Any, M: int, N: int, device: torch.device) -> None:
@@ -202,4 +231,7 @@ class CompiledMap:
                                 "row (length M)" if kind == Kind.ROW else "column (length N)", dtype, device)
 
 
-__all__ = ["CompiledMap", "logical_shape", "tile_view"]
+_NO_VIEW = (0, 0, 1, 0, 1)      # the view of a slot that is not a tile (vectors, partials)
+
+
+__all__ = ["CompiledMap", "MapLibrary", "logical_shape", "tile_view"]

@@ -101,6 +101,53 @@ def test_norm_stats_map_kernel():
     check(out, ref32, lowp, "norm_stats")
 
 
+def _generic_ops(M: int, N: int, dtype=torch.bfloat16) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(M * 7 + N + 1)
+    return {"s": 0.7, "v": torch.randn(N, device="cuda", generator=g).to(dtype),
+            "t": torch.randn(M, N, device="cuda", generator=g).to(dtype),
+            "acc_t": torch.randn(M, N, device="cuda", generator=g).to(dtype)}
+
+
+def test_map_kernel_refuses_unknown_outputs_and_in_place_aliases():
+    M, N = 64, 256
+    X = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+    ops = _generic_ops(M, N)
+    k = cc.compile_map(_generic, torch.bfloat16)
+    with pytest.raises(cc.CallError, match=r"out: 'mx' is not a tile output of _generic \(tile outputs: D, half\)"):
+        k(X, out={"mx": torch.empty(M, device="cuda")}, **ops)
+    with pytest.raises(cc.CallError, match="acc_t: is updated in place and overlaps the memory of X"):
+        k(X, **{**ops, "acc_t": X})
+    with pytest.raises(cc.CallError, match="D: is updated in place and overlaps the memory of t"):
+        k(X, out={"D": ops["t"]}, **ops)
+    with pytest.raises(cc.CallError, match="unknown operand 'tt'; did you mean 't'.*The call is k\\(X, s=..."):
+        k(X, **{"tt" if n == "t" else n: v for n, v in ops.items()})
+    with pytest.raises(cc.CallError, match="X: is on cpu; the kernel runs on a CUDA GPU"):
+        k(X.cpu(), **ops)
+    tall = torch.zeros(1, N, device="cuda", dtype=torch.bfloat16).expand(1 << 24, N)   # col/row_index: fp32
+    with pytest.raises(cc.CallError, match="need M and N below 2\\^24"):
+        k(tall, **{**_generic_ops(1, N), "t": tall, "acc_t": tall})
+    start = ops["acc_t"].clone()
+    k(X, out={"D": torch.empty(M, N, device="cuda", dtype=torch.bfloat16)}, **ops)     # separate tensors: fine
+    assert not torch.equal(ops["acc_t"], start)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["finished", "partials"])
+@pytest.mark.parametrize("shape", [(0, 512), (6, 0)], ids=["M0", "N0"])
+def test_map_kernel_empty_shapes_return_what_the_reference_returns(shape, partial):
+    """No launch: reductions are their identity, shaped like cc.map_reference's (with partials:
+    (ceil(N / 256), M), e.g. (2, 0) for M = 0)."""
+    M, N = shape
+    X = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    ops = _generic_ops(M, N)
+    k = cc.compile_map(_generic, torch.bfloat16, partial_reductions=partial)
+    out = k(X, **ops)
+    ref = cc.map_reference(_generic, X, dtype=torch.bfloat16, partial_reductions=partial, **ops)
+    assert set(out) == set(ref)
+    for name in ref:
+        assert out[name].shape == ref[name].shape and out[name].dtype == ref[name].dtype, name
+        torch.testing.assert_close(out[name], ref[name])
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
