@@ -45,6 +45,7 @@ from coda_cutlass.nn.plan_store import plan_key  # noqa: E402
 from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
+from config_sweep import parse_config  # noqa: E402
 from report import GpuSampler, config_label, environment, machine_line, require_hopper  # noqa: E402
 
 WIDTHS = {
@@ -299,7 +300,7 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
         print(f"[{width} M={M}] in-sequence tuning ...", flush=True)
         tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), context=wl.block.context(),
                                  M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
-                                 verbose=True)
+                                 extra=[parse_config(c) for c in args.extra_configs], verbose=True)
     res: dict[str, Any] = {"width": width, "M": M, "batch": wl.batch, "seq": wl.seq}
     for backward in (False, True):
         times = time_rounds(wl, names, backward, args.rounds, args.iters, seed=M + backward)
@@ -365,6 +366,9 @@ def main() -> None:
     ap.add_argument("--tune-iters", type=int, default=2, help="timed steps per visit of a tuning choice")
     ap.add_argument("--tune-rounds", type=int, default=2,
                     help="visits of each tuning choice (a shuffled order, then its mirror)")
+    ap.add_argument("--extra-configs", nargs="*", default=[], metavar="CONFIG",
+                    help="with --tune: configurations to try besides the candidate space, e.g. "
+                         "128x128x64_c2x2_pingpong (where they fit a site's program)")
     ap.add_argument("--no-max-autotune", dest="max_autotune", action="store_false")
     ap.add_argument("--out", type=Path, default=Path("bench/results_block"))
     args = ap.parse_args()

@@ -289,3 +289,14 @@ def test_tuner_compares_choices_through_a_drifting_clock(monkeypatch):
     for name in "bc":       # the drift cancels exactly
         assert by_name[name].site_us / by_name["a"].site_us == pytest.approx(cost[name][0] / cost["a"][0])
         assert by_name[name].step_us / by_name["a"].step_us == pytest.approx(sum(cost[name]) / sum(cost["a"]))
+
+def test_extra_configurations_join_a_sites_candidates_once():
+    from coda_cutlass import epilogues as E
+    from coda_cutlass.nn.tuning import Site, _site_candidates
+    from coda_cutlass.tuning.space import CANDIDATES
+    site = Site("o", E.residual_norm_stats, "nk", True)
+    c22 = cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=2, cluster_n=2, schedule="pingpong")
+    base = _site_candidates(site, torch.bfloat16, None, ())
+    assert c22 not in base
+    assert _site_candidates(site, torch.bfloat16, None, (c22, CANDIDATES[0])) == base + [c22]
+    assert _site_candidates(site, torch.bfloat16, lambda s: [CANDIDATES[0]], (c22,)) == [CANDIDATES[0], c22]

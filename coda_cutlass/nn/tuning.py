@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,6 +32,8 @@ from ..build.progress import say
 from ..config import KernelConfig
 from ..errors import DeviceError
 from ..pipeline import Options, lower_program
+from ..lower.plan import segments_fit
+from ..lower.smem import fits
 from ..tuning.space import RUNTIME_CHOICES, candidate_configs
 from ..timing import elapsed_us as _us
 from ..timing import timed_call
@@ -133,18 +135,27 @@ def best_choice(scored: list[Scored]) -> Scored:
     return min(scored, key=lambda s: s.site_us)
 
 
+def _site_candidates(site: Site, dtype: torch.dtype, candidates: Callable[[Site], list[KernelConfig]] | None,
+                     extra: Sequence[KernelConfig]) -> list[KernelConfig]:
+    graph = lower_program(site.program, Options.make(dtype, site.layout)).graph
+    out = candidates(site) if candidates else candidate_configs(graph)
+    names = {c.name() for c in out}
+    return out + [c for c in extra if c.name() not in names and fits(c, graph) and segments_fit(c, graph)]
+
+
 def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: str, M: int, iters: int = 2,
                      rounds: int = 2, warmup: int = 1, runtime: bool = True,
                      candidates: Callable[[Site], list[KernelConfig]] | None = None,
+                     extra: Sequence[KernelConfig] = (),
                      cache_dir: Any = None, jobs: int | None = None, verbose: bool | None = None,
                      store: bool = True) -> dict[str, Any]:
     """Tune every GEMM site of ``step`` (a callable running one full step through ``runner``) in
-    the step's own sequence. Returns {"sites": {site: choice}, "timings": ...} and stores it."""
+    the step's own sequence. Returns {"sites": {site: choice}, "timings": ...} and stores it.
+    ``candidates(site)`` replaces the candidate space (tuning/space.py); ``extra`` configurations
+    are tried besides it at every site whose program they fit."""
     start = time.monotonic()
     sites = discover_sites(runner, step)
-    cands = {s.name: (candidates(s) if candidates else
-                      candidate_configs(lower_program(s.program, Options.make(runner.dtype, s.layout)).graph))
-             for s in sites}
+    cands = {s.name: _site_candidates(s, runner.dtype, candidates, extra) for s in sites}
     # sites that share a program, layout and reduction mode (the two norm backwards) share kernels
     kernels = {(id(s.program), s.layout, s.partial, c.name()): (s, c) for s in sites for c in cands[s.name]}
     items = [(s.program, {"weight_layout": s.layout, "config": c, "partial_reductions": s.partial,
