@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -46,7 +47,7 @@ from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
 from config_sweep import parse_config  # noqa: E402
-from report import GpuSampler, config_label, environment, machine_line, require_hopper  # noqa: E402
+from report import GpuSampler, Nvml, config_label, environment, machine_line, require_hopper  # noqa: E402
 
 WIDTHS = {
     "8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336),
@@ -228,6 +229,37 @@ def time_rounds(wl: Workload, names: list[str], backward: bool, rounds: int, ite
     return {n: [s.elapsed_time(e) for s, e in v] for n, v in events.items()}
 
 
+def energy_per_step(wl: Workload, names: list[str], times_ms: dict[str, float], seconds: float, seed: int
+                    ) -> dict[str, dict[str, float]]:
+    """Board energy (J) per fwd+bwd step and mean power of each variant, sustained: each runs back to
+    back for about ``seconds`` between two readings of NVML's energy counter, in a shuffled order.
+    At the power limit a step's time is about its energy over the limit, so a variant gains time
+    only by saving energy (docs/RESULTS.md)."""
+    try:
+        nvml = Nvml()
+    except (OSError, RuntimeError) as e:
+        print(f"energy pass skipped: NVML not usable ({e})", flush=True)
+        return {}
+    fns = wl.variants()
+    order = list(names)
+    random.Random(seed).shuffle(order)
+    out = {}
+    for n in order:
+        steps = max(3, int(seconds * 1000 / times_ms[n]))
+        for _ in range(2):
+            wl.zero_grad()
+            fns[n](True)
+        torch.cuda.synchronize()
+        e0, t0 = nvml.energy_mj(), time.perf_counter()
+        for _ in range(steps):
+            wl.zero_grad()
+            fns[n](True)
+        torch.cuda.synchronize()
+        e1, t1 = nvml.energy_mj(), time.perf_counter()
+        out[n] = {"joules": (e1 - e0) / 1000 / steps, "watts": (e1 - e0) / 1000 / (t1 - t0), "steps": steps}
+    return out
+
+
 def site_times(wl: Workload, rounds: int, iters: int) -> dict[str, dict[str, float]]:
     """Median time per site (us) of the coda block and the cuBLAS skeleton, fwd+bwd, alternating."""
     rec = {"coda": Recorder(), "cublas": Recorder(), "coda-identity": Recorder()}
@@ -306,6 +338,8 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
         times = time_rounds(wl, names, backward, args.rounds, args.iters, seed=M + backward)
         res["fwd_bwd" if backward else "fwd"] = {n: {"median_ms": statistics.median(v), "mean_ms": statistics.fmean(v),
                                                      "n": len(v)} for n, v in times.items()}
+    res["energy"] = energy_per_step(wl, names, {n: v["median_ms"] for n, v in res["fwd_bwd"].items()},
+                                    seconds=args.energy_seconds, seed=M)
     res["sites"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4))
     res["device"] = device_breakdown(wl, names, iters=3)
     res["device_fwd"] = device_breakdown(wl, names, iters=3, backward=False)
@@ -326,8 +360,8 @@ SITE_ORDER = ["qkv", "o", "gate_up", "down", "down.dgrad", "gate_up.dgrad", "qkv
 def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     lines = [f"# Llama block benchmark\n\n{machine_line(env)}{env.get('sampler', '')}\n"]
     lines.append("| width | M | variant | fwd ms | fwd+bwd ms | fwd+bwd vs compile | non-attention device us | "
-                 "vs cuBLAS GEMMs | fwd: non-attention us | fwd: vs cuBLAS |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+                 "vs cuBLAS GEMMs | fwd: non-attention us | fwd: vs cuBLAS | J per fwd+bwd | W |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         comp = r["fwd_bwd"]["compile"]["median_ms"]
         floor = r["device"]["cublas"]["non_attention"]
@@ -337,8 +371,10 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
             fb = r["fwd_bwd"][n]["median_ms"]
             na = r["device"].get(n, {}).get("non_attention", float("nan"))
             naf = fwd.get(n, {}).get("non_attention", float("nan"))
+            en = r.get("energy", {}).get(n, {})
             lines.append(f"| {r['width']} | {r['M']} | {n} | {r['fwd'][n]['median_ms']:.2f} | {fb:.2f} | "
-                         f"{comp / fb - 1:+.1%} | {na:.0f} | {na / floor:.3f} | {naf:.0f} | {naf / floor_fwd:.3f} |")
+                         f"{comp / fb - 1:+.1%} | {na:.0f} | {na / floor:.3f} | {naf:.0f} | {naf / floor_fwd:.3f} | "
+                         f"{en.get('joules', float('nan')):.2f} | {en.get('watts', float('nan')):.0f} |")
     lines.append("\nPer fused kernel inside the block's sequence (fwd+bwd, median us), against the same GEMM on cuBLAS "
                  "in the same sequence:\n")
     lines.append("| width | M | site | coda us | cuBLAS us | ratio | coda identity epilogue (default config) / cuBLAS | config |")
@@ -369,6 +405,8 @@ def main() -> None:
     ap.add_argument("--extra-configs", nargs="*", default=[], metavar="CONFIG",
                     help="with --tune: configurations to try besides the candidate space, e.g. "
                          "128x128x64_c2x2_pingpong (where they fit a site's program)")
+    ap.add_argument("--energy-seconds", type=float, default=1.5,
+                    help="sustained seconds per variant in the energy pass (NVML energy counter)")
     ap.add_argument("--no-max-autotune", dest="max_autotune", action="store_false")
     ap.add_argument("--out", type=Path, default=Path("bench/results_block"))
     args = ap.parse_args()

@@ -17,7 +17,6 @@ runtime choices (no rebuild).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import random
 import statistics
@@ -36,7 +35,7 @@ from coda_cutlass.timing import time_cuda  # noqa: E402
 from coda_cutlass.tuning.space import RUNTIME_CHOICES  # noqa: E402
 
 from config_sweep import parse_config  # noqa: E402
-from report import environment, machine_line, require_hopper  # noqa: E402
+from report import Nvml, environment, machine_line, require_hopper  # noqa: E402
 
 # (M, N, K) of the block's GEMMs, A (M, K) times W (N, K)^T
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -53,31 +52,6 @@ CONFIGS = (
     "128x192x64_c1x2_cooperative", "256x192x64_c2x1_cooperative", "128x192x64_c2x1_pingpong",
     "128x128x128_c1x2_pingpong", "256x128x128_c2x1_cooperative",
 )
-
-
-class Nvml:
-    """The few NVML calls the probe needs, through ctypes (no pynvml dependency)."""
-
-    def __init__(self, index: int = 0):
-        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
-        self._ok(self.lib.nvmlInit_v2())
-        self.handle = ctypes.c_void_p()
-        self._ok(self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)))
-
-    @staticmethod
-    def _ok(rc: int) -> None:
-        if rc != 0:
-            raise RuntimeError(f"NVML call failed with code {rc}")
-
-    def energy_mj(self) -> int:
-        v = ctypes.c_ulonglong()
-        self._ok(self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(v)))
-        return v.value
-
-    def sm_clock_mhz(self) -> int:
-        v = ctypes.c_uint()
-        self._ok(self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(v)))   # NVML_CLOCK_SM
-        return v.value
 
 
 def coda_variant(name: str, A: torch.Tensor, W: torch.Tensor, out: torch.Tensor) -> Callable[[], Any] | None:

@@ -3,6 +3,7 @@ sampling, the ratio bar plot, and writing results.json / results.md / results.pn
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import subprocess
@@ -82,6 +83,32 @@ class GpuSampler:
             v = sorted(r[i] for r in rows)
             return f"{v[0]:.0f}-{v[-1]:.0f} {unit} (median {v[len(v) // 2]:.0f})"
         return f"SM clock {rng(0, 'MHz')}, power {rng(1, 'W')}, temperature {rng(2, 'C')}, {len(rows)} samples"
+
+
+class Nvml:
+    """The few NVML calls the benchmarks need (the board's energy counter, the SM clock), through
+    ctypes: no pynvml dependency. Device 0: the benchmarks run on one GPU."""
+
+    def __init__(self, index: int = 0):
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        self._ok(self.lib.nvmlInit_v2())
+        self.handle = ctypes.c_void_p()
+        self._ok(self.lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(self.handle)))
+
+    @staticmethod
+    def _ok(rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(f"NVML call failed with code {rc}")
+
+    def energy_mj(self) -> int:
+        v = ctypes.c_ulonglong()
+        self._ok(self.lib.nvmlDeviceGetTotalEnergyConsumption(self.handle, ctypes.byref(v)))
+        return v.value
+
+    def sm_clock_mhz(self) -> int:
+        v = ctypes.c_uint()
+        self._ok(self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(v)))   # NVML_CLOCK_SM
+        return v.value
 
 
 def ratio_bars(rows: list[dict[str, Any]], labels: list[str], series: list[tuple[str, str]], title: str,
