@@ -42,11 +42,17 @@ def check(k, g, shape, seed) -> dict:
     M, N, K = shape
     A, W, ops = g.make_inputs(M, N, K, "cuda", seed)
     before = {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in ops.items()}
+
+    def fresh() -> dict:
+        """Copies of the inputs as they were: the kernel and the reference both update
+        cc.accumulate outputs in place, so each call gets its own."""
+        return {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in before.items()}
+
     out = k(A, W, **ops)
     ref32 = k.reference(A.float(), W.float(), precision="fp32",
                         **{n: (v.to(torch.float32, copy=True) if isinstance(v, torch.Tensor) else v)
                            for n, v in before.items()})
-    lowp = k.reference(A, W, precision="lowp", **before)
+    lowp = k.reference(A, W, precision="lowp", **fresh())
     worst = {}
     for name in ref32:
         o, r, l = out[name].float(), ref32[name].float(), lowp[name].float()
@@ -59,7 +65,7 @@ def check(k, g, shape, seed) -> dict:
             worst[name] = (err, tol)
             if err > tol:
                 return {"ok": False, "why": f"{name}: max error {err:.3e} > bound {tol:.3e}"}
-    again = k(A, W, **{n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in before.items()})
+    again = k(A, W, **fresh())
     for name in out:
         if not torch.equal(out[name].nan_to_num(), again[name].nan_to_num()):
             return {"ok": False, "why": f"{name}: two runs differ bitwise"}
