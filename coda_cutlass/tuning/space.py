@@ -28,7 +28,7 @@ CANDIDATES: tuple[KernelConfig, ...] = (
     # identity epilogue, run sustained at the power limit, it was the one configuration at or under
     # cuBLAS on Llama-70B shapes (0.98-1.01x, bench/power_probe.py); with the block's epilogues, in
     # the block's sequence, it lost at every site: 5-12% slower than the chosen configuration on
-    # gate/up, 1.6-1.8x on the kn-layout dgrad sites, where only 2 mainloop stages fit
+    # gate/up, 1.6-1.9x on the kn-layout dgrad sites, where only 2 mainloop stages fit
     # (docs/results/power_probe/).
 )
 assert DEFAULT in CANDIDATES
