@@ -173,7 +173,9 @@ def test_block_forward_and_gradients_within_twice_eager_error(dtype):
     dy = torch.randn(B, S, D, device="cuda", dtype=dtype)
     y = block(x)
     y.backward(dy)
-    ours = {"y": y.detach(), "x": x.grad, **coda_grads_standard(block)}
+    with torch.no_grad():       # the forward alone (gate/up through swiglu_only, nothing saved)
+        y_infer = block(x.detach())
+    ours = {"y": y.detach(), "y_no_grad": y_infer, "x": x.grad, **coda_grads_standard(block)}
     results = {}
     for prec in ("fp32", "eager"):
         w = standard_weights(block)
@@ -182,7 +184,8 @@ def test_block_forward_and_gradients_within_twice_eager_error(dtype):
         xr = (x.detach().float() if prec == "fp32" else x.detach().clone()).requires_grad_()
         yr = standard_block(xr, w, block.dims, block.inv_freq)
         yr.backward(dy.float() if prec == "fp32" else dy)
-        results[prec] = {"y": yr.detach(), "x": xr.grad, **{k: v.grad for k, v in w.items()}}
+        results[prec] = {"y": yr.detach(), "y_no_grad": yr.detach(), "x": xr.grad,
+                         **{k: v.grad for k, v in w.items()}}
     for name in ours:
         assert_within_twice_eager(name, ours[name], results["eager"][name], results["fp32"][name])
 
