@@ -26,7 +26,7 @@ case "$stage" in
               > "$out/sanitizer_racecheck.log" 2>&1; echo "racecheck exit $?"
             tail -n 3 "$out"/sanitizer_*.log ;;
   fuzz)     python3 tests/gpu/fuzz_gpu.py --n "${FUZZ_N:-200}" --out "$out/fuzz.json" > "$out/fuzz.log" 2>&1  # whole log kept (a timeout keeps what ran)
-            tail -n 60 "$out/fuzz.log" ;;
+            rc=$?; tail -n 60 "$out/fuzz.log"; exit $rc ;;
   bench)    python3 bench/run.py --out "$out/bench" 2>&1 | tee "$out/bench.log"
             python3 bench/pairwise.py --out "$out/bench_pairwise" 2>&1 | tee "$out/bench_pairwise.log" ;;
   *) echo "unknown stage $stage"; exit 2 ;;
