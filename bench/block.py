@@ -46,8 +46,7 @@ from coda_cutlass.nn.plan_store import plan_key  # noqa: E402
 from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
-from config_sweep import parse_config  # noqa: E402
-from report import GpuSampler, Nvml, config_label, environment, machine_line, require_hopper  # noqa: E402
+from report import GpuSampler, Nvml, config_label, environment, machine_line, parse_config, require_hopper  # noqa: E402
 
 WIDTHS = {
     "8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336),
@@ -249,14 +248,11 @@ def energy_per_step(wl: Workload, names: list[str], times_ms: dict[str, float], 
         for _ in range(2):
             wl.zero_grad()
             fns[n](True)
-        torch.cuda.synchronize()
-        e0, t0 = nvml.energy_mj(), time.perf_counter()
-        for _ in range(steps):
-            wl.zero_grad()
-            fns[n](True)
-        torch.cuda.synchronize()
-        e1, t1 = nvml.energy_mj(), time.perf_counter()
-        out[n] = {"joules": (e1 - e0) / 1000 / steps, "watts": (e1 - e0) / 1000 / (t1 - t0), "steps": steps}
+        with nvml.window() as w:
+            for _ in range(steps):
+                wl.zero_grad()
+                fns[n](True)
+        out[n] = {"joules": w["joules"] / steps, "watts": w["joules"] / w["seconds"], "steps": steps}
     return out
 
 

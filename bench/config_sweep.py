@@ -20,16 +20,8 @@ from coda_cutlass.timing import time_cuda  # noqa: E402
 from coda_cutlass.tuning import TunedEpilogue  # noqa: E402
 from coda_cutlass.tuning.space import CANDIDATES  # noqa: E402
 
+from report import parse_config  # noqa: E402
 from run import EPILOGUES, SHAPES  # noqa: E402
-
-
-def parse_config(name: str) -> cc.KernelConfig:
-    """'64x256x64_c2x1_pingpong' (or KernelConfig.name()'s '..._cooperative_streamk') -> KernelConfig."""
-    tile, cluster, schedule, *rest = name.split("_")
-    m, n, k = (int(x) for x in tile.split("x"))
-    cm, cn = (int(x) for x in cluster[1:].split("x"))
-    return cc.KernelConfig(tile_m=m, tile_n=n, tile_k=k, cluster_m=cm, cluster_n=cn, schedule=schedule,
-                           scheduler="streamk" if "streamk" in rest else "persistent")
 
 
 def main() -> None:

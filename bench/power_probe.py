@@ -34,8 +34,7 @@ from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import time_cuda  # noqa: E402
 from coda_cutlass.tuning.space import RUNTIME_CHOICES  # noqa: E402
 
-from config_sweep import parse_config  # noqa: E402
-from report import Nvml, environment, machine_line, require_hopper  # noqa: E402
+from report import Nvml, environment, machine_line, parse_config, require_hopper  # noqa: E402
 
 # (M, N, K) of the block's GEMMs, A (M, K) times W (N, K)^T
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -70,19 +69,15 @@ def coda_variant(name: str, A: torch.Tensor, W: torch.Tensor, out: torch.Tensor)
 def run_block(fn: Callable[[], Any], n: int, nvml: Nvml, block_s: float) -> dict[str, float]:
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    torch.cuda.synchronize()
-    e0, t0 = nvml.energy_mj(), time.perf_counter()
-    for i in range(n):
-        starts[i].record()
-        fn()
-        ends[i].record()
-    time.sleep(block_s / 2)
-    clock = nvml.sm_clock_mhz()
-    torch.cuda.synchronize()
-    e1, t1 = nvml.energy_mj(), time.perf_counter()
+    with nvml.window() as w:
+        for i in range(n):
+            starts[i].record()
+            fn()
+            ends[i].record()
+        time.sleep(block_s / 2)     # the launches are queued: read the clock while they run
+        clock = nvml.sm_clock_mhz()
     us = statistics.median(s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends))
-    return {"us": us, "j_per_call": (e1 - e0) / 1000.0 / n, "watts": (e1 - e0) / 1000.0 / (t1 - t0),
-            "mhz": clock}
+    return {"us": us, "j_per_call": w["joules"] / n, "watts": w["joules"] / w["seconds"], "mhz": clock}
 
 
 def probe_shape(shape: str, configs: list[str], rounds: int, block_s: float, nvml: Nvml, seed: int) -> dict[str, Any]:

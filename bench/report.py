@@ -3,13 +3,15 @@ sampling, the ratio bar plot, and writing results.json / results.md / results.pn
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -109,6 +111,27 @@ class Nvml:
         v = ctypes.c_uint()
         self._ok(self.lib.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(v)))   # NVML_CLOCK_SM
         return v.value
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[dict[str, float]]:
+        """Energy (J) and wall time (s) of the GPU work queued inside the ``with`` block: the device
+        is synchronised on entry and exit, and the dict yielded is filled on exit."""
+        out: dict[str, float] = {}
+        torch.cuda.synchronize()
+        e0, t0 = self.energy_mj(), time.perf_counter()
+        yield out
+        torch.cuda.synchronize()
+        out["joules"] = (self.energy_mj() - e0) / 1000.0
+        out["seconds"] = time.perf_counter() - t0
+
+
+def parse_config(name: str) -> cc.KernelConfig:
+    """'64x256x64_c2x1_pingpong' (or KernelConfig.name()'s '..._cooperative_streamk') -> KernelConfig."""
+    tile, cluster, schedule, *rest = name.split("_")
+    m, n, k = (int(x) for x in tile.split("x"))
+    cm, cn = (int(x) for x in cluster[1:].split("x"))
+    return cc.KernelConfig(tile_m=m, tile_n=n, tile_k=k, cluster_m=cm, cluster_n=cn, schedule=schedule,
+                           scheduler="streamk" if "streamk" in rest else "persistent")
 
 
 def ratio_bars(rows: list[dict[str, Any]], labels: list[str], series: list[tuple[str, str]], title: str,
