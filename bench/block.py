@@ -12,6 +12,9 @@ Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through
   next block's go out of the down-proj epilogue), every non-attention op in an epilogue.
 - cublas: the same 12 GEMMs (plain torch.mm, cuBLAS) and the same attention, in the block's
   order, and nothing else: the floor the fused kernels are held to, per GEMM and in total.
+- coda-before (with --tune): the coda block with the plan it had before tuning (the stored or
+  shipped plan, else the default configurations), timed in the same rounds as the tuned one: a new
+  plan is judged against the old in one run, not across runs.
 The forward-only figures run under torch.no_grad(), as inference or evaluation does: torch.compile
 then compiles an inference graph, and the coda block runs its forward alone (nothing saved, the
 gate/up GEMM writes only the SwiGLU output).
@@ -128,6 +131,7 @@ class Workload:
             if liger_available() else None
         self.skeleton = Skeleton(self, device)
         self.identity = Skeleton(self, device, identity=True)
+        self.plan_before: dict[str, Any] | None = None     # set by --tune: the plan tuning replaced
 
     def params(self) -> list[torch.Tensor]:
         return list(self.block.parameters()) + list(self.w.values()) + [self.x, self.x3]
@@ -145,6 +149,15 @@ class Workload:
             with torch.no_grad():
                 self.block.run(self.step, self.x, self.h, self.r, self.g_next)
 
+    def coda_before(self, backward: bool) -> None:
+        """The coda block with the plan it had before tuning (the runner's plan swapped for one call)."""
+        assert self.plan_before is not None
+        tuned, self.runner.plan = self.runner.plan, self.plan_before
+        try:
+            self.coda(backward)
+        finally:
+            self.runner.plan = tuned
+
     def standard(self, fn: Callable[..., torch.Tensor], backward: bool) -> None:
         if backward:
             fn(self.x3, *self.w.values()).backward(self.dy3)
@@ -160,6 +173,8 @@ class Workload:
             "cublas": self.skeleton.run,
             "coda-identity": self.identity.run,
         }
+        if self.plan_before is not None:
+            v["coda-before"] = self.coda_before
         if self.compiled_max is not None:
             v["max-autotune"] = lambda b: self.standard(self.compiled_max, b)
         if self.liger_fn is not None:
@@ -257,16 +272,19 @@ def energy_per_step(wl: Workload, names: list[str], times_ms: dict[str, float], 
 
 
 def site_times(wl: Workload, rounds: int, iters: int) -> dict[str, dict[str, float]]:
-    """Median time per site (us) of the coda block and the cuBLAS skeleton, fwd+bwd, alternating."""
+    """Median time per site (us) of the coda block (and its plan before tuning) and the cuBLAS
+    skeletons, fwd+bwd, alternating."""
     rec = {"coda": Recorder(), "cublas": Recorder(), "coda-identity": Recorder()}
+    if wl.plan_before is not None:
+        rec["coda-before"] = Recorder()
     skeletons = {"cublas": wl.skeleton, "coda-identity": wl.identity}
     for _ in range(rounds):
         for name in rec:
             for _ in range(iters):
                 wl.zero_grad()
-                if name == "coda":
-                    wl.runner.recorder = rec["coda"]
-                    wl.coda(True)
+                if name in ("coda", "coda-before"):
+                    wl.runner.recorder = rec[name]
+                    (wl.coda if name == "coda" else wl.coda_before)(True)
                     wl.runner.recorder = None
                 else:
                     skeletons[name].recorder = rec[name]
@@ -326,9 +344,13 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     tuned = None
     if args.tune:
         print(f"[{width} M={M}] in-sequence tuning ...", flush=True)
+        before = dict(wl.runner.plan)
         tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), context=wl.block.context(),
                                  M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
+                                 confirm_rounds=args.confirm_rounds, margin=args.margin,
                                  extra=[parse_config(c) for c in args.extra_configs], verbose=True)
+        wl.plan_before = before     # timed beside the new plan (when equal: a control of the noise)
+        names = list(wl.variants())
     res: dict[str, Any] = {"width": width, "M": M, "batch": wl.batch, "seq": wl.seq}
     for backward in (False, True):
         times = time_rounds(wl, names, backward, args.rounds, args.iters, seed=M + backward)
@@ -341,8 +363,10 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     res["device_fwd"] = device_breakdown(wl, names, iters=3, backward=False)
     res["plan"] = {s: c.to_json() for s, c in wl.runner.plan.items()}
     res["plan_source"] = wl.runner.plan_source    # the plan key in use (None: default configurations)
+    if wl.plan_before is not None:
+        res["plan_before"] = {s: c.to_json() for s, c in wl.plan_before.items()}
     if tuned:
-        res["tuning"] = {k: tuned[k] for k in ("before_us", "after_us", "seconds", "timings")}
+        res["tuning"] = {k: tuned[k] for k in ("before_us", "after_us", "seconds", "timings", "confirm")}
         res["plan_key"] = plan_key(wl.block.context(), torch.bfloat16, M)
     res["seconds"] = round(time.monotonic() - t0, 1)
     del wl
@@ -373,8 +397,9 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
                          f"{en.get('joules', float('nan')):.2f} | {en.get('watts', float('nan')):.0f} |")
     lines.append("\nPer fused kernel inside the block's sequence (fwd+bwd, median us), against the same GEMM on cuBLAS "
                  "in the same sequence:\n")
-    lines.append("| width | M | site | coda us | cuBLAS us | ratio | coda identity epilogue (default config) / cuBLAS | config |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines.append("| width | M | site | coda us | cuBLAS us | ratio | coda identity epilogue (default config) / cuBLAS | "
+                 "config | plan before tuning / cuBLAS | its config |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for s in SITE_ORDER:
             c, b = r["sites"]["coda"].get(s), r["sites"]["cublas"].get(s)
@@ -384,7 +409,13 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
             cfg = "default" if plan is None else config_label(plan)
             ident = r["sites"].get("coda-identity", {}).get(s)
             ident_ratio = f"{ident / b:.3f}" if ident else "-"
-            lines.append(f"| {r['width']} | {r['M']} | {s} | {c:.0f} | {b:.0f} | {c / b:.3f} | {ident_ratio} | {cfg} |")
+            before, before_cfg = r["sites"].get("coda-before", {}).get(s), "-"
+            if "plan_before" in r:
+                p = r["plan_before"].get(s)
+                before_cfg = "default" if p is None else ("same" if p == plan else config_label(p))
+            before_ratio = f"{before / b:.3f}" if before else "-"
+            lines.append(f"| {r['width']} | {r['M']} | {s} | {c:.0f} | {b:.0f} | {c / b:.3f} | {ident_ratio} | {cfg} | "
+                         f"{before_ratio} | {before_cfg} |")
     return "\n".join(lines) + "\n"
 
 
@@ -398,6 +429,10 @@ def main() -> None:
     ap.add_argument("--tune-iters", type=int, default=2, help="timed steps per visit of a tuning choice")
     ap.add_argument("--tune-rounds", type=int, default=2,
                     help="visits of each tuning choice (a shuffled order, then its mirror)")
+    ap.add_argument("--confirm-rounds", type=int, default=4,
+                    help="with --tune: rounds of the confirmation pass (0: first pass only)")
+    ap.add_argument("--margin", type=float, default=0.01,
+                    help="with --tune: how much faster (relative) a challenger must be to replace a site's incumbent")
     ap.add_argument("--extra-configs", nargs="*", default=[], metavar="CONFIG",
                     help="with --tune: configurations to try besides the candidate space, e.g. "
                          "128x128x64_c2x2_pingpong (where they fit a site's program)")

@@ -286,6 +286,7 @@ def test_tuner_compares_choices_through_a_drifting_clock(monkeypatch):
     assert clock["steps"] == 2 * 3 * 4
     by_name = {by_config[s.choice.config.name()]: s for s in scored}
     assert tuning.best_choice(scored) is by_name["b"]
+    assert all(len(s.visits_us) == 2 for s in scored)      # one reading per round, for the confirmation
     for name in "bc":       # the drift cancels exactly
         assert by_name[name].site_us / by_name["a"].site_us == pytest.approx(cost[name][0] / cost["a"][0])
         assert by_name[name].step_us / by_name["a"].step_us == pytest.approx(sum(cost[name]) / sum(cost["a"]))
@@ -300,3 +301,37 @@ def test_extra_configurations_join_a_sites_candidates_once():
     assert c22 not in base
     assert _site_candidates(site, torch.bfloat16, None, (c22, CANDIDATES[0])) == base + [c22]
     assert _site_candidates(site, torch.bfloat16, lambda s: [CANDIDATES[0]], (c22,)) == [CANDIDATES[0], c22]
+
+
+def _scored(n: int, visits: tuple[float, ...]):
+    from coda_cutlass.config import KernelConfig
+    from coda_cutlass.nn.plan_store import Choice
+    from coda_cutlass.nn.tuning import Scored
+    import statistics
+    return Scored(Choice(KernelConfig(tile_n=n)), 0.0, statistics.fmean(visits), visits)
+
+
+def test_confirmation_keeps_the_incumbent_unless_clearly_beaten():
+    """The confirmation pass's rule: a challenger replaces the incumbent only when it is faster by
+    more than the margin and by more than twice the standard error of the per-round difference."""
+    from coda_cutlass.nn.tuning import confirm
+    inc = _scored(128, (100.0, 101.0, 100.5, 100.0))
+    slight = _scored(64, (99.5, 100.4, 100.0, 99.6))         # 0.5% faster: inside the 1% margin
+    assert confirm([inc, slight], 0.01)[0] is inc
+    clear = _scored(256, (96.0, 97.2, 96.5, 96.1))           # 4% faster in every round
+    chosen, verdict = confirm([inc, slight, clear], 0.01)
+    assert chosen is clear and verdict.startswith("replaced")
+    lucky = _scored(256, (80.0, 104.0, 103.0, 102.0))        # 4% faster on average, from one round
+    chosen, verdict = confirm([inc, slight, lucky], 0.01)
+    assert chosen is inc and "not clear" in verdict
+    assert confirm([inc], 0.01) == (inc, "kept (no challenger)")
+    slower = _scored(64, (110.0, 111.0, 110.0, 112.0))
+    assert confirm([inc, slower], 0.0)[0] is inc
+
+
+def test_confirmation_finalists_are_the_incumbent_and_the_fastest_others():
+    from coda_cutlass.nn.tuning import finalists
+    a, b, c, d = (_scored(n, (t,)) for n, t in ((64, 90.0), (128, 100.0), (256, 95.0), (192, 97.0)))
+    assert finalists([a, b, c, d], b.choice, 2) == [b.choice, a.choice, c.choice]
+    assert finalists([a, b, c, d, a], a.choice, 2) == [a.choice, c.choice, d.choice]   # no repeats
+    assert finalists([a], b.choice, 3) == [b.choice, a.choice]

@@ -213,3 +213,32 @@ def test_model_loss_and_gradients_within_twice_eager_error():
         grads = coda_grads_standard(block)
         for name in wr:
             assert_within_twice_eager(name, grads[name], we[name].grad, wr[name].grad)
+
+
+def test_in_sequence_tuning_confirms_stores_and_adopts_a_plan(tmp_path):
+    """The tuner end to end on a small block (two candidates per site, to stay quick): every site
+    gets a first-pass timing and a confirmation verdict, the plan is stored in the cache given and
+    the runner uses it; the block is still right afterwards."""
+    from coda_cutlass.nn.plan_store import load_plan
+    from coda_cutlass.pipeline import Options, lower_program
+    from coda_cutlass.tuning.space import candidate_configs
+    torch.manual_seed(2)
+    block = LlamaBlock(1024, 16, 4, 2816, eps=1e-5, rope_theta=10000.0, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for w in (block.qkv, block.o, block.gate_up, block.down):
+            w.mul_(0.5)
+    two = lambda site: candidate_configs(lower_program(site.program, Options.make(torch.bfloat16, site.layout)).graph)[:2]  # noqa: E731
+    rec = block.tune(1, 512, iters=1, rounds=2, confirm_rounds=2, candidates=two, cache_dir=tmp_path, verbose=False)
+    sites = {"qkv", "o", "gate_up", "down.last", "down.dgrad", "gate_up.dgrad", "qkv.dgrad"}
+    assert set(rec["timings"]) == set(rec["confirm"]) == sites
+    assert all(v["verdict"].startswith(("kept", "replaced")) for v in rec["confirm"].values())
+    runner = block.get_runner()
+    stored = load_plan(block.context(), torch.bfloat16, 512, cache_dir=tmp_path, nearest=False)
+    assert stored is not None and {s: c.to_json() for s, c in stored.items()} == rec["sites"]
+    assert {s: runner.plan[s].to_json() for s in sites} == {s: rec["sites"][s] for s in sites}
+    x = torch.randn(1, 512, 1024, device="cuda", dtype=torch.bfloat16)
+    w = standard_weights(block)
+    ref32 = standard_block(x.float(), {k: v.float() for k, v in w.items()}, block.dims, block.inv_freq)
+    eager = standard_block(x, w, block.dims, block.inv_freq)
+    with torch.no_grad():
+        assert_within_twice_eager("y", block(x), eager, ref32)
