@@ -271,9 +271,9 @@ def energy_per_step(wl: Workload, names: list[str], times_ms: dict[str, float], 
     return out
 
 
-def site_times(wl: Workload, rounds: int, iters: int) -> dict[str, dict[str, float]]:
+def site_times(wl: Workload, rounds: int, iters: int, backward: bool = True) -> dict[str, dict[str, float]]:
     """Median time per site (us) of the coda block (and its plan before tuning) and the cuBLAS
-    skeletons, fwd+bwd, alternating."""
+    skeletons, fwd+bwd (or the forward alone: the coda sites are then "qkv.infer", ...), alternating."""
     rec = {"coda": Recorder(), "cublas": Recorder(), "coda-identity": Recorder()}
     if wl.plan_before is not None:
         rec["coda-before"] = Recorder()
@@ -284,11 +284,11 @@ def site_times(wl: Workload, rounds: int, iters: int) -> dict[str, dict[str, flo
                 wl.zero_grad()
                 if name in ("coda", "coda-before"):
                     wl.runner.recorder = rec[name]
-                    (wl.coda if name == "coda" else wl.coda_before)(True)
+                    (wl.coda if name == "coda" else wl.coda_before)(backward)
                     wl.runner.recorder = None
                 else:
                     skeletons[name].recorder = rec[name]
-                    skeletons[name].run(True)
+                    skeletons[name].run(backward)
                     skeletons[name].recorder = None
     return {n: r.medians_us() for n, r in rec.items()}
 
@@ -342,13 +342,22 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     torch.cuda.synchronize()
     print(f"[{width} M={M}] ready in {time.monotonic() - t0:.0f} s", flush=True)
     tuned = None
+    before = dict(wl.runner.plan)       # the stored or shipped plan (prepared in the warm-up)
     if args.tune:
         print(f"[{width} M={M}] in-sequence tuning ...", flush=True)
-        before = dict(wl.runner.plan)
         tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), context=wl.block.context(),
                                  M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
                                  confirm_rounds=args.confirm_rounds, margin=args.margin,
                                  extra=[parse_config(c) for c in args.extra_configs], verbose=True)
+    tuned_fwd = None
+    if args.tune_forward:
+        print(f"[{width} M={M}] in-sequence tuning of the forward alone (no autograd) ...", flush=True)
+        tuned_fwd = tune_in_sequence(wl.runner, lambda: wl.coda(False), context=wl.block.context(),
+                                     M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
+                                     confirm_rounds=args.confirm_rounds, margin=args.margin,
+                                     only=lambda site: site.endswith(".infer"),
+                                     extra=[parse_config(c) for c in args.extra_configs], verbose=True)
+    if tuned or tuned_fwd:
         wl.plan_before = before     # timed beside the new plan (when equal: a control of the noise)
         names = list(wl.variants())
     res: dict[str, Any] = {"width": width, "M": M, "batch": wl.batch, "seq": wl.seq}
@@ -359,15 +368,17 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     res["energy"] = energy_per_step(wl, names, {n: v["median_ms"] for n, v in res["fwd_bwd"].items()},
                                     seconds=args.energy_seconds, seed=M)
     res["sites"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4))
+    res["sites_fwd"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4), backward=False)
     res["device"] = device_breakdown(wl, names, iters=3)
     res["device_fwd"] = device_breakdown(wl, names, iters=3, backward=False)
     res["plan"] = {s: c.to_json() for s, c in wl.runner.plan.items()}
     res["plan_source"] = wl.runner.plan_source    # the plan key in use (None: default configurations)
     if wl.plan_before is not None:
         res["plan_before"] = {s: c.to_json() for s, c in wl.plan_before.items()}
-    if tuned:
-        res["tuning"] = {k: tuned[k] for k in ("before_us", "after_us", "seconds", "timings", "confirm")}
-        res["plan_key"] = plan_key(wl.block.context(), torch.bfloat16, M)
+    for key, rec in (("tuning", tuned), ("tuning_forward", tuned_fwd)):
+        if rec:
+            res[key] = {k: rec[k] for k in ("before_us", "after_us", "seconds", "timings", "confirm")}
+            res["plan_key"] = plan_key(wl.block.context(), torch.bfloat16, M)
     res["seconds"] = round(time.monotonic() - t0, 1)
     del wl
     torch.cuda.empty_cache()
@@ -416,6 +427,22 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
             before_ratio = f"{before / b:.3f}" if before else "-"
             lines.append(f"| {r['width']} | {r['M']} | {s} | {c:.0f} | {b:.0f} | {c / b:.3f} | {ident_ratio} | {cfg} | "
                          f"{before_ratio} | {before_cfg} |")
+    if any("sites_fwd" in r for r in results):
+        lines.append("\nThe forward alone (no autograd: the coda block's forward-only sites, \"qkv.infer\", ...), per "
+                     "fused kernel, median us, against the same GEMM on cuBLAS in the forward-only sequence:\n")
+        lines.append("| width | M | site | coda us | cuBLAS us | ratio | config | plan before tuning / cuBLAS |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for r in results:
+            fwd = r.get("sites_fwd", {})
+            for s in ("qkv", "o", "gate_up", "down"):
+                c, b = fwd.get("coda", {}).get(s + ".infer"), fwd.get("cublas", {}).get(s)
+                if c is None or b is None:
+                    continue
+                plan = r["plan"].get(s + ".infer") or r["plan"].get(s)
+                cfg = "default" if plan is None else config_label(plan)
+                before = fwd.get("coda-before", {}).get(s + ".infer")
+                lines.append(f"| {r['width']} | {r['M']} | {s}.infer | {c:.0f} | {b:.0f} | {c / b:.3f} | {cfg} | "
+                             f"{f'{before / b:.3f}' if before else '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -429,6 +456,8 @@ def main() -> None:
     ap.add_argument("--tune-iters", type=int, default=2, help="timed steps per visit of a tuning choice")
     ap.add_argument("--tune-rounds", type=int, default=2,
                     help="visits of each tuning choice (a shuffled order, then its mirror)")
+    ap.add_argument("--tune-forward", action="store_true",
+                    help="tune the forward-only sites (*.infer) in the forward's own sequence (no autograd)")
     ap.add_argument("--confirm-rounds", type=int, default=4,
                     help="with --tune: rounds of the confirmation pass (0: first pass only)")
     ap.add_argument("--margin", type=float, default=0.01,

@@ -72,7 +72,7 @@ def test_a_forward_without_autograd_skips_the_saved_pre_activation():
     block.runner.sites.clear()
     with torch.no_grad():
         y_infer = block(x)
-    assert block.runner.sites == ["qkv", "o", "gate_up.infer", "down.last"]
+    assert block.runner.sites == ["qkv.infer", "o.infer", "gate_up.infer", "down.last.infer"]
     assert not y_infer.requires_grad
     assert rel(y_infer, y_train.detach()) < RTOL
     block.runner.sites.clear()
@@ -90,6 +90,17 @@ def test_an_inference_site_uses_its_training_sites_tuned_choice():
     runner = KernelRunner(torch.bfloat16, plan={"gate_up": Choice(cfg, "m", 4)})
     assert runner.choice("gate_up.infer", E.swiglu_only, "nk") == Choice(cfg, "m", 4)
     assert runner.choice("down.dgrad", E.swiglu_backward_scaled, "kn").config != cfg
+    own = Choice(cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong"))
+    runner.plan["gate_up.infer"] = own          # tuned in the forward-only sequence: its own choice
+    assert runner.choice("gate_up.infer", E.swiglu_only, "nk") == own
+
+
+def test_every_forward_only_site_falls_back_to_a_training_site_of_the_same_gemm():
+    from coda_cutlass.nn.kernels import PLAN_FALLBACK, SITES
+    infer = {s for s in SITES if s.endswith(".infer")}
+    assert set(PLAN_FALLBACK) == infer
+    for site, train in PLAN_FALLBACK.items():
+        assert train in SITES and SITES[site][1] == SITES[train][1]
 
 
 def test_model_loss_and_every_gradient_match_a_standard_model():

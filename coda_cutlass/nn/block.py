@@ -153,14 +153,24 @@ class LlamaBlock(nn.Module):
             h, r = first_norm(step, x2d.detach(), self.attn_norm)
         return self.run(step, x2d, h, r, None).view(B, S, D)
 
-    def tune(self, batch: int, seq: int, **options: Any) -> dict[str, Any]:
+    def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:
         """Tune this block's kernels inside its own forward + backward on (batch, seq) tokens,
-        sustained (coda_cutlass.nn.tuning); the plan is stored and used from then on. Options go to
-        tune_in_sequence (iters, rounds, warmup, runtime, cache_dir, verbose)."""
-        x = torch.randn(batch, seq, self.dims.dim, device=self.qkv.device, dtype=self.qkv.dtype, requires_grad=True)
+        sustained (coda_cutlass.nn.tuning); the plan is stored and used from then on. With
+        ``forward_only``, tune the forward that runs without autograd (inference) in its own
+        sequence. Options go to tune_in_sequence (iters, rounds, warmup, runtime, cache_dir, ...)."""
+        x = torch.randn(batch, seq, self.dims.dim, device=self.qkv.device, dtype=self.qkv.dtype,
+                        requires_grad=not forward_only)
         dy = torch.randn_like(x)
-        return tune_module(self, self.get_runner(), lambda: self(x).backward(dy), context=self.context(),
-                           M=batch * seq, **options)
+
+        def step() -> None:
+            if forward_only:
+                with torch.no_grad():
+                    self(x)
+            else:
+                self(x).backward(dy)
+
+        return tune_module(self, self.get_runner(), step, context=self.context(), M=batch * seq,
+                           forward_only=forward_only, **options)
 
     # ------------------------------------------------------------------ Hugging Face
     @classmethod

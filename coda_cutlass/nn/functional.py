@@ -91,11 +91,14 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, tuple | None]:
     """One block: returns (x2, h2, r2, saved). h2 = x2 * g_next and r2 = rstd(x2) when g_next is
     given (the next block's or the final norm's weight), else None. With ``train=False`` (no backward
-    will follow) nothing is saved and the gate/up GEMM does not write its M x 2F pre-activation."""
+    will follow) nothing is saved and the gate/up GEMM does not write its M x 2F pre-activation; the
+    GEMMs then launch at their own sites ("qkv.infer", ...), tuned apart from the training step's
+    (a forward-only sequence is all GEMMs at the power limit: other tiles can win there)."""
     d, run = step.dims, step.runner
-    qkv = run.gemm("qkv", E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]          # F4
+    sfx = "" if train else ".infer"
+    qkv = run.gemm("qkv" + sfx, E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]     # F4
     o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d)
-    f1 = run.gemm("o", E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)    # F1
+    f1 = run.gemm("o" + sfx, E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)  # F1
     x1, h1 = f1["D"], f1["h"]
     r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                       # R1
     if not train:                                                                              # F2
@@ -104,10 +107,10 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
         f2 = run.gemm("gate_up", E.swiglu, h1, w.gate_up, r=r1)
         z, y = f2["z"], f2["y"]
     if g_next is not None:                                                                     # F3
-        f3 = run.gemm("down", E.residual_norm_stats, y, w.down, partial=True, resid=x1, g=g_next)
+        f3 = run.gemm("down" + sfx, E.residual_norm_stats, y, w.down, partial=True, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)                         # R2
     else:
-        x2, h2, r2 = run.gemm("down.last", E.residual_add, y, w.down, resid=x1)["D"], None, None
+        x2, h2, r2 = run.gemm("down.last" + sfx, E.residual_add, y, w.down, resid=x1)["D"], None, None
     return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx) if train else None
 
 

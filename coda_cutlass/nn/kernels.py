@@ -14,7 +14,6 @@ SITES: dict[str, tuple[Any, str]] = {
     "qkv": (E.rope, "nk"),
     "o": (E.residual_norm_stats, "nk"),
     "gate_up": (E.swiglu, "nk"),
-    "gate_up.infer": (E.swiglu_only, "nk"),
     "down": (E.residual_norm_stats, "nk"),
     "down.last": (E.residual_add, "nk"),
     "down.dgrad": (E.swiglu_backward_scaled, "kn"),
@@ -24,13 +23,19 @@ SITES: dict[str, tuple[Any, str]] = {
     "lm_head.logits": (E.rowscale, "nk"),
     "lm_head.recompute": (E.cross_entropy_backward, "nk"),
     "lm_head.dgrad": (E.norm_backward_first, "kn"),
+    # the forward without autograd (inference, evaluation): its own sites, tuned apart
+    "qkv.infer": (E.rope, "nk"),
+    "o.infer": (E.residual_norm_stats, "nk"),
+    "gate_up.infer": (E.swiglu_only, "nk"),
+    "down.infer": (E.residual_norm_stats, "nk"),
+    "down.last.infer": (E.residual_add, "nk"),
 }
 
 
-# A site that the training step does not launch (so the in-sequence tuner never sees it) uses the
-# tuned choice of the training site whose GEMM it shares: swiglu_only stages less than swiglu, so
+# A forward-only site with no tuned choice of its own (``tune(forward_only=True)`` tunes them) uses
+# the tuned choice of the training site whose GEMM it shares: swiglu_only stages less than swiglu, so
 # every configuration that fits the one fits the other.
-PLAN_FALLBACK: dict[str, str] = {"gate_up.infer": "gate_up"}
+PLAN_FALLBACK: dict[str, str] = {f"{s}.infer": s for s in ("qkv", "o", "gate_up", "down", "down.last")}
 
 
 def prebuild_items(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> list[tuple[Any, dict]]:

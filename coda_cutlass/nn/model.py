@@ -72,15 +72,25 @@ class LlamaModel(nn.Module):
         for b in self.blocks:
             b.runner = runner
 
-    def tune(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, **options: Any) -> dict[str, Any]:
+    def tune(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, forward_only: bool = False,
+             **options: Any) -> dict[str, Any]:
         """Tune the kernels of the whole training step (every block and the LM head) inside the step,
         sustained, on these tokens (random targets by default); the plan is stored and used from
-        then on. Options go to coda_cutlass.nn.tuning.tune_in_sequence."""
+        then on. With ``forward_only``, tune the blocks' forward-only sites in the forward without
+        autograd (inference, evaluation). Options go to coda_cutlass.nn.tuning.tune_in_sequence."""
         if targets is None:
             targets = torch.randint(0, self.embed.shape[0], tokens.shape, device=tokens.device)
         first = self.blocks[0]
-        return tune_module(self, first.get_runner(), lambda: self(tokens, targets).backward(),
-                           context=first.context(), M=tokens.numel(), **options)
+
+        def step() -> None:
+            if forward_only:
+                with torch.no_grad():
+                    self(tokens, targets)
+            else:
+                self(tokens, targets).backward()
+
+        return tune_module(self, first.get_runner(), step, context=first.context(), M=tokens.numel(),
+                           forward_only=forward_only, **options)
 
     def hidden(self, tokens: torch.Tensor) -> tuple[Step, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The final norm's inputs: (step, x, h = x * g_final, r = rstd(x)), all (B * S, D)."""

@@ -194,13 +194,14 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
                      rounds: int = 2, warmup: int = 1, runtime: bool = True,
                      candidates: Callable[[Site], list[KernelConfig]] | None = None,
                      extra: Sequence[KernelConfig] = (), confirm_top: int = 2, confirm_rounds: int = 4,
-                     margin: float = 0.01,
+                     margin: float = 0.01, only: Callable[[str], bool] | None = None,
                      cache_dir: Any = None, jobs: int | None = None, verbose: bool | None = None,
                      store: bool = True) -> dict[str, Any]:
     """Tune every GEMM site of ``step`` (a callable running one full step through ``runner``) in
     the step's own sequence. Returns {"sites": {site: choice}, "timings": ...} and stores it.
     ``candidates(site)`` replaces the candidate space (tuning/space.py); ``extra`` configurations
-    are tried besides it at every site whose program they fit.
+    are tried besides it at every site whose program they fit. ``only(site)`` picks the sites to tune
+    (default: every site the step launches); the others keep the runner's choice.
 
     Two passes. The first times every choice of every site (coordinate descent, largest sites
     first). Its winner is partly luck: with 17 choices inside the sequence's noise, the fastest
@@ -210,7 +211,9 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
     ``confirm_rounds`` fresh rounds, and keeps the incumbent unless a challenger is faster by more
     than ``margin`` and by more than twice the standard error of their per-round difference."""
     start = time.monotonic()
-    sites = discover_sites(runner, step)
+    sites = [s for s in discover_sites(runner, step) if only is None or only(s.name)]
+    if not sites:
+        raise ValueError("in-sequence tuning: the step launches no GEMM site to tune")
     incumbents = {s.name: runner.choice(s.name, s.program, s.layout) for s in sites}
     cands = {s.name: _site_candidates(s, runner.dtype, candidates, extra) for s in sites}
     # sites that share a program, layout and reduction mode (the two norm backwards) share kernels
@@ -268,9 +271,11 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
 
 
 def tune_module(module: Any, runner: Any, step: Callable[[], Any], *, context: str, M: int,
-                **options: Any) -> dict[str, Any]:
+                forward_only: bool = False, **options: Any) -> dict[str, Any]:
     """In-sequence tuning of a module's training step (``step``: one forward + backward), with its
-    parameters' gradients cleared around every step (the gradients of the tuning steps are dropped)."""
+    parameters' gradients cleared around every step (the gradients of the tuning steps are dropped).
+    With ``forward_only``, ``step`` is the forward without autograd (inference, evaluation) and only
+    its own sites (``*.infer``, nn/kernels.py) are tuned; the training step's choices stay."""
     if not isinstance(runner, KernelRunner):
         raise DeviceError("in-sequence tuning times compiled kernels: it needs the module on a Hopper GPU (sm_90) "
                           "in bf16 or fp16")
@@ -279,6 +284,8 @@ def tune_module(module: Any, runner: Any, step: Callable[[], Any], *, context: s
         module.zero_grad(set_to_none=True)
         step()
 
+    if forward_only:
+        options["only"] = lambda site: site.endswith(".infer")
     try:
         return tune_in_sequence(runner, one, context=context, M=M, **options)
     finally:

@@ -218,7 +218,8 @@ def test_model_loss_and_gradients_within_twice_eager_error():
 def test_in_sequence_tuning_confirms_stores_and_adopts_a_plan(tmp_path):
     """The tuner end to end on a small block (two candidates per site, to stay quick): every site
     gets a first-pass timing and a confirmation verdict, the plan is stored in the cache given and
-    the runner uses it; the block is still right afterwards."""
+    the runner uses it; tuning the forward alone then adds its own sites and keeps the training
+    choices; the block is still right afterwards."""
     from coda_cutlass.nn.plan_store import load_plan
     from coda_cutlass.pipeline import Options, lower_program
     from coda_cutlass.tuning.space import candidate_configs
@@ -236,6 +237,12 @@ def test_in_sequence_tuning_confirms_stores_and_adopts_a_plan(tmp_path):
     stored = load_plan(block.context(), torch.bfloat16, 512, cache_dir=tmp_path, nearest=False)
     assert stored is not None and {s: c.to_json() for s, c in stored.items()} == rec["sites"]
     assert {s: runner.plan[s].to_json() for s in sites} == {s: rec["sites"][s] for s in sites}
+    fwd = block.tune(1, 512, forward_only=True, iters=1, rounds=2, confirm_rounds=2, candidates=two,
+                     cache_dir=tmp_path, verbose=False)
+    infer = {"qkv.infer", "o.infer", "gate_up.infer", "down.last.infer"}
+    assert set(fwd["timings"]) == set(fwd["confirm"]) == infer         # the forward's own sites only
+    assert {s: fwd["sites"][s] for s in sites} == rec["sites"]          # the training choices stay
+    assert {s: runner.plan[s].to_json() for s in infer} == {s: fwd["sites"][s] for s in infer}
     x = torch.randn(1, 512, 1024, device="cuda", dtype=torch.bfloat16)
     w = standard_weights(block)
     ref32 = standard_block(x.float(), {k: v.float() for k, v in w.items()}, block.dims, block.inv_freq)
