@@ -4,6 +4,8 @@ conversion from and to transformers' LlamaDecoderLayer."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -346,3 +348,61 @@ def test_confirmation_finalists_are_the_incumbent_and_the_fastest_others():
     assert finalists([a, b, c, d], b.choice, 2) == [b.choice, a.choice, c.choice]
     assert finalists([a, b, c, d, a], a.choice, 2) == [a.choice, c.choice, d.choice]   # no repeats
     assert finalists([a], b.choice, 3) == [b.choice, a.choice]
+
+
+def test_tuning_end_to_end_with_a_fake_clock(monkeypatch):
+    """tune_in_sequence's whole flow without a GPU: kernels are stand-ins and each site's time comes
+    from a table. Site "a": the other configuration is 10% faster, so the first pass picks it and
+    the confirmation replaces the incumbent (the default). Site "b": the other configuration is
+    only 0.5% faster (inside the 1% margin): the first pass picks it, the confirmation keeps the
+    incumbent. ``only`` leaves site "c" alone."""
+    from coda_cutlass import epilogues as E
+    from coda_cutlass.lower.plan import default_config
+    from coda_cutlass.nn import tuning
+    from coda_cutlass.nn.runner import KernelRunner
+    from coda_cutlass.pipeline import Options, lower_program
+
+    default = default_config(lower_program(E.identity, Options.make(torch.bfloat16, "nk")).graph)
+    other = cc.KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1)
+    cost = {"a": {default.name(): 100.0, other.name(): 90.0},
+            "b": {default.name(): 100.0, other.name(): 99.5},
+            "c": {default.name(): 50.0, other.name(): 10.0}}
+    runner = KernelRunner(torch.bfloat16)
+
+    class FakeRecorder:
+        def __init__(self):
+            self.times: dict[str, list[float]] = {}
+
+        def around(self, site, fn):
+            fn()
+            self.times.setdefault(site, []).append(cost[site][runner.choice(site, E.identity, "nk").config.name()])
+
+        def times_us(self):
+            return self.times
+
+        def medians_us(self):
+            return {k: statistics.median(v) for k, v in self.times.items()}
+
+    monkeypatch.setattr(tuning, "Recorder", FakeRecorder)
+    monkeypatch.setattr(tuning, "timed_call", lambda fn: (fn(), 1000.0)[1])
+    monkeypatch.setattr(tuning, "_us", lambda t: t)
+    monkeypatch.setattr(tuning, "_sync", lambda: None)
+    monkeypatch.setattr(tuning, "compile_many", lambda items, dtype, **kw: [lambda *a, **k: {} for _ in items])
+    monkeypatch.setattr(tuning, "plan_key", lambda context, dtype, M: f"inseq|fake|{context}|M{M}")
+    A = torch.empty(1)
+    for cfg in (default, other):        # stand-ins already built: nothing is compiled
+        runner.add_kernel(E.identity, "nk", False, cfg, lambda *a, **k: {})
+
+    def step():
+        for site in "abc":
+            runner.gemm(site, E.identity, A, A)
+
+    rec = tuning.tune_in_sequence(runner, step, context="fake", M=64, candidates=lambda s: [default, other],
+                                  runtime=False, store=False, only=lambda site: site != "c")
+    assert set(rec["timings"]) == set(rec["confirm"]) == {"a", "b"}
+    assert rec["confirm"]["a"]["verdict"].startswith("replaced")
+    assert "not clear" in rec["confirm"]["b"]["verdict"]
+    assert runner.plan["a"].config == other and runner.plan["b"].config == default
+    assert "c" not in runner.plan and rec["sites"].keys() == {"a", "b"}
+    first_b = min(rec["timings"]["b"], key=lambda r: r["us"])
+    assert first_b["config"] == other.name()        # the first pass alone would have switched b

@@ -66,7 +66,7 @@ def discover_sites(runner: KernelRunner, step: Callable[[], Any]) -> list[Site]:
     runner.gemm = spy  # type: ignore[method-assign]
     try:
         step()
-        torch.cuda.synchronize()
+        _sync()
     finally:
         del runner.gemm
     return list(seen.values())
@@ -215,7 +215,32 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
     if not sites:
         raise ValueError("in-sequence tuning: the step launches no GEMM site to tune")
     incumbents = {s.name: runner.choice(s.name, s.program, s.layout) for s in sites}
-    cands = {s.name: _site_candidates(s, runner.dtype, candidates, extra) for s in sites}
+    usable = _build_candidates(runner, sites, {s.name: _site_candidates(s, runner.dtype, candidates, extra)
+                                               for s in sites}, cache_dir, jobs, verbose)
+    base = _site_medians(runner, step, iters + 2, warmup + 1)
+    order = sorted(sites, key=lambda s: -base.get(s.name, 0.0))
+    timing = dict(rounds=rounds, iters=iters, warmup=warmup)
+    first = _first_pass(runner, step, order, usable, base, runtime, timing, verbose)
+    confirmed: dict[str, dict[str, Any]] = {}
+    if confirm_rounds > 0:
+        say(f"confirming: each site's incumbent against the {confirm_top} fastest choices, "
+            f"{confirm_rounds} rounds", verbose)
+        confirmed = _confirm_pass(runner, step, order, first, incumbents, confirm_top, margin,
+                                  {**timing, "rounds": confirm_rounds}, verbose)
+    final = _site_medians(runner, step, iters + 2, warmup)
+    rec = {"sites": {s: c.to_json() for s, c in runner.plan.items()}, "before_us": base,
+           "after_us": final, "timings": {name: [x.row() for x in scored] for name, scored in first.items()},
+           "confirm": confirmed, "seconds": round(time.monotonic() - start, 1)}
+    if store:
+        store_plan(context, runner.dtype, M, rec, cache_dir)
+    runner.adopt(context, M, plan_key(context, runner.dtype, M), runner.plan)
+    return rec
+
+
+def _build_candidates(runner: KernelRunner, sites: list[Site], cands: dict[str, list[KernelConfig]],
+                      cache_dir: Any, jobs: int | None, verbose: bool | None) -> dict[str, list[KernelConfig]]:
+    """Build every site's candidate kernels in parallel and hand them to the runner; returns the
+    configurations that built, per site."""
     # sites that share a program, layout and reduction mode (the two norm backwards) share kernels
     kernels = {(id(s.program), s.layout, s.partial, c.name()): (s, c) for s in sites for c in cands[s.name]}
     items = [(s.program, {"weight_layout": s.layout, "config": c, "partial_reductions": s.partial,
@@ -229,45 +254,46 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
             if k is not None:
                 runner.add_kernel(s.program, s.layout, s.partial, c, k)
                 usable[s.name].append(c)
-    base = _site_medians(runner, step, iters + 2, warmup + 1)
-    order = sorted(sites, key=lambda s: -base.get(s.name, 0.0))
-    timings: dict[str, list[dict[str, Any]]] = {}
+    return usable
+
+
+def _first_pass(runner: KernelRunner, step: Callable[[], Any], order: list[Site], usable: dict[str, list[KernelConfig]],
+                base: dict[str, float], runtime: bool, timing: dict[str, int],
+                verbose: bool | None) -> dict[str, list[Scored]]:
+    """Coordinate descent over the sites in ``order``: every configuration, then the best one's raster
+    order and swizzle choices; each site keeps its fastest choice before the next site is tuned."""
     first: dict[str, list[Scored]] = {}
     for n, s in enumerate(order):
-        scored = compare_choices(runner, step, s.name, [Choice(c) for c in usable[s.name]],
-                                 rounds=rounds, iters=iters, warmup=warmup, seed=2 * n)
+        scored = compare_choices(runner, step, s.name, [Choice(c) for c in usable[s.name]], seed=2 * n, **timing)
         best = best_choice(scored)
         if runtime:
             rt = compare_choices(runner, step, s.name,
                                  [best.choice] + [Choice(best.choice.config, r, w) for r, w in RUNTIME_CHOICES],
-                                 rounds=rounds, iters=iters, warmup=warmup, seed=2 * n + 1)
+                                 seed=2 * n + 1, **timing)
             scored += rt
             best = best_choice(rt)   # the best configuration timed again beside its raster choices
-        timings[s.name] = [x.row() for x in scored]
         first[s.name] = scored
         runner.plan[s.name] = best.choice
         say(f"  {s.name}: {_label(best.choice)} site {best.site_us:.0f} us, step {best.step_us / 1000:.2f} ms "
             f"(untuned site {base.get(s.name, float('nan')):.0f} us)", verbose)
+    return first
+
+
+def _confirm_pass(runner: KernelRunner, step: Callable[[], Any], order: list[Site], first: dict[str, list[Scored]],
+                  incumbents: dict[str, Choice], top: int, margin: float, timing: dict[str, int],
+                  verbose: bool | None) -> dict[str, dict[str, Any]]:
+    """Each site's incumbent against the first pass's ``top`` fastest choices, timed afresh; the
+    runner's plan gets the verdict (``confirm``)."""
     confirmed: dict[str, dict[str, Any]] = {}
-    if confirm_rounds > 0:
-        say(f"confirming: each site's incumbent against the {confirm_top} fastest choices, "
-            f"{confirm_rounds} rounds", verbose)
-        for n, s in enumerate(order):
-            scored = compare_choices(runner, step, s.name, finalists(first[s.name], incumbents[s.name], confirm_top),
-                                     rounds=confirm_rounds, iters=iters, warmup=warmup, seed=1000 + n)
-            chosen, verdict = confirm(scored, margin)
-            runner.plan[s.name] = chosen.choice
-            confirmed[s.name] = {"incumbent": scored[0].row(), "finalists": [x.row() for x in scored[1:]],
-                                 "verdict": verdict}
-            say(f"  {s.name}: {_label(chosen.choice)} {verdict}", verbose)
-    final = _site_medians(runner, step, iters + 2, warmup)
-    rec = {"sites": {s: c.to_json() for s, c in runner.plan.items()}, "before_us": base,
-           "after_us": final, "timings": timings, "confirm": confirmed,
-           "seconds": round(time.monotonic() - start, 1)}
-    if store:
-        store_plan(context, runner.dtype, M, rec, cache_dir)
-    runner.adopt(context, M, plan_key(context, runner.dtype, M), runner.plan)
-    return rec
+    for n, s in enumerate(order):
+        scored = compare_choices(runner, step, s.name, finalists(first[s.name], incumbents[s.name], top),
+                                 seed=1000 + n, **timing)
+        chosen, verdict = confirm(scored, margin)
+        runner.plan[s.name] = chosen.choice
+        confirmed[s.name] = {"incumbent": scored[0].row(), "finalists": [x.row() for x in scored[1:]],
+                             "verdict": verdict}
+        say(f"  {s.name}: {_label(chosen.choice)} {verdict}", verbose)
+    return confirmed
 
 
 def tune_module(module: Any, runner: Any, step: Callable[[], Any], *, context: str, M: int,
