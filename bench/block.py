@@ -56,6 +56,7 @@ WIDTHS = {
     "70b": dict(dim=8192, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672),
 }
 SEQ = 4096
+MIN_ENERGY_SECONDS = 1.5   # H200: 0.5-1 s windows read 566-735 W across variants, 1.5 s ones 656-706 W
 ATTENTION_NAMES = ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")
 
 
@@ -366,7 +367,7 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
         res["fwd_bwd" if backward else "fwd"] = {n: {"median_ms": statistics.median(v), "mean_ms": statistics.fmean(v),
                                                      "n": len(v)} for n, v in times.items()}
     res["energy"] = energy_per_step(wl, names, {n: v["median_ms"] for n, v in res["fwd_bwd"].items()},
-                                    seconds=args.energy_seconds, seed=M)
+                                    seconds=args.energy_seconds, seed=M) if args.energy_seconds > 0 else {}
     res["sites"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4))
     res["sites_fwd"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4), backward=False)
     res["device"] = device_breakdown(wl, names, iters=3)
@@ -466,10 +467,14 @@ def main() -> None:
                     help="with --tune: configurations to try besides the candidate space, e.g. "
                          "128x128x64_c2x2_pingpong (where they fit a site's program)")
     ap.add_argument("--energy-seconds", type=float, default=1.5,
-                    help="sustained seconds per variant in the energy pass (NVML energy counter)")
+                    help="sustained seconds per variant in the energy pass (NVML energy counter; 0 skips it). "
+                         "Short windows are noisy: variants read 566-735 W at 0.5-1 s, 656-706 W at 1.5 s (H200)")
     ap.add_argument("--no-max-autotune", dest="max_autotune", action="store_false")
     ap.add_argument("--out", type=Path, default=Path("bench/results_block"))
     args = ap.parse_args()
+    if 0 < args.energy_seconds < MIN_ENERGY_SECONDS:
+        print(f"note: --energy-seconds {args.energy_seconds} is under {MIN_ENERGY_SECONDS} s: the energy column "
+              "will be noisy (docs/RESULTS.md, eighth session)", flush=True)
     require_hopper("bench/block.py")
     device = torch.device("cuda")
     args.out.mkdir(parents=True, exist_ok=True)
