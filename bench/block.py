@@ -45,6 +45,7 @@ from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.nn import KernelRunner, LlamaBlock, Recorder  # noqa: E402
 from coda_cutlass.nn.runner import Runner  # noqa: E402
 from coda_cutlass.nn.functional import first_norm  # noqa: E402
+from coda_cutlass.nn.kernels import forward_only_site  # noqa: E402
 from coda_cutlass.nn.plan_store import plan_key  # noqa: E402
 from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
@@ -342,22 +343,17 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
                 wl.variants()[n](backward)
     torch.cuda.synchronize()
     print(f"[{width} M={M}] ready in {time.monotonic() - t0:.0f} s", flush=True)
-    tuned = None
+    tuned = tuned_fwd = None
     before = dict(wl.runner.plan)       # the stored or shipped plan (prepared in the warm-up)
+    tuning = dict(context=wl.block.context(), M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
+                  confirm_rounds=args.confirm_rounds, margin=args.margin,
+                  extra=[parse_config(c) for c in args.extra_configs], verbose=True)
     if args.tune:
         print(f"[{width} M={M}] in-sequence tuning ...", flush=True)
-        tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), context=wl.block.context(),
-                                 M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
-                                 confirm_rounds=args.confirm_rounds, margin=args.margin,
-                                 extra=[parse_config(c) for c in args.extra_configs], verbose=True)
-    tuned_fwd = None
+        tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), **tuning)
     if args.tune_forward:
         print(f"[{width} M={M}] in-sequence tuning of the forward alone (no autograd) ...", flush=True)
-        tuned_fwd = tune_in_sequence(wl.runner, lambda: wl.coda(False), context=wl.block.context(),
-                                     M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
-                                     confirm_rounds=args.confirm_rounds, margin=args.margin,
-                                     only=lambda site: site.endswith(".infer"),
-                                     extra=[parse_config(c) for c in args.extra_configs], verbose=True)
+        tuned_fwd = tune_in_sequence(wl.runner, lambda: wl.coda(False), only=forward_only_site, **tuning)
     if tuned or tuned_fwd:
         wl.plan_before = before     # timed beside the new plan (when equal: a control of the noise)
         names = list(wl.variants())

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coda_cutlass.lower.traffic import epilogue_traffic  # noqa: E402
-from coda_cutlass.nn.kernels import SITES  # noqa: E402
+from coda_cutlass.nn.functional import BlockDims  # noqa: E402
+from coda_cutlass.nn.kernels import FORWARD_ONLY, SITES, forward_only_site  # noqa: E402
 from coda_cutlass.pipeline import Options, lower_program  # noqa: E402
 
 from block import WIDTHS  # noqa: E402
@@ -36,26 +37,24 @@ COPY_BANDWIDTH = 4.25e12   # bytes/s, H200 device-to-device copy (read + write),
 MIN_EXTRA_US = 1.0         # below this the "hidden" share is noise over nothing: not shown
 
 
-def gemm_n(site: str, w: dict[str, int]) -> int:
+def gemm_n(site: str, d: BlockDims) -> int:
     """The GEMM's N (accumulator width) at a block site."""
-    qkv = (w["n_heads"] + 2 * w["n_kv_heads"]) * w["head_dim"]
-    base = site.removesuffix(".infer")
-    return {"qkv": qkv, "o": w["dim"], "gate_up": 2 * w["ffn_dim"], "down": w["dim"], "down.last": w["dim"],
-            "down.dgrad": w["ffn_dim"], "gate_up.dgrad": w["dim"], "qkv.dgrad": w["dim"]}[base]
+    return {"qkv": d.qkv_width, "o": d.dim, "gate_up": 2 * d.ffn_dim, "down": d.dim, "down.last": d.dim,
+            "down.dgrad": d.ffn_dim, "gate_up.dgrad": d.dim, "qkv.dgrad": d.dim}[site.removesuffix(FORWARD_ONLY)]
 
 
 def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    w, M = WIDTHS[result["width"]], result["M"]
+    dims, M = BlockDims(**WIDTHS[result["width"]], eps=0.0), result["M"]
     out = []
-    for table, key in (("sites", ""), ("sites_fwd", ".infer")):
+    for table, forward_only in (("sites", False), ("sites_fwd", True)):
         coda, cublas = result.get(table, {}).get("coda", {}), result.get(table, {}).get("cublas", {})
         for site, us in coda.items():
-            base = site.removesuffix(key) if key else site
-            if site not in SITES or base not in cublas or (key and not site.endswith(key)):
+            base = site.removesuffix(FORWARD_ONLY)     # the cuBLAS skeleton names sites without it
+            if site not in SITES or forward_only_site(site) != forward_only or base not in cublas:
                 continue
             program, layout = SITES[site]
             graph = lower_program(program, Options.make(torch.bfloat16, layout)).graph
-            t = epilogue_traffic(graph, M, gemm_n(site, w))
+            t = epilogue_traffic(graph, M, gemm_n(site, dims))
             extra_us = t.extra_seconds(COPY_BANDWIDTH) * 1e6
             gap = us - cublas[base]
             out.append({"width": result["width"], "M": M, "site": site, "coda_us": us, "cublas_us": cublas[base],

@@ -7,6 +7,7 @@ Row and column vectors are counted too (small next to tiles)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import prod
 
 from ..config import DEFAULT, KernelConfig
 from ..ir.nodes import Kind
@@ -36,11 +37,7 @@ def epilogue_traffic(graph: EvtGraph, M: int, N: int, config: KernelConfig = DEF
     for t in graph.tensors:
         elem = t.dtype.bits // 8
         if t.role == "partials" and t.partials is not None:
-            shape = t.partials.buffer_shape(M, N, (config.tile_m, config.tile_n))
-            n = 1
-            for s in shape:
-                n *= s
-            write += n * elem
+            write += prod(t.partials.buffer_shape(M, N, (config.tile_m, config.tile_n))) * elem
             continue
         n = M * t.columns(N) if t.kind == Kind.TILE else (M if t.kind == Kind.ROW else N)
         if t.role in ("input", "inout"):

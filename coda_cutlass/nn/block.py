@@ -158,19 +158,9 @@ class LlamaBlock(nn.Module):
         sustained (coda_cutlass.nn.tuning); the plan is stored and used from then on. With
         ``forward_only``, tune the forward that runs without autograd (inference) in its own
         sequence. Options go to tune_in_sequence (iters, rounds, warmup, runtime, cache_dir, ...)."""
-        x = torch.randn(batch, seq, self.dims.dim, device=self.qkv.device, dtype=self.qkv.dtype,
-                        requires_grad=not forward_only)
-        dy = torch.randn_like(x)
-
-        def step() -> None:
-            if forward_only:
-                with torch.no_grad():
-                    self(x)
-            else:
-                self(x).backward(dy)
-
-        return tune_module(self, self.get_runner(), step, context=self.context(), M=batch * seq,
-                           forward_only=forward_only, **options)
+        x = torch.randn(batch, seq, self.dims.dim, device=self.qkv.device, dtype=self.qkv.dtype, requires_grad=True)
+        return tune_module(self, self.get_runner(), lambda: self(x), torch.randn_like(x), context=self.context(),
+                           M=batch * seq, forward_only=forward_only, **options)
 
     # ------------------------------------------------------------------ Hugging Face
     @classmethod

@@ -18,6 +18,7 @@ import torch
 from .. import epilogues as E
 from ..partials import const_vector
 from .attention import Attention
+from .kernels import FORWARD_ONLY
 from .runner import Runner
 
 def row_mean(partials: torch.Tensor, d: int, add: float = 0.0) -> torch.Tensor:
@@ -95,7 +96,7 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     GEMMs then launch at their own sites ("qkv.infer", ...), tuned apart from the training step's
     (a forward-only sequence is all GEMMs at the power limit: other tiles can win there)."""
     d, run = step.dims, step.runner
-    sfx = "" if train else ".infer"
+    sfx = "" if train else FORWARD_ONLY
     qkv = run.gemm("qkv" + sfx, E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]     # F4
     o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d)
     f1 = run.gemm("o" + sfx, E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)  # F1

@@ -9,6 +9,13 @@ import torch
 
 from .. import epilogues as E
 
+FORWARD_ONLY = ".infer"   # the suffix of the sites the forward without autograd launches
+
+
+def forward_only_site(site: str) -> bool:
+    """Is ``site`` launched by the forward without autograd (inference, evaluation)?"""
+    return site.endswith(FORWARD_ONLY)
+
 # site -> (program, weight layout)
 SITES: dict[str, tuple[Any, str]] = {
     "qkv": (E.rope, "nk"),
@@ -35,7 +42,7 @@ SITES: dict[str, tuple[Any, str]] = {
 # A forward-only site with no tuned choice of its own (``tune(forward_only=True)`` tunes them) uses
 # the tuned choice of the training site whose GEMM it shares: swiglu_only stages less than swiglu, so
 # every configuration that fits the one fits the other.
-PLAN_FALLBACK: dict[str, str] = {f"{s}.infer": s for s in ("qkv", "o", "gate_up", "down", "down.last")}
+PLAN_FALLBACK: dict[str, str] = {s + FORWARD_ONLY: s for s in ("qkv", "o", "gate_up", "down", "down.last")}
 
 
 def prebuild_items(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> list[tuple[Any, dict]]:

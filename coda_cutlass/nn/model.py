@@ -81,16 +81,8 @@ class LlamaModel(nn.Module):
         if targets is None:
             targets = torch.randint(0, self.embed.shape[0], tokens.shape, device=tokens.device)
         first = self.blocks[0]
-
-        def step() -> None:
-            if forward_only:
-                with torch.no_grad():
-                    self(tokens, targets)
-            else:
-                self(tokens, targets).backward()
-
-        return tune_module(self, first.get_runner(), step, context=first.context(), M=tokens.numel(),
-                           forward_only=forward_only, **options)
+        return tune_module(self, first.get_runner(), lambda: self(tokens, targets), None, context=first.context(),
+                           M=tokens.numel(), forward_only=forward_only, **options)
 
     def hidden(self, tokens: torch.Tensor) -> tuple[Step, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The final norm's inputs: (step, x, h = x * g_final, r = rstd(x)), all (B * S, D)."""

@@ -41,6 +41,7 @@ from ..lower.smem import fits
 from ..tuning.space import RUNTIME_CHOICES, candidate_configs
 from ..timing import elapsed_us as _us
 from ..timing import timed_call
+from .kernels import forward_only_site
 from .plan_store import Choice, plan_key, store_plan
 from .runner import KernelRunner, Recorder
 
@@ -242,7 +243,8 @@ def _build_candidates(runner: KernelRunner, sites: list[Site], cands: dict[str, 
     """Build every site's candidate kernels in parallel and hand them to the runner; returns the
     configurations that built, per site."""
     # sites that share a program, layout and reduction mode (the two norm backwards) share kernels
-    kernels = {(id(s.program), s.layout, s.partial, c.name()): (s, c) for s in sites for c in cands[s.name]}
+    key = KernelRunner._kernel_key
+    kernels = {key(s.program, s.layout, s.partial, c): (s, c) for s in sites for c in cands[s.name]}
     items = [(s.program, {"weight_layout": s.layout, "config": c, "partial_reductions": s.partial,
                           "cache_dir": cache_dir}) for s, c in kernels.values()]
     say(f"in-sequence tuning of {len(sites)} sites: building {len(items)} candidate kernels", verbose)
@@ -250,7 +252,7 @@ def _build_candidates(runner: KernelRunner, sites: list[Site], cands: dict[str, 
     usable: dict[str, list[KernelConfig]] = {s.name: [] for s in sites}
     for s in sites:
         for c in cands[s.name]:
-            k = built[(id(s.program), s.layout, s.partial, c.name())]
+            k = built[key(s.program, s.layout, s.partial, c)]
             if k is not None:
                 runner.add_kernel(s.program, s.layout, s.partial, c, k)
                 usable[s.name].append(c)
@@ -296,22 +298,27 @@ def _confirm_pass(runner: KernelRunner, step: Callable[[], Any], order: list[Sit
     return confirmed
 
 
-def tune_module(module: Any, runner: Any, step: Callable[[], Any], *, context: str, M: int,
-                forward_only: bool = False, **options: Any) -> dict[str, Any]:
-    """In-sequence tuning of a module's training step (``step``: one forward + backward), with its
-    parameters' gradients cleared around every step (the gradients of the tuning steps are dropped).
-    With ``forward_only``, ``step`` is the forward without autograd (inference, evaluation) and only
-    its own sites (``*.infer``, nn/kernels.py) are tuned; the training step's choices stay."""
+def tune_module(module: Any, runner: Any, forward: Callable[[], torch.Tensor], grad: torch.Tensor | None, *,
+                context: str, M: int, forward_only: bool = False, **options: Any) -> dict[str, Any]:
+    """In-sequence tuning of a module's training step: ``forward()``, then its backward from
+    ``grad`` (None: a scalar loss), with the parameters' gradients cleared around every step (the
+    gradients of the tuning steps are dropped). With ``forward_only``, the step is ``forward()``
+    without autograd (inference, evaluation) and only its own sites (``*.infer``, nn/kernels.py) are
+    tuned; the training step's choices stay."""
     if not isinstance(runner, KernelRunner):
         raise DeviceError("in-sequence tuning times compiled kernels: it needs the module on a Hopper GPU (sm_90) "
                           "in bf16 or fp16")
 
     def one() -> None:
         module.zero_grad(set_to_none=True)
-        step()
+        if forward_only:
+            with torch.no_grad():
+                forward()
+        else:
+            forward().backward(grad)
 
     if forward_only:
-        options["only"] = lambda site: site.endswith(".infer")
+        options["only"] = forward_only_site
     try:
         return tune_in_sequence(runner, one, context=context, M=M, **options)
     finally:
