@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coda_cutlass import epilogues as E  # noqa: E402
+from coda_cutlass.config import KernelConfig  # noqa: E402
 from coda_cutlass.nn import KernelRunner, LlamaBlock, Recorder  # noqa: E402
 from coda_cutlass.nn.runner import Runner  # noqa: E402
 from coda_cutlass.nn.functional import first_norm  # noqa: E402
@@ -50,7 +51,7 @@ from coda_cutlass.nn.plan_store import plan_key  # noqa: E402
 from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
-from report import GpuSampler, Nvml, config_label, environment, machine_line, parse_config, require_hopper  # noqa: E402
+from report import GpuSampler, Nvml, config_label, environment, machine_line, require_hopper  # noqa: E402
 
 WIDTHS = {
     "8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336),
@@ -347,7 +348,7 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     before = dict(wl.runner.plan)       # the stored or shipped plan (prepared in the warm-up)
     tuning = dict(context=wl.block.context(), M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
                   confirm_rounds=args.confirm_rounds, margin=args.margin,
-                  extra=[parse_config(c) for c in args.extra_configs], verbose=True)
+                  extra=[KernelConfig.from_name(c) for c in args.extra_configs], verbose=True)
     if args.tune:
         print(f"[{width} M={M}] in-sequence tuning ...", flush=True)
         tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), **tuning)

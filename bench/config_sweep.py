@@ -20,7 +20,6 @@ from coda_cutlass.timing import time_cuda  # noqa: E402
 from coda_cutlass.tuning import TunedEpilogue  # noqa: E402
 from coda_cutlass.tuning.space import CANDIDATES  # noqa: E402
 
-from report import parse_config  # noqa: E402
 from run import EPILOGUES, SHAPES  # noqa: E402
 
 
@@ -31,7 +30,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    configs = list(CANDIDATES) + [parse_config(x) for x in args.extra]
+    configs = list(CANDIDATES) + [cc.KernelConfig.from_name(x) for x in args.extra]
     rows = []
     for name in args.programs:
         prog = EPILOGUES[name][0]

@@ -34,7 +34,7 @@ from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import time_cuda  # noqa: E402
 from coda_cutlass.tuning.space import RUNTIME_CHOICES  # noqa: E402
 
-from report import Nvml, environment, machine_line, parse_config, require_hopper  # noqa: E402
+from report import Nvml, environment, machine_line, require_hopper  # noqa: E402
 
 # (M, N, K) of the block's GEMMs, A (M, K) times W (N, K)^T
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -56,7 +56,7 @@ CONFIGS = (
 def coda_variant(name: str, A: torch.Tensor, W: torch.Tensor, out: torch.Tensor) -> Callable[[], Any] | None:
     """coda's identity GEMM in configuration ``name`` with its best runtime choice (None: no build)."""
     try:
-        k = cc.compile_epilogue(E.identity, torch.bfloat16, config=parse_config(name))
+        k = cc.compile_epilogue(E.identity, torch.bfloat16, config=cc.KernelConfig.from_name(name))
     except cc.CodaError as e:
         print(f"  {name}: not available ({type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
         return None

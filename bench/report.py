@@ -125,19 +125,6 @@ class Nvml:
         out["seconds"] = time.perf_counter() - t0
 
 
-def parse_config(name: str) -> cc.KernelConfig:
-    """'64x256x64_c2x1_pingpong' (or KernelConfig.name()'s '..._cooperative_streamk') -> KernelConfig."""
-    try:
-        tile, cluster, schedule, *rest = name.split("_")
-        m, n, k = (int(x) for x in tile.split("x"))
-        cm, cn = (int(x) for x in cluster.removeprefix("c").split("x"))
-    except ValueError:
-        raise ValueError(f"configuration {name!r}: expected TILExTILExTILE_cMxN_SCHEDULE[_streamk], "
-                         f"e.g. 128x128x64_c1x2_pingpong") from None
-    return cc.KernelConfig(tile_m=m, tile_n=n, tile_k=k, cluster_m=cm, cluster_n=cn, schedule=schedule,
-                           scheduler="streamk" if "streamk" in rest else "persistent")
-
-
 def ratio_bars(rows: list[dict[str, Any]], labels: list[str], series: list[tuple[str, str]], title: str,
                path: Path, *, figsize: tuple[float, float], rotation: int, fontsize: int,
                ylim: tuple[float, float] | None = None) -> None:

@@ -11,6 +11,7 @@ configuration (lower/plan.py falls back to smaller tiles for programs that do no
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -76,6 +77,19 @@ class KernelConfig:
         return (f"{self.tile_m}x{self.tile_n}x{self.tile_k}_c{self.cluster_m}x{self.cluster_n}_"
                 f"{self.schedule}{sched}{epi}")
 
+    @classmethod
+    def from_name(cls, name: str) -> "KernelConfig":
+        """The configuration ``name()`` spells: '128x128x64_c1x2_pingpong', with the scheduler
+        ('_streamk') and the epilogue subtile ('_e64x128') when they are not the defaults."""
+        m = _NAME.fullmatch(name)
+        if m is None:
+            raise ConfigError(f"configuration name {name!r}: expected MxNxK_cMxN_SCHEDULE[_SCHEDULER][_eMxN], "
+                              "e.g. 128x128x64_c1x2_pingpong or 128x256x64_c2x1_cooperative_streamk")
+        tm, tn, tk, cm, cn, schedule, scheduler, em, en = m.groups()
+        return cls(tile_m=int(tm), tile_n=int(tn), tile_k=int(tk), cluster_m=int(cm), cluster_n=int(cn),
+                   schedule=schedule, scheduler=scheduler or "persistent",
+                   epilogue_tile=None if em is None else (int(em), int(en)))
+
     def with_runtime(self, raster: str | None = None, swizzle: int | None = None) -> "KernelConfig":
         return replace(self, raster=raster or self.raster, swizzle=swizzle or self.swizzle)
 
@@ -87,6 +101,7 @@ class KernelConfig:
         return cls(**d)
 
 
+_NAME = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_([a-z]+)(?:_([a-z]+))?(?:_e(\d+)x(\d+))?")
 _INT_FIELDS = ("tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "swizzle")
 _STR_FIELDS = ("schedule", "scheduler", "raster")
 

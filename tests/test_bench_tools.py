@@ -1,26 +1,11 @@
-"""The benchmarks' shared helpers that run without a GPU (bench/report.py)."""
+"""The benchmark tools that run without a GPU (bench/byte_bound.py)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import pytest
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-from report import parse_config  # noqa: E402
-
-
-def test_config_names_round_trip_through_parse_config():
-    for name in ("128x128x64_c1x2_pingpong", "256x192x64_c2x1_cooperative", "128x256x64_c2x1_cooperative_streamk"):
-        assert parse_config(name).name() == name
-
-
-@pytest.mark.parametrize("bad", ["default", "128x128_c1x2_pingpong", "128x128x64_pingpong"])
-def test_a_malformed_configuration_name_is_a_clear_error(bad):
-    with pytest.raises(ValueError, match="expected TILExTILExTILE_cMxN_SCHEDULE"):
-        parse_config(bad)
 
 
 def test_byte_bound_reads_block_results_without_a_gpu():

@@ -140,6 +140,30 @@ def test_bad_configs_are_rejected_before_compiling():
         cc.KernelConfig(schedule="fast")
 
 
+@pytest.mark.parametrize("name", ["128x128x64_c1x2_pingpong", "256x192x64_c2x1_cooperative",
+                                  "128x256x64_c2x1_cooperative_streamk", "128x128x64_c1x2_pingpong_e64x64",
+                                  "128x256x64_c2x1_cooperative_streamk_e128x32"])
+def test_config_names_round_trip(name):
+    assert cc.KernelConfig.from_name(name).name() == name
+
+
+def test_a_config_name_keeps_its_epilogue_subtile_and_scheduler():
+    c = cc.KernelConfig.from_name("128x256x64_c2x1_cooperative_streamk_e128x32")
+    assert (c.scheduler, c.epilogue_tile, c.cluster_m, c.cluster_n) == ("streamk", (128, 32), 2, 1)
+
+
+@pytest.mark.parametrize("bad", ["default", "128x128_c1x2_pingpong", "128x128x64_pingpong",
+                                 "128x128x64_c1x2_pingpong_e64", "128x128x64_c1x2_pingpong extra"])
+def test_a_malformed_config_name_is_a_clear_error(bad):
+    with pytest.raises(cc.ConfigError, match="expected MxNxK_cMxN_SCHEDULE"):
+        cc.KernelConfig.from_name(bad)
+
+
+def test_a_config_name_with_unsupported_values_is_refused_like_the_fields():
+    with pytest.raises(cc.ConfigError, match="schedule"):
+        cc.KernelConfig.from_name("128x128x64_c1x2_fast")
+
+
 def test_user_strings_never_become_identifiers():
     """Only generated names reach C++ as code; user names appear in comments, sanitised."""
     evil = 'x */ #include "/etc/passwd"\nint main'
