@@ -406,3 +406,34 @@ def test_tuning_end_to_end_with_a_fake_clock(monkeypatch):
     assert "c" not in runner.plan and rec["sites"].keys() == {"a", "b"}
     first_b = min(rec["timings"]["b"], key=lambda r: r["us"])
     assert first_b["config"] == other.name()        # the first pass alone would have switched b
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_tune_module_runs_the_step_the_tuner_times(monkeypatch, forward_only):
+    """What tune_module hands the tuner: a step that clears the gradients, then runs the forward and
+    its backward (training) or the forward alone without autograd, whose sites are the only ones
+    tuned."""
+    from coda_cutlass.nn import tuning
+    from coda_cutlass.nn.runner import KernelRunner
+    g = torch.Generator().manual_seed(4)
+    block = LlamaBlock(64, 4, 2, 96, eps=1e-5, rope_theta=10000.0, dtype=torch.float32)
+    block.runner = SiteLog()
+    x = torch.randn(2, 8, 64, generator=g, requires_grad=True)
+    seen = {}
+
+    def fake_tune(runner, step, *, context, M, **options):
+        block.qkv.grad = torch.ones_like(block.qkv)        # a stale gradient the step must clear
+        step()
+        seen.update(sites=list(block.runner.sites), grad=block.qkv.grad, only=options.get("only"))
+        return {}
+
+    monkeypatch.setattr(tuning, "tune_in_sequence", fake_tune)
+    tuning.tune_module(block, KernelRunner(torch.bfloat16), lambda: block(x), torch.randn_like(x),
+                       context="c", M=16, forward_only=forward_only)
+    assert block.qkv.grad is None                           # the tuning steps' gradients are dropped
+    if forward_only:
+        assert seen["grad"] is None and all(s.endswith(".infer") for s in seen["sites"])
+        assert seen["only"]("gate_up.infer") and not seen["only"]("gate_up")
+    else:
+        assert seen["grad"] is not None and not torch.equal(seen["grad"], torch.ones_like(block.qkv))
+        assert "qkv.dgrad" in seen["sites"] and seen["only"] is None
