@@ -6,6 +6,8 @@ backward map kernel reads without a copy.
 Backends: ``"sdpa"`` (torch.nn.functional.scaled_dot_product_attention, any device) and
 ``"flash"`` (the flash-attn package's flash_attn_func, when installed; (B, S, H, D) layout natively).
 The backward differentiates the attention call recorded in the forward (no recomputation).
+A sliding window longer than the sequence changes nothing; a shorter one is a banded causal mask
+for SDPA (which then runs without its causal fast path) and ``window_size`` for flash-attn.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ..partials import cached_tensor
 
 ATTENTION_BACKENDS = ("sdpa", "flash")
 
@@ -27,29 +31,47 @@ def flash_available() -> bool:
 
 
 class Attention:
-    def __init__(self, backend: str = "sdpa"):
+    """One block's attention settings: the backend, the softmax scale (None: head_dim ** -0.5), a
+    sliding window (each token sees itself and the window - 1 tokens before it; None: all before it)."""
+
+    def __init__(self, backend: str = "sdpa", *, scale: float | None = None, window: int | None = None):
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {backend!r}")
         if backend == "flash" and not flash_available():
             raise ValueError("attention='flash' needs the flash-attn package (pip install flash-attn); "
                              "use attention='sdpa'")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
+        if scale is not None and not scale > 0:
+            raise ValueError(f"attention_scale must be positive, got {scale!r}")
         self.backend = backend
+        self.scale = scale
+        self.window = window
 
-    def forward(self, qkv: torch.Tensor, batch: int, seq: int, dims: Any) -> tuple[torch.Tensor, tuple]:
-        """qkv (M, q + 2 kv) -> (attention output (M, q), context for the backward)."""
+    def __repr__(self) -> str:
+        return f"Attention({self.backend!r}, scale={self.scale}, window={self.window})"
+
+    def forward(self, qkv: torch.Tensor, batch: int, seq: int, dims: Any,
+                dropout: float = 0.0) -> tuple[torch.Tensor, tuple]:
+        """qkv (M, q + 2 kv) -> (attention output (M, q), context for the backward). ``dropout``:
+        the probability of dropping an attention weight (training only)."""
         hd, nq, nkv = dims.head_dim, dims.q_width, dims.kv_width
         bshd = lambda t, h: t.view(batch, seq, h, hd)  # noqa: E731
         q = bshd(qkv[:, :nq], dims.n_heads)
         k = bshd(qkv[:, nq:nq + nkv], dims.n_kv_heads)
         v = bshd(qkv[:, nq + nkv:], dims.n_kv_heads)
+        windowed = self.window is not None and seq > self.window
         with torch.enable_grad():
             leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
             if self.backend == "flash":
                 from flash_attn import flash_attn_func
-                o = flash_attn_func(*leaves, causal=True)                       # (B, S, H, D)
+                o = flash_attn_func(*leaves, dropout_p=dropout, softmax_scale=self.scale, causal=True,
+                                    window_size=(self.window - 1, 0) if windowed else (-1, -1))  # (B, S, H, D)
             else:
                 q_, k_, v_ = (t.transpose(1, 2) for t in leaves)                 # (B, H, S, D) views
-                o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True,
+                mask = window_mask(seq, self.window, qkv.device) if windowed else None
+                o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None,
+                                                   dropout_p=dropout, scale=self.scale,
                                                    enable_gqa=dims.n_heads != dims.n_kv_heads).transpose(1, 2)
         out = o.detach().reshape(batch * seq, nq)       # a view when o is laid out (B, S, H, D)
         return out, (leaves, o)
@@ -59,6 +81,17 @@ class Attention:
         """Gradient of the output (M, q) -> (dq, dk, dv) as (B, S, heads, head_dim) tensors."""
         leaves, o = ctx
         return torch.autograd.grad(o, leaves, d_out.view(o.shape))
+
+
+def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    """(seq, seq) bool: query i sees key j when i - window < j <= i (cached)."""
+    return cached_tensor(("window_mask", seq, window, device), lambda: _window_mask(seq, window, device))
+
+
+def _window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:
+    i = torch.arange(seq, device=device)[:, None]
+    j = torch.arange(seq, device=device)[None, :]
+    return (j <= i) & (j > i - window)
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

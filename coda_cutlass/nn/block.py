@@ -13,25 +13,20 @@ Weights are kept in the kernels' layout (RoPE pairs adjacent in W_qkv, gate/up r
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from ..partials import cached_tensor
-from .attention import Attention, rope_inv_freq
+from .attention import Attention
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
-from .hf import block_from_hf, block_to_hf
+from .hf.layer import block_from_hf, block_to_hf
+from .rope import Rope, column_frequencies
 from .runner import KernelRunner, Runner, default_runner
 from .tuning import tune_module
-
-
-def column_frequencies(inv_freq: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """RoPE frequency of every column of the fused (pair-adjacent) QKV output: each pair's frequency
-    on both of its columns, for the q and k heads; 0 on v (not rotated)."""
-    head = inv_freq.to(torch.float32).repeat_interleave(2)
-    return torch.cat((head.repeat(n_heads + n_kv_heads), torch.zeros(n_kv_heads * head.numel())))
 
 
 def positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -66,11 +61,16 @@ class LlamaBlock(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *, head_dim: int | None = None,
                  eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
-                 attention: str = "sdpa", device: Any = None, dtype: Any = None):
+                 rope: Rope | None = None, attention_scale: float | None = None, sliding_window: int | None = None,
+                 attention_dropout: float = 0.0, attention: str = "sdpa", device: Any = None, dtype: Any = None):
         super().__init__()
         head_dim = head_dim or dim // n_heads
         if n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        if sum(x is not None for x in (inv_freq, rope)) > 1:
+            raise ValueError("pass at most one of inv_freq and rope")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
         self.dims = BlockDims(dim, n_heads, n_kv_heads, head_dim, ffn_dim, float(eps))
         kw = {"device": device, "dtype": dtype}
         d = self.dims
@@ -80,21 +80,63 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(dim, **kw))
         self.gate_up = nn.Parameter(torch.empty(2 * ffn_dim, dim, **kw))
         self.down = nn.Parameter(torch.empty(dim, ffn_dim, **kw))
-        self._inv_freq64 = (rope_inv_freq(head_dim, rope_theta) if inv_freq is None else inv_freq).double().cpu()
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)     # per RoPE pair, fp32
         self.register_buffer("rope_freq", torch.empty(0), persistent=False)    # per QKV column, fp32
-        self._set_rope_buffers(torch.device(device) if device is not None else torch.device("cpu"))
-        self.attention = Attention(attention)
+        self.attention_dropout = float(attention_dropout)
+        self._attention_args = (attention, attention_scale, sliding_window)
+        self._set_rope(rope if rope is not None else Rope.explicit(inv_freq) if inv_freq is not None
+                       else Rope.default(head_dim, rope_theta),
+                       torch.device(device) if device is not None else torch.device("cpu"))
         self.runner: Runner | None = None
         self.reset_parameters()
 
+    # ------------------------------------------------------------------ RoPE and attention settings
+    def _set_rope(self, rope: Rope, device: torch.device) -> None:
+        if rope.head_dim != self.dims.head_dim:
+            raise ValueError(f"the RoPE settings are for head_dim {rope.head_dim}, the block's is {self.dims.head_dim}")
+        self.rope = rope
+        self._freq_cache: dict[int, torch.Tensor] = {}
+        self._set_rope_buffers(device)
+        backend, scale, window = self._attention_args
+        base = self.dims.head_dim ** -0.5 if scale is None else scale
+        # yarn / longrope scale cos and sin: q . k grows by the square (folded into the softmax scale)
+        factor = rope.attention_scaling ** 2
+        self.attention = Attention(backend, scale=None if scale is None and factor == 1.0 else base * factor,
+                                   window=window)
+
     def _set_rope_buffers(self, device: torch.device) -> None:
         d = self.dims
-        self.inv_freq = self._inv_freq64.to(device, torch.float32)
-        self.rope_freq = column_frequencies(self._inv_freq64, d.n_heads, d.n_kv_heads).to(device)
+        inv = self.rope.inv_freq()
+        self.inv_freq = inv.to(device, torch.float32)
+        self.rope_freq = column_frequencies(inv, d.n_heads, d.n_kv_heads).to(device)
+        self._freq_cache = {}
+
+    def column_freq(self, seq: int) -> torch.Tensor:
+        """The per-column RoPE frequencies for a call whose largest position is seq - 1 (they depend
+        on it for the dynamic and longrope types)."""
+        if not self.rope.depends_on_length:
+            return self.rope_freq
+        key = self.rope.length_key(seq)
+        f = self._freq_cache.get(key)
+        if f is None:
+            d = self.dims
+            f = self._freq_cache[key] = column_frequencies(self.rope.inv_freq(seq), d.n_heads,
+                                                           d.n_kv_heads).to(self.rope_freq.device)
+        return f
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The settings a state_dict keeps besides the tensors: RoPE, softmax scale, sliding window."""
+        backend, scale, window = self._attention_args
+        return {"rope": self.rope.to_dict(), "attention_scale": scale, "sliding_window": window}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict) or "rope" not in state:
+            raise ValueError(f"LlamaBlock extra state must be a dict with the RoPE settings, got {type(state).__name__}")
+        self._attention_args = (self._attention_args[0], state.get("attention_scale"), state.get("sliding_window"))
+        self._set_rope(Rope.from_dict(state["rope"]), self.rope_freq.device)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LlamaBlock":
-        # module.to(dtype) would round the RoPE frequencies to bf16: keep them fp32, from the fp64 source
+        # module.to(dtype) would round the RoPE frequencies to bf16: keep them fp32, from their source
         super()._apply(fn, recurse)
         self._set_rope_buffers(self.qkv.device)
         return self
@@ -107,8 +149,11 @@ class LlamaBlock(nn.Module):
 
     def extra_repr(self) -> str:
         d = self.dims
+        extra = "" if self.rope.rope_type == "default" else f", rope={self.rope.rope_type}"
+        if self.attention.window is not None:
+            extra += f", sliding_window={self.attention.window}"
         return (f"dim={d.dim}, heads={d.n_heads}, kv_heads={d.n_kv_heads}, head_dim={d.head_dim}, "
-                f"ffn={d.ffn_dim}, eps={d.eps}, attention={self.attention.backend}")
+                f"ffn={d.ffn_dim}, eps={d.eps}, attention={self.attention.backend}{extra}")
 
     # ------------------------------------------------------------------ running
     def get_runner(self) -> Runner:
@@ -126,7 +171,18 @@ class LlamaBlock(nn.Module):
         if isinstance(runner, KernelRunner):
             runner.prepare(self.context(), batch * seq)
         return Step(self.dims, runner, self.attention, batch, seq, positions(batch, seq, self.qkv.device),
-                    self.rope_freq)
+                    self.column_freq(seq), self._dropout())
+
+    def _dropout(self) -> float:
+        return self.attention_dropout if self.training else 0.0
+
+    def local_step(self, step: Step) -> Step:
+        """A stack's step with this block's own attention settings and RoPE frequencies (layers of
+        one model may differ in both)."""
+        freq = self.column_freq(step.seq)
+        if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout():
+            return step
+        return dataclasses.replace(step, attention=self.attention, freq=freq, dropout=self._dropout())
 
     def weights(self) -> tuple[torch.Tensor, ...]:
         return (self.qkv, self.o, self.gate_up, self.down, self.attn_norm, self.mlp_norm)
@@ -136,6 +192,7 @@ class LlamaBlock(nn.Module):
         """The block on an (M, D) stream with its normed copy h and rstd r (as a stack calls it).
         Without autograd (no_grad, or nothing requires a gradient) it runs the forward alone, which
         saves nothing and writes less (``block_forward(train=False)``)."""
+        step = self.local_step(step)
         weights = self.weights()
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
             return BlockFunction.apply(x, h, r, *weights, g_next, step)
@@ -164,12 +221,17 @@ class LlamaBlock(nn.Module):
 
     # ------------------------------------------------------------------ Hugging Face
     @classmethod
-    def from_hf(cls, layer: Any, config: Any = None, *, attention: str = "sdpa") -> "LlamaBlock":
-        """A block with the weights of a transformers ``LlamaDecoderLayer`` (q/k rows permuted to
-        adjacent RoPE pairs, q/k/v fused, gate/up interleaved). RoPE frequencies come from the
-        layer's config (``rope_theta``, and ``rope_scaling`` through transformers when set)."""
-        return block_from_hf(cls, layer, config, attention)
+    def from_hf(cls, layer: Any, config: Any = None, *, attention: str = "sdpa",
+                ignore_fields: Iterable[str] = ()) -> "LlamaBlock":
+        """A block with the weights and settings of a transformers decoder layer (Llama, Mistral,
+        Phi-3; q/k rows permuted to adjacent RoPE pairs, q/k/v fused, gate/up interleaved). The
+        settings come from the layer's config (``self_attn.config``, or ``config``), in the style of
+        transformers 5 (``rope_parameters``) or 4 (``rope_theta``, ``rope_scaling``); a field whose
+        effect is not implemented is refused by name (``ignore_fields``: fields known to be inert)."""
+        return block_from_hf(cls, layer, config, attention=attention, ignore_fields=ignore_fields)
 
-    def to_hf(self, layer: Any) -> Any:
-        """Copy this block's weights into a transformers ``LlamaDecoderLayer`` (inverse of from_hf)."""
-        return block_to_hf(self, layer)
+    def to_hf(self, layer: Any, config: Any = None) -> Any:
+        """Copy this block's weights into a transformers decoder layer (inverse of from_hf), after
+        checking that the layer computes what the block computes (widths, RoPE, window) and has its
+        shapes; on a mismatch nothing is written."""
+        return block_to_hf(self, layer, config)

@@ -79,6 +79,7 @@ class Step:
     seq: int
     pos: torch.Tensor        # (M,) fp32 position of each token
     freq: torch.Tensor       # (qkv_width,) fp32 RoPE frequency of each column (0 on V)
+    dropout: float = 0.0     # attention dropout probability (training only)
 
 
 def first_norm(step: Step, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +99,7 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     d, run = step.dims, step.runner
     sfx = "" if train else FORWARD_ONLY
     qkv = run.gemm("qkv" + sfx, E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]     # F4
-    o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d)
+    o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout)
     f1 = run.gemm("o" + sfx, E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)  # F1
     x1, h1 = f1["D"], f1["h"]
     r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                       # R1

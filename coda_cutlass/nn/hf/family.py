@@ -1,0 +1,105 @@
+"""What a model family is to coda_cutlass.nn: how to read its config and its decoder layers.
+
+``Family`` is the Llama decoder layer (pre-norm RMSNorm, q/k/v/o projections without biases, RoPE,
+causal GQA attention, SwiGLU MLP); a family module subclasses it and overrides only what differs
+(``mistral``: the sliding window; ``phi3``: fused qkv and gate_up weights, residual dropout). A
+family that is not implemented is refused clearly (``unsupported``).
+
+Weights travel between a transformers layer and a block as a dict in the standard (Hugging Face)
+layout: ``q k v o gate up down attn_norm mlp_norm`` (nn.Linear (out, in) weights, norm gains);
+``nn.hf.layer`` converts them to the kernels' layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from .fields import UnsupportedConfig, check_known, head_dim, require, rope_from_config
+
+STANDARD = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")
+
+
+def _part(layer: Any, path: str, family: str) -> Any:
+    obj = layer
+    for name in path.split("."):
+        nxt = getattr(obj, name, None)
+        if nxt is None:
+            raise UnsupportedConfig(f"a {family} decoder layer has {path}; {type(layer).__name__} has no {path} "
+                                    f"({type(obj).__name__} has no {name!r})")
+        obj = nxt
+    return obj
+
+
+class Family:
+    """The Llama decoder layer. Subclasses set ``name``, ``model_types`` and override what differs."""
+    name = "llama"
+    model_types: tuple[str, ...] = ("llama",)
+    # config fields this family reads (every other field must be inert: fields.INERT)
+    fields: frozenset[str] = frozenset({
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+        "rope_parameters", "rope_theta", "rope_scaling", "attention_bias", "attention_dropout", "mlp_bias",
+        "tie_word_embeddings", "pad_token_id", "pruned_heads"})
+    # standard weight name -> attribute path in the transformers layer
+    paths: dict[str, str] = {
+        "q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+        "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj",
+        "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    activations: tuple[str, ...] = ("silu", "swish")
+
+    # ------------------------------------------------------------------ config
+    def check_config(self, config: Any, ignore: Iterable[str] = ()) -> None:
+        """Refuse, by field, whatever this family's config sets that the block does not compute."""
+        check_known(config, self.name, self.fields, ignore)
+        require(config, self.activation_field, self.activations, "the MLP is SwiGLU: silu(gate) * up")
+        require(config, "attention_bias", (False, None), "linear biases on q/k/v/o are not implemented", False)
+        require(config, "mlp_bias", (False, None), "linear biases on gate/up/down are not implemented", False)
+        if getattr(config, "pruned_heads", None):
+            raise UnsupportedConfig(f"config.pruned_heads={config.pruned_heads!r}: pruned heads are not supported")
+        dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+        if not 0.0 <= float(dropout) < 1.0:
+            raise UnsupportedConfig(f"config.attention_dropout={dropout!r} must be in [0, 1)")
+
+    activation_field = "hidden_act"
+
+    def layer_type(self, config: Any, layer_idx: int) -> str | None:
+        """The layer's attention type (Gemma 2/3, Qwen 2/3 alternate sliding and full layers)."""
+        return None
+
+    def block_options(self, config: Any, layer_idx: int = 0) -> dict[str, Any]:
+        """The LlamaBlock arguments of layer ``layer_idx``."""
+        heads = config.num_attention_heads
+        return {"dim": config.hidden_size, "n_heads": heads,
+                "n_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+                "ffn_dim": config.intermediate_size, "head_dim": head_dim(config), "eps": float(config.rms_norm_eps),
+                "rope": rope_from_config(config, self.layer_type(config, layer_idx)),
+                "sliding_window": self.sliding_window(config, layer_idx),
+                "attention_dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0)}
+
+    def sliding_window(self, config: Any, layer_idx: int) -> int | None:
+        return None
+
+    # ------------------------------------------------------------------ layers
+    def check_layer(self, layer: Any) -> None:
+        """The layer has this family's parts, without linear biases."""
+        for name, path in self.paths.items():
+            mod = _part(layer, path, self.name)
+            if not isinstance(getattr(mod, "weight", None), torch.Tensor):
+                raise UnsupportedConfig(f"{path} of a {self.name} layer has no weight tensor")
+            if getattr(mod, "bias", None) is not None:
+                raise UnsupportedConfig(f"{path} has a bias: linear biases are not implemented")
+
+    def read_layer(self, layer: Any) -> dict[str, torch.Tensor]:
+        """The layer's weights in the standard layout (views of its parameters)."""
+        return {name: _part(layer, path, self.name).weight for name, path in self.paths.items()}
+
+    def write_layer(self, layer: Any, weights: dict[str, torch.Tensor]) -> None:
+        """Copy standard-layout weights into the layer (shapes already checked)."""
+        with torch.no_grad():
+            for name, path in self.paths.items():
+                _part(layer, path, self.name).weight.copy_(weights[name])
+
+    def layer_index(self, layer: Any) -> int:
+        return int(getattr(getattr(layer, "self_attn", None), "layer_idx", None) or 0)
