@@ -24,8 +24,9 @@ from ..partials import cached_tensor
 from .attention import Attention
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
 from .hf.layer import block_from_hf, block_to_hf
+from .precision import cast, check_compute_dtype, compute_dtype, no_autocast, runner_for
 from .rope import Rope, column_frequencies
-from .runner import KernelRunner, Runner, default_runner
+from .runner import KernelRunner, Runner
 from .tuning import tune_module
 
 
@@ -41,7 +42,8 @@ class BlockFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, g_next, step: Step):  # type: ignore[override]
         w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
-        x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
+        with no_autocast(x.device):
+            x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
         ctx.step, ctx.saved, ctx.weights = step, saved, w
         if h2 is None:
             return x2
@@ -50,7 +52,8 @@ class BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
-        dx, g = block_backward(ctx.step, ctx.saved, ctx.weights, dx2.contiguous())
+        with no_autocast(dx2.device):
+            dx, g = block_backward(ctx.step, ctx.saved, ctx.weights, dx2.contiguous())
         ctx.saved = None
         return dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, None, None
 
@@ -62,7 +65,8 @@ class LlamaBlock(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *, head_dim: int | None = None,
                  eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
                  rope: Rope | None = None, attention_scale: float | None = None, sliding_window: int | None = None,
-                 attention_dropout: float = 0.0, attention: str = "sdpa", device: Any = None, dtype: Any = None):
+                 attention_dropout: float = 0.0, attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
+                 device: Any = None, dtype: Any = None):
         super().__init__()
         head_dim = head_dim or dim // n_heads
         if n_heads % n_kv_heads:
@@ -87,7 +91,9 @@ class LlamaBlock(nn.Module):
         self._set_rope(rope if rope is not None else Rope.explicit(inv_freq) if inv_freq is not None
                        else Rope.default(head_dim, rope_theta),
                        torch.device(device) if device is not None else torch.device("cpu"))
-        self.runner: Runner | None = None
+        self.compute_dtype = check_compute_dtype(compute_dtype)
+        self.runner: Runner | None = None          # set to pin one (a tuned KernelRunner); else one per dtype
+        self._runners: dict[tuple[str, torch.dtype], Runner] = {}
         self.reset_parameters()
 
     # ------------------------------------------------------------------ RoPE and attention settings
@@ -156,22 +162,34 @@ class LlamaBlock(nn.Module):
                 f"ffn={d.ffn_dim}, eps={d.eps}, attention={self.attention.backend}{extra}")
 
     # ------------------------------------------------------------------ running
-    def get_runner(self) -> Runner:
-        if self.runner is None:
-            self.runner = default_runner(self.qkv.device, self.qkv.dtype)
-        return self.runner
+    def call_dtype(self) -> torch.dtype:
+        """The dtype this call computes in (nn.precision): compute_dtype, else autocast's for fp32
+        parameters, else the parameters'."""
+        return compute_dtype(self.qkv.dtype, self.qkv.device, self.compute_dtype)
+
+    def get_runner(self, dtype: torch.dtype | None = None) -> Runner:
+        """The pinned ``runner``, else this block's runner for the device and compute dtype (kernels
+        on a Hopper GPU in bf16 / fp16, the reference interpreter elsewhere: nn.precision.runner_for)."""
+        if self.runner is not None:
+            return self.runner
+        key = (str(self.qkv.device), dtype or self.call_dtype())
+        r = self._runners.get(key)
+        if r is None:
+            r = self._runners[key] = runner_for(self.qkv.device, key[1])
+        return r
 
     def context(self) -> str:
         """The model widths that decide kernel shapes (the key of in-sequence tuning plans)."""
         d = self.dims
         return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}"
 
-    def step(self, batch: int, seq: int, runner: Runner | None = None) -> Step:
-        runner = runner or self.get_runner()
+    def step(self, batch: int, seq: int, runner: Runner | None = None, dtype: torch.dtype | None = None) -> Step:
+        dtype = dtype or self.call_dtype()
+        runner = runner or self.get_runner(dtype)
         if isinstance(runner, KernelRunner):
             runner.prepare(self.context(), batch * seq)
         return Step(self.dims, runner, self.attention, batch, seq, positions(batch, seq, self.qkv.device),
-                    self.column_freq(seq), self._dropout())
+                    self.column_freq(seq), self._dropout(), dtype)
 
     def _dropout(self) -> float:
         return self.attention_dropout if self.training else 0.0
@@ -193,10 +211,14 @@ class LlamaBlock(nn.Module):
         Without autograd (no_grad, or nothing requires a gradient) it runs the forward alone, which
         saves nothing and writes less (``block_forward(train=False)``)."""
         step = self.local_step(step)
-        weights = self.weights()
+        dtype = step.dtype or self.qkv.dtype
+        weights = tuple(cast(w, dtype) for w in self.weights())      # once per call; grads in the params' dtype
+        if g_next is not None:
+            g_next = cast(g_next.detach(), dtype)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
             return BlockFunction.apply(x, h, r, *weights, g_next, step)
-        x2, h2, r2, _ = block_forward(step, x, h, r, BlockWeights(*weights), g_next, train=False)
+        with no_autocast(x.device):
+            x2, h2, r2, _ = block_forward(step, x, h, r, BlockWeights(*weights), g_next, train=False)
         return x2 if h2 is None else (x2, h2, r2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,9 +227,9 @@ class LlamaBlock(nn.Module):
             raise ValueError(f"LlamaBlock expects (batch, seq, {self.dims.dim}) input, got {tuple(x.shape)}")
         B, S, D = x.shape
         step = self.step(B, S)
-        x2d = x.reshape(B * S, D).contiguous()
-        with torch.no_grad():
-            h, r = first_norm(step, x2d.detach(), self.attn_norm)
+        x2d = cast(x.reshape(B * S, D), step.dtype).contiguous()
+        with torch.no_grad(), no_autocast(x.device):
+            h, r = first_norm(step, x2d.detach(), cast(self.attn_norm.detach(), step.dtype))
         return self.run(step, x2d, h, r, None).view(B, S, D)
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:

@@ -80,6 +80,7 @@ class Step:
     pos: torch.Tensor        # (M,) fp32 position of each token
     freq: torch.Tensor       # (qkv_width,) fp32 RoPE frequency of each column (0 on V)
     dropout: float = 0.0     # attention dropout probability (training only)
+    dtype: torch.dtype | None = None   # the compute dtype (weights are cast to it: nn.precision)
 
 
 def first_norm(step: Step, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from torch import nn
 from .. import epilogues as E
 from .block import LlamaBlock
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward
+from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
 
 
@@ -28,7 +29,8 @@ class LMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x, h, r, w_lm, g, target, step: Step, ignore_index: int, chunk_rows: int):  # type: ignore[override]
-        lse, target_logit = lm_head_forward(step, h, r, w_lm, target)
+        with no_autocast(x.device):
+            lse, target_logit = lm_head_forward(step, h, r, w_lm, target)
         valid = (target != ignore_index) & (target >= 0) & (target < w_lm.shape[0])
         count = valid.sum().clamp_min(1).to(torch.float32)
         loss = torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum() / count
@@ -40,7 +42,8 @@ class LMHeadLoss(torch.autograd.Function):
     def backward(ctx: Any, dloss: torch.Tensor):  # type: ignore[override]
         x, h, r, w_lm, g, target, lse, valid, count = ctx.saved_tensors
         scale = valid.to(torch.float32) * (dloss.to(torch.float32) / count)
-        dx, dw, dg = lm_head_backward(ctx.step, x, h, r, w_lm, g, lse, target, scale, ctx.chunk_rows)
+        with no_autocast(x.device):
+            dx, dw, dg = lm_head_backward(ctx.step, x, h, r, w_lm, g, lse, target, scale, ctx.chunk_rows)
         return dx, None, None, dw, dg, None, None, None, None
 
 
@@ -50,8 +53,10 @@ class LlamaModel(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *,
                  head_dim: int | None = None, eps: float = 1e-5, rope_theta: float = 500000.0,
-                 attention: str = "sdpa", ce_chunk_bytes: int = 1 << 30, device: Any = None, dtype: Any = None):
+                 attention: str = "sdpa", ce_chunk_bytes: int = 1 << 30, compute_dtype: torch.dtype | None = None,
+                 device: Any = None, dtype: Any = None):
         super().__init__()
+        self.compute_dtype = check_compute_dtype(compute_dtype)
         kw = {"device": device, "dtype": dtype}
         self.embed = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.blocks = nn.ModuleList(
@@ -66,6 +71,11 @@ class LlamaModel(nn.Module):
     @property
     def dims(self) -> Any:
         return self.blocks[0].dims
+
+    def call_dtype(self) -> torch.dtype:
+        """The dtype this call computes in (nn.precision): compute_dtype, else autocast's for fp32
+        parameters, else the parameters'."""
+        return compute_dtype(self.embed.dtype, self.embed.device, self.compute_dtype)
 
     def set_runner(self, runner: Any) -> None:
         """Run every block (and the LM head) through this runner (e.g. a tuned KernelRunner)."""
@@ -90,10 +100,10 @@ class LlamaModel(nn.Module):
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
         B, S = tokens.shape
         first = self.blocks[0]
-        step = first.step(B, S)
-        x = nn.functional.embedding(tokens.reshape(-1), self.embed)
-        with torch.no_grad():
-            h, r = first_norm(step, x.detach(), first.attn_norm)
+        step = first.step(B, S, dtype=self.call_dtype())
+        x = cast(nn.functional.embedding(tokens.reshape(-1), self.embed), step.dtype)
+        with torch.no_grad(), no_autocast(x.device):
+            h, r = first_norm(step, x.detach(), cast(first.attn_norm.detach(), step.dtype))
         for i, block in enumerate(self.blocks):
             g_next = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.norm
             x, h, r = block.run(step, x, h, r, g_next)
@@ -102,9 +112,11 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
                 ignore_index: int = -100) -> torch.Tensor:
         step, x, h, r = self.hidden(tokens)
+        w_lm = cast(self.lm_head, step.dtype)
         if targets is None:
-            logits = step.runner.gemm("lm_head.logits", E.rowscale, h, self.lm_head, r=r)["D"]
+            with no_autocast(x.device):
+                logits = step.runner.gemm("lm_head.logits", E.rowscale, h, w_lm, r=r)["D"]
             return logits.view(*tokens.shape, -1)
-        chunk = max(1, self.ce_chunk_bytes // (self.lm_head.shape[0] * self.lm_head.element_size()))
-        return LMHeadLoss.apply(x, h, r, self.lm_head, self.norm, targets.reshape(-1).to(torch.int64), step,
-                                ignore_index, chunk)
+        chunk = max(1, self.ce_chunk_bytes // (w_lm.shape[0] * w_lm.element_size()))
+        return LMHeadLoss.apply(x, h, r, w_lm, cast(self.norm, step.dtype), targets.reshape(-1).to(torch.int64),
+                                step, ignore_index, chunk)
