@@ -65,6 +65,7 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(dim, **kw))
         self.lm_head = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.ce_chunk_bytes = ce_chunk_bytes
+        self.padding_idx: int | None = None     # a token whose embedding gets no gradient (nn.Embedding's)
         nn.init.normal_(self.embed, std=1.0)
         nn.init.normal_(self.lm_head, std=1.0 / math.sqrt(dim))
 
@@ -101,7 +102,7 @@ class LlamaModel(nn.Module):
         B, S = tokens.shape
         first = self.blocks[0]
         step = first.step(B, S, dtype=self.call_dtype())
-        x = cast(nn.functional.embedding(tokens.reshape(-1), self.embed), step.dtype)
+        x = cast(nn.functional.embedding(tokens.reshape(-1), self.embed, padding_idx=self.padding_idx), step.dtype)
         with torch.no_grad(), no_autocast(x.device):
             h, r = first_norm(step, x.detach(), cast(first.attn_norm.detach(), step.dtype))
         for i, block in enumerate(self.blocks):

@@ -91,15 +91,36 @@ class Family:
             if getattr(mod, "bias", None) is not None:
                 raise UnsupportedConfig(f"{path} has a bias: linear biases are not implemented")
 
+    def to_standard(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The layer's weights by attribute path (``paths`` values) -> the standard layout."""
+        return {name: parts[path] for name, path in self.paths.items()}
+
+    def from_standard(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inverse of ``to_standard``: attribute path -> weight."""
+        return {path: weights[name] for name, path in self.paths.items()}
+
     def read_layer(self, layer: Any) -> dict[str, torch.Tensor]:
         """The layer's weights in the standard layout (views of its parameters)."""
-        return {name: _part(layer, path, self.name).weight for name, path in self.paths.items()}
+        return self.to_standard({path: _part(layer, path, self.name).weight for path in self.paths.values()})
 
     def write_layer(self, layer: Any, weights: dict[str, torch.Tensor]) -> None:
         """Copy standard-layout weights into the layer (shapes already checked)."""
         with torch.no_grad():
-            for name, path in self.paths.items():
-                _part(layer, path, self.name).weight.copy_(weights[name])
+            for path, t in self.from_standard(weights).items():
+                _part(layer, path, self.name).weight.copy_(t)
 
     def layer_index(self, layer: Any) -> int:
         return int(getattr(getattr(layer, "self_attn", None), "layer_idx", None) or 0)
+
+    # ------------------------------------------------------------------ whole models
+    # attribute paths of a transformers *ForCausalLM model's parts
+    embed_path = "model.embed_tokens"
+    norm_path = "model.norm"
+    lm_head_path = "lm_head"
+    layers_path = "model.layers"
+
+    def model_part(self, model: Any, path: str) -> Any:
+        return _part(model, path, f"{self.name} model")
+
+    def check_model_config(self, config: Any) -> None:
+        """Model-level fields (the embedding and the LM head) that the coda model does not compute."""

@@ -38,14 +38,19 @@ def kernel_weights(w: dict[str, torch.Tensor], head_dim: int) -> dict[str, torch
             "attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"]}
 
 
+def standard_layout(w: dict[str, torch.Tensor], q_width: int, kv_width: int, head_dim: int) -> dict[str, torch.Tensor]:
+    """The block's parameters (kernel layout) -> standard-layout weights (new tensors, detached)."""
+    q, k, v = w["qkv"].detach().split((q_width, kv_width, kv_width))
+    gate, up = deinterleave_gate_up(w["gate_up"].detach())
+    return {"q": unpermute_rope_rows(q, head_dim), "k": unpermute_rope_rows(k, head_dim), "v": v.clone(),
+            "o": w["o"].detach().clone(), "gate": gate, "up": up, "down": w["down"].detach().clone(),
+            "attn_norm": w["attn_norm"].detach().clone(), "mlp_norm": w["mlp_norm"].detach().clone()}
+
+
 def standard_weights(block: Any) -> dict[str, torch.Tensor]:
     """A block's weights in the standard layout (new tensors, detached)."""
     d = block.dims
-    q, k, v = block.qkv.detach().split((d.q_width, d.kv_width, d.kv_width))
-    gate, up = deinterleave_gate_up(block.gate_up.detach())
-    return {"q": unpermute_rope_rows(q, d.head_dim), "k": unpermute_rope_rows(k, d.head_dim), "v": v.clone(),
-            "o": block.o.detach().clone(), "gate": gate, "up": up, "down": block.down.detach().clone(),
-            "attn_norm": block.attn_norm.detach().clone(), "mlp_norm": block.mlp_norm.detach().clone()}
+    return standard_layout(dict(block.named_parameters()), d.q_width, d.kv_width, d.head_dim)
 
 
 def block_from_hf(cls: Any, layer: Any, config: Any = None, *, attention: str = "sdpa",
@@ -107,4 +112,5 @@ def block_to_hf(block: Any, layer: Any, config: Any = None, *, ignore_fields: It
     return layer
 
 
-__all__ = ["block_from_hf", "block_to_hf", "kernel_weights", "standard_weights", "layer_config", "UnsupportedConfig"]
+__all__ = ["block_from_hf", "block_to_hf", "kernel_weights", "standard_layout", "standard_weights", "layer_config",
+           "UnsupportedConfig"]

@@ -8,7 +8,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .family import Family, _part
+from .family import Family
 from .fields import UnsupportedConfig
 
 
@@ -30,24 +30,22 @@ class Phi3(Family):
     def sliding_window(self, config: Any, layer_idx: int) -> int | None:
         return getattr(config, "sliding_window", None)
 
-    def _widths(self, layer: Any) -> tuple[int, int]:
-        a = layer.self_attn
-        return a.config.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    def to_standard(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        p = self.paths
+        qkv, gate_up, down = parts[p["qkv"]], parts[p["gate_up"]], parts[p["down"]]
+        o = parts[p["o"]]
+        nq = o.shape[1]                                    # o_proj: (hidden, heads * head_dim)
+        nkv = (qkv.shape[0] - nq) // 2
+        q, k, v = qkv.split((nq, nkv, nkv))
+        gate, up = gate_up.chunk(2)
+        return {"q": q, "k": k, "v": v, "o": o, "gate": gate, "up": up, "down": down,
+                "attn_norm": parts[p["attn_norm"]], "mlp_norm": parts[p["mlp_norm"]]}
 
-    def read_layer(self, layer: Any) -> dict[str, torch.Tensor]:
-        fused = super().read_layer(layer)
-        nq, nkv = self._widths(layer)
-        q, k, v = fused["qkv"].split((nq, nkv, fused["qkv"].shape[0] - nq - nkv))
-        gate, up = fused["gate_up"].chunk(2)
-        return {"q": q, "k": k, "v": v, "o": fused["o"], "gate": gate, "up": up, "down": fused["down"],
-                "attn_norm": fused["attn_norm"], "mlp_norm": fused["mlp_norm"]}
-
-    def write_layer(self, layer: Any, weights: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            _part(layer, self.paths["qkv"], self.name).weight.copy_(torch.cat((weights["q"], weights["k"], weights["v"])))
-            _part(layer, self.paths["gate_up"], self.name).weight.copy_(torch.cat((weights["gate"], weights["up"])))
-            for name in ("o", "down", "attn_norm", "mlp_norm"):
-                _part(layer, self.paths[name], self.name).weight.copy_(weights[name])
+    def from_standard(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        p = self.paths
+        return {p["qkv"]: torch.cat((weights["q"], weights["k"], weights["v"])),
+                p["gate_up"]: torch.cat((weights["gate"], weights["up"])),
+                **{p[n]: weights[n] for n in ("o", "down", "attn_norm", "mlp_norm")}}
 
 
 FAMILY = Phi3()
