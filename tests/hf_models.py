@@ -74,9 +74,11 @@ def grads_by_name(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def block_grads_as_layer(block: Any, family: Any, layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The coda block's gradients written into a copy of the transformers layer: by parameter name."""
-    from coda_cutlass.nn.reference import coda_grads_standard
+    from coda_cutlass.nn.hf.layer import standard_layout
+    d = block.dims
+    grads = standard_layout({n: p.grad for n, p in block.named_parameters()}, d.q_width, d.kv_width, d.head_dim)
     target = copy.deepcopy(layer)
-    family.write_layer(target, {k: v.detach() for k, v in coda_grads_standard(block).items()})
+    family.write_layer(target, grads)
     return {n: p.detach() for n, p in target.named_parameters()}
 
 

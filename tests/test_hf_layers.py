@@ -107,10 +107,16 @@ def test_llama3_theta_is_read_not_defaulted():
     assert torch.allclose(block.inv_freq.double(), Rope.default(16, 5e5).inv_freq())
 
 
-@pytest.mark.parametrize("act", ["gelu", "relu", "gelu_pytorch_tanh", "quick_gelu"])
+@pytest.mark.parametrize("act", ["gelu", "quick_gelu", "tanh"])
 def test_other_activations_are_refused_by_name(act):
     with pytest.raises(UnsupportedConfig, match=rf"hidden_act='{act}'"):
         LlamaBlock.from_hf(decoder_layer(config(hidden_act=act)))
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu_pytorch_tanh", "gelu_new"])
+def test_gated_activations_match_the_transformers_layer(act):
+    block = check_layer(config(hidden_act=act), S=10)
+    assert block.mlp.name == {"relu": "relu"}.get(act, "gelu_tanh")
 
 
 def test_unknown_rope_type_is_refused_by_name():
@@ -147,9 +153,8 @@ def test_biases_are_refused_by_name():
 
 
 @pytest.mark.parametrize("model_type,reason", [
-    ("mixtral", "mixture of experts"), ("qwen3_moe", "mixture of experts"), ("qwen2", "biases"),
-    ("qwen3", "q_norm, k_norm"), ("gemma", r"\(1 \+ weight\)"), ("gemma2", "soft-capped"),
-    ("gemma3_text", "per-head q/k norms")])
+    ("mixtral", "mixture of experts"), ("qwen3_moe", "mixture of experts"),
+    ("qwen3", "q_norm, k_norm"), ("gemma2", "soft-capped"), ("gemma3_text", "per-head q/k norms")])
 def test_families_not_implemented_are_refused_clearly(model_type, reason):
     kw = {"num_local_experts": 2, "num_experts_per_tok": 1} if model_type == "mixtral" else {}
     if model_type == "qwen3_moe":
@@ -164,6 +169,21 @@ def test_mistral_sliding_window_shorter_than_the_sequence():
     block = check_layer(cfg, S=12, mask=window_mask(2, 12, 5))
     assert block.attention.window == 5 and "sliding_window=5" in repr(block)
     check_layer(config("mistral", sliding_window=64), S=12)     # a window past the sequence: plain causal
+
+
+def test_qwen2_biases():
+    block = check_layer(config("qwen2"), S=10)
+    assert block.qkv_bias is not None
+
+
+def test_qwen2_sliding_window_layers():
+    cfg = config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert [family_of(cfg).sliding_window(cfg, i) for i in range(2)] == [None, 4]
+
+
+def test_gemma_offset_norms_and_geglu():
+    block = check_layer(config("gemma"), S=10)
+    assert block.norm_offset == 1.0 and block.mlp.name == "gelu_tanh"
 
 
 def test_phi3_fused_weights():

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..partials import cached_tensor
+from .activations import activation as find_activation
 from .attention import Attention
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
 from .hf.layer import block_from_hf, block_to_hf
@@ -40,8 +41,8 @@ class BlockFunction(torch.autograd.Function):
     """(x, h, r) -> (x2[, h2, r2]) for one block; the weights' gradients come from the epilogues."""
 
     @staticmethod
-    def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, g_next, step: Step):  # type: ignore[override]
-        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
+    def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_next, step: Step):  # type: ignore[override]
+        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv)
         with no_autocast(x.device):
             x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
         ctx.step, ctx.saved, ctx.weights = step, saved, w
@@ -55,7 +56,7 @@ class BlockFunction(torch.autograd.Function):
         with no_autocast(dx2.device):
             dx, g = block_backward(ctx.step, ctx.saved, ctx.weights, dx2.contiguous())
         ctx.saved = None
-        return dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, None, None
+        return dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, g.qkv_bias, None, None
 
 
 class LlamaBlock(nn.Module):
@@ -65,7 +66,8 @@ class LlamaBlock(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *, head_dim: int | None = None,
                  eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
                  rope: Rope | None = None, attention_scale: float | None = None, sliding_window: int | None = None,
-                 attention_dropout: float = 0.0, attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
+                 attention_dropout: float = 0.0, activation: str = "silu", qkv_bias: bool = False,
+                 norm_offset: float = 0.0, attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
                  device: Any = None, dtype: Any = None):
         super().__init__()
         head_dim = head_dim or dim // n_heads
@@ -84,6 +86,10 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(dim, **kw))
         self.gate_up = nn.Parameter(torch.empty(2 * ffn_dim, dim, **kw))
         self.down = nn.Parameter(torch.empty(dim, ffn_dim, **kw))
+        # q/k/v biases (Qwen 2), in the kernels' column order (RoPE pairs adjacent, as W_qkv's rows)
+        self.qkv_bias = nn.Parameter(torch.zeros(d.qkv_width, **kw)) if qkv_bias else None
+        self.mlp = find_activation(activation)
+        self.norm_offset = float(norm_offset)      # the norms scale by (offset + weight): 1 for Gemma
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)     # per RoPE pair, fp32
         self.register_buffer("rope_freq", torch.empty(0), persistent=False)    # per QKV column, fp32
         self.attention_dropout = float(attention_dropout)
@@ -158,6 +164,12 @@ class LlamaBlock(nn.Module):
         extra = "" if self.rope.rope_type == "default" else f", rope={self.rope.rope_type}"
         if self.attention.window is not None:
             extra += f", sliding_window={self.attention.window}"
+        if self.mlp.name != "silu":
+            extra += f", activation={self.mlp.name}"
+        if self.qkv_bias is not None:
+            extra += ", qkv_bias=True"
+        if self.norm_offset:
+            extra += f", norm_offset={self.norm_offset}"
         return (f"dim={d.dim}, heads={d.n_heads}, kv_heads={d.n_kv_heads}, head_dim={d.head_dim}, "
                 f"ffn={d.ffn_dim}, eps={d.eps}, attention={self.attention.backend}{extra}")
 
@@ -181,7 +193,8 @@ class LlamaBlock(nn.Module):
     def context(self) -> str:
         """The model widths that decide kernel shapes (the key of in-sequence tuning plans)."""
         d = self.dims
-        return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}"
+        extra = ("" if self.mlp.name == "silu" else f":{self.mlp.name}") + ("" if self.qkv_bias is None else ":bias")
+        return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}{extra}"
 
     def step(self, batch: int, seq: int, runner: Runner | None = None, dtype: torch.dtype | None = None) -> Step:
         dtype = dtype or self.call_dtype()
@@ -189,7 +202,7 @@ class LlamaBlock(nn.Module):
         if isinstance(runner, KernelRunner):
             runner.prepare(self.context(), batch * seq)
         return Step(self.dims, runner, self.attention, batch, seq, positions(batch, seq, self.qkv.device),
-                    self.column_freq(seq), self._dropout(), dtype)
+                    self.column_freq(seq), self._dropout(), dtype, self.mlp)
 
     def _dropout(self) -> float:
         return self.attention_dropout if self.training else 0.0
@@ -198,12 +211,22 @@ class LlamaBlock(nn.Module):
         """A stack's step with this block's own attention settings and RoPE frequencies (layers of
         one model may differ in both)."""
         freq = self.column_freq(step.seq)
-        if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout():
+        if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout() \
+                and step.mlp is self.mlp:
             return step
-        return dataclasses.replace(step, attention=self.attention, freq=freq, dropout=self._dropout())
+        return dataclasses.replace(step, attention=self.attention, freq=freq, dropout=self._dropout(), mlp=self.mlp)
 
-    def weights(self) -> tuple[torch.Tensor, ...]:
-        return (self.qkv, self.o, self.gate_up, self.down, self.attn_norm, self.mlp_norm)
+    def gain(self, norm: torch.Tensor) -> torch.Tensor:
+        """A norm's effective gain: its weight, plus norm_offset (Gemma's (1 + w))."""
+        return norm if self.norm_offset == 0.0 else norm + self.norm_offset
+
+    def attn_gain(self) -> torch.Tensor:
+        """The attention norm's gain (the previous block's down-proj epilogue applies it)."""
+        return self.gain(self.attn_norm)
+
+    def weights(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down, self.gain(self.attn_norm), self.gain(self.mlp_norm),
+                self.qkv_bias)
 
     def run(self, step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
             g_next: torch.Tensor | None) -> Any:
@@ -212,10 +235,10 @@ class LlamaBlock(nn.Module):
         saves nothing and writes less (``block_forward(train=False)``)."""
         step = self.local_step(step)
         dtype = step.dtype or self.qkv.dtype
-        weights = tuple(cast(w, dtype) for w in self.weights())      # once per call; grads in the params' dtype
+        weights = tuple(None if w is None else cast(w, dtype) for w in self.weights())  # once per call
         if g_next is not None:
             g_next = cast(g_next.detach(), dtype)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):
             return BlockFunction.apply(x, h, r, *weights, g_next, step)
         with no_autocast(x.device):
             x2, h2, r2, _ = block_forward(step, x, h, r, BlockWeights(*weights), g_next, train=False)
@@ -229,7 +252,7 @@ class LlamaBlock(nn.Module):
         step = self.step(B, S)
         x2d = cast(x.reshape(B * S, D), step.dtype).contiguous()
         with torch.no_grad(), no_autocast(x.device):
-            h, r = first_norm(step, x2d.detach(), cast(self.attn_norm.detach(), step.dtype))
+            h, r = first_norm(step, x2d.detach(), cast(self.attn_gain().detach(), step.dtype))
         return self.run(step, x2d, h, r, None).view(B, S, D)
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:

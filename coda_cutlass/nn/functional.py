@@ -17,6 +17,7 @@ import torch
 
 from .. import epilogues as E
 from ..partials import const_vector
+from .activations import ACTIVATIONS, Activation
 from .attention import Attention
 from .kernels import FORWARD_ONLY
 from .runner import Runner
@@ -67,6 +68,7 @@ class BlockWeights:
     down: torch.Tensor
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None = None     # per QKV column, kernel layout (Qwen 2)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Step:
     freq: torch.Tensor       # (qkv_width,) fp32 RoPE frequency of each column (0 on V)
     dropout: float = 0.0     # attention dropout probability (training only)
     dtype: torch.dtype | None = None   # the compute dtype (weights are cast to it: nn.precision)
+    mlp: Activation = ACTIVATIONS["silu"]   # the gated MLP's programs (nn.activations)
 
 
 def first_norm(step: Step, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,15 +102,18 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     (a forward-only sequence is all GEMMs at the power limit: other tiles can win there)."""
     d, run = step.dims, step.runner
     sfx = "" if train else FORWARD_ONLY
-    qkv = run.gemm("qkv" + sfx, E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]     # F4
+    if w.qkv_bias is None:                                                                     # F4
+        qkv = run.gemm("qkv" + sfx, E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]
+    else:
+        qkv = run.gemm("qkv" + sfx, E.rope_bias, h, w.qkv, r=r, bias=w.qkv_bias, pos=step.pos, freq=step.freq)["D"]
     o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout)
     f1 = run.gemm("o" + sfx, E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)  # F1
     x1, h1 = f1["D"], f1["h"]
     r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                       # R1
     if not train:                                                                              # F2
-        z, y = None, run.gemm("gate_up.infer", E.swiglu_only, h1, w.gate_up, r=r1)["y"]
+        z, y = None, run.gemm("gate_up.infer", step.mlp.infer, h1, w.gate_up, r=r1)["y"]
     else:
-        f2 = run.gemm("gate_up", E.swiglu, h1, w.gate_up, r=r1)
+        f2 = run.gemm("gate_up", step.mlp.train, h1, w.gate_up, r=r1)
         z, y = f2["z"], f2["y"]
     if g_next is not None:                                                                     # F3
         f3 = run.gemm("down" + sfx, E.residual_norm_stats, y, w.down, partial=True, resid=x1, g=g_next)
@@ -122,7 +128,7 @@ def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor)
     d, run = step.dims, step.runner
     x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx = saved
     # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
-    b4 = run.gemm("down.dgrad", E.swiglu_backward_scaled, dx2, w.down, layout="kn", partial=True, z=z, r=r1)  # B4
+    b4 = run.gemm("down.dgrad", step.mlp.backward, dx2, w.down, layout="kn", partial=True, z=z, r=r1)  # B4
     dz = b4["dz"]
     d_down = run.timed("down.wgrad", lambda: dx2.t() @ y)                                      # B5
     c1 = row_mean(b4["zdz"], d.dim)
@@ -140,17 +146,24 @@ def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor)
     for g4 in grads:            # (B, S, heads, head_dim) views                                # B1
         width = g4.shape[2] * g4.shape[3]
         cols = slice(start, start + width)
-        res = run.map("rope.dgrad", E.rope_backward, g4, partial=True, out={"dz": dqkv[:, cols]},
-                      y=qkv[:, cols], r=r, pos=step.pos, freq=step.freq[cols])
+        if w.qkv_bias is None:
+            res = run.map("rope.dgrad", E.rope_backward, g4, partial=True, out={"dz": dqkv[:, cols]},
+                          y=qkv[:, cols], r=r, pos=step.pos, freq=step.freq[cols])
+        else:
+            res = run.map("rope.dgrad", E.rope_backward_bias, g4, partial=True, out={"dz": dqkv[:, cols]},
+                          y=qkv[:, cols], r=r, bias=w.qkv_bias[cols], pos=step.pos, freq=step.freq[cols])
         zdz.append(res["zdz"])
         start += width
     c = row_mean(torch.cat(zdz), d.dim)
     b2 = run.gemm("qkv.dgrad", E.norm_backward, dqkv, w.qkv, layout="kn", partial=True,       # B2
                   x=x, r=r, c=c, g=w.attn_norm, dres=dx1)
     d_qkv = run.timed("qkv.wgrad", lambda: dqkv.t() @ h)                                      # B3
+    d_bias = None
+    if w.qkv_bias is not None:      # dbias = column sums of dz = dz'^T (1 / r)
+        d_bias = run.timed("qkv.bgrad", lambda: torch.mv(dqkv.t(), r.reciprocal().to(dqkv.dtype)))
     grads_w = BlockWeights(qkv=d_qkv, o=d_o, gate_up=d_gate_up, down=d_down,
                            attn_norm=b2["dgamma"].sum(0).to(w.attn_norm.dtype),
-                           mlp_norm=b6["dgamma"].sum(0).to(w.mlp_norm.dtype))
+                           mlp_norm=b6["dgamma"].sum(0).to(w.mlp_norm.dtype), qkv_bias=d_bias)
     return b2["dx"], grads_w
 
 

@@ -66,12 +66,18 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.ce_chunk_bytes = ce_chunk_bytes
         self.padding_idx: int | None = None     # a token whose embedding gets no gradient (nn.Embedding's)
+        self.embed_scale: float | None = None   # the embedding output times this (Gemma: sqrt(dim))
+        self.norm_offset = 0.0                  # the final norm scales by (offset + weight): 1 for Gemma
         nn.init.normal_(self.embed, std=1.0)
         nn.init.normal_(self.lm_head, std=1.0 / math.sqrt(dim))
 
     @property
     def dims(self) -> Any:
         return self.blocks[0].dims
+
+    def final_gain(self) -> torch.Tensor:
+        """The final norm's gain: its weight plus norm_offset."""
+        return self.norm if self.norm_offset == 0.0 else self.norm + self.norm_offset
 
     def call_dtype(self) -> torch.dtype:
         """The dtype this call computes in (nn.precision): compute_dtype, else autocast's for fp32
@@ -103,10 +109,12 @@ class LlamaModel(nn.Module):
         first = self.blocks[0]
         step = first.step(B, S, dtype=self.call_dtype())
         x = cast(nn.functional.embedding(tokens.reshape(-1), self.embed, padding_idx=self.padding_idx), step.dtype)
+        if self.embed_scale is not None:        # in the compute dtype, as transformers' Gemma scales it
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         with torch.no_grad(), no_autocast(x.device):
-            h, r = first_norm(step, x.detach(), cast(first.attn_norm.detach(), step.dtype))
+            h, r = first_norm(step, x.detach(), cast(first.attn_gain().detach(), step.dtype))
         for i, block in enumerate(self.blocks):
-            g_next = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.norm
+            g_next = self.blocks[i + 1].attn_gain() if i + 1 < len(self.blocks) else self.final_gain()
             x, h, r = block.run(step, x, h, r, g_next)
         return step, x, h, r
 
@@ -119,5 +127,5 @@ class LlamaModel(nn.Module):
                 logits = step.runner.gemm("lm_head.logits", E.rowscale, h, w_lm, r=r)["D"]
             return logits.view(*tokens.shape, -1)
         chunk = max(1, self.ce_chunk_bytes // (w_lm.shape[0] * w_lm.element_size()))
-        return LMHeadLoss.apply(x, h, r, w_lm, cast(self.norm, step.dtype), targets.reshape(-1).to(torch.int64),
+        return LMHeadLoss.apply(x, h, r, w_lm, cast(self.final_gain(), step.dtype), targets.reshape(-1).to(torch.int64),
                                 step, ignore_index, chunk)

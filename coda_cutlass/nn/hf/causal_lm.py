@@ -54,8 +54,8 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
                                 f"{config.num_hidden_layers}")
     for layer in layers:
         family.check_layer(layer)
-    embed = family.model_part(hf_model, family.embed_path).weight
-    lm_head = family.model_part(hf_model, family.lm_head_path).weight
+    embed = family.model_param(hf_model, family.embed_path)
+    lm_head = family.model_param(hf_model, family.lm_head_path)
     tied = lm_head is embed or bool(getattr(config, "tie_word_embeddings", False))
     device, dtype = embed.device, embed.dtype
     heads = config.num_attention_heads
@@ -68,9 +68,11 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
     model.to_empty(device=device)
     pad = getattr(config, "pad_token_id", None)
     model.padding_idx = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
+    model.embed_scale = family.embed_scale(config)
+    model.norm_offset = family.norm_offset
     with torch.no_grad():
         model.embed.copy_(embed)
-        model.norm.copy_(family.model_part(hf_model, family.norm_path).weight)
+        model.norm.copy_(family.model_param(hf_model, family.norm_path))
         if tied:
             model.lm_head = model.embed
         else:
@@ -164,7 +166,7 @@ class CodaCausalLM:
         with torch.device(ref.device):
             hf = self.coda_hf_class(copy.deepcopy(self.config)).to(ref.dtype)
         missing, unexpected = hf.load_state_dict(self.hf_state_dict(), strict=False)
-        tied = {f"{self.coda_family.lm_head_path}.weight"} if self.coda_tied else set()
+        tied = {self.coda_family.lm_head_path} if self.coda_tied else set()
         if set(missing) - tied or unexpected:
             raise RuntimeError(f"to_hf: {type(hf).__name__} did not take the weights (missing {sorted(missing)}, "
                                f"unexpected {sorted(unexpected)})")

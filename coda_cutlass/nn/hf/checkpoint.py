@@ -2,7 +2,7 @@
 
 coda keys: ``embed``, ``norm``, ``lm_head`` and ``blocks.<i>.<qkv|o|gate_up|down|attn_norm|mlp_norm>``
 (kernel layout); transformers keys: ``model.embed_tokens.weight``, ``model.norm.weight``,
-``lm_head.weight`` and ``model.layers.<i>.<path>.weight`` of the family's layer paths (standard
+``lm_head.weight`` and ``model.layers.<i>.<path>`` of the family's parameter paths (standard
 layout). A tied LM head is the embedding: transformers checkpoints omit ``lm_head.weight`` then.
 """
 
@@ -16,7 +16,7 @@ from .family import Family
 from .fields import head_dim
 from .layer import kernel_weights, standard_layout
 
-BLOCK_PARAMS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")
+BLOCK_PARAMS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias")
 
 
 def _widths(config: Any) -> tuple[int, int, int]:
@@ -27,7 +27,7 @@ def _widths(config: Any) -> tuple[int, int, int]:
 
 
 def _key(path: str) -> str:
-    return f"{path}.weight"
+    return path
 
 
 def to_hf_keys(state: Mapping[str, torch.Tensor], family: Family, config: Any, tied: bool) -> dict[str, torch.Tensor]:
@@ -37,7 +37,7 @@ def to_hf_keys(state: Mapping[str, torch.Tensor], family: Family, config: Any, t
     if not tied:
         out[_key(family.lm_head_path)] = state["lm_head"]
     for i in range(config.num_hidden_layers):
-        w = {n: state[f"blocks.{i}.{n}"] for n in BLOCK_PARAMS}
+        w = {n: state[f"blocks.{i}.{n}"] for n in BLOCK_PARAMS if f"blocks.{i}.{n}" in state}
         for path, t in family.from_standard(standard_layout(w, q_width, kv_width, hd)).items():
             out[_key(f"{family.layers_path}.{i}.{path}")] = t
     return {k: v.detach() for k, v in out.items()}

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 
 from ...layouts import deinterleave_gate_up, interleave_gate_up, permute_rope_rows, unpermute_rope_rows
-from .family import STANDARD, Family
+from .family import Family
 from .fields import UnsupportedConfig
 from .registry import family_of
 
@@ -33,24 +33,32 @@ def layer_config(layer: Any, config: Any = None) -> Any:
 
 def kernel_weights(w: dict[str, torch.Tensor], head_dim: int) -> dict[str, torch.Tensor]:
     """Standard-layout weights -> the block's parameters (qkv, o, gate_up, down, attn_norm, mlp_norm)."""
-    return {"qkv": torch.cat((permute_rope_rows(w["q"], head_dim), permute_rope_rows(w["k"], head_dim), w["v"])),
-            "o": w["o"], "gate_up": interleave_gate_up(w["gate"], w["up"]), "down": w["down"],
-            "attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"]}
+    out = {"qkv": torch.cat((permute_rope_rows(w["q"], head_dim), permute_rope_rows(w["k"], head_dim), w["v"])),
+           "o": w["o"], "gate_up": interleave_gate_up(w["gate"], w["up"]), "down": w["down"],
+           "attn_norm": w["attn_norm"], "mlp_norm": w["mlp_norm"]}
+    if "q_bias" in w:             # biases follow their rows
+        out["qkv_bias"] = torch.cat((permute_rope_rows(w["q_bias"], head_dim), permute_rope_rows(w["k_bias"], head_dim),
+                                     w["v_bias"]))
+    return out
 
 
 def standard_layout(w: dict[str, torch.Tensor], q_width: int, kv_width: int, head_dim: int) -> dict[str, torch.Tensor]:
     """The block's parameters (kernel layout) -> standard-layout weights (new tensors, detached)."""
     q, k, v = w["qkv"].detach().split((q_width, kv_width, kv_width))
     gate, up = deinterleave_gate_up(w["gate_up"].detach())
-    return {"q": unpermute_rope_rows(q, head_dim), "k": unpermute_rope_rows(k, head_dim), "v": v.clone(),
-            "o": w["o"].detach().clone(), "gate": gate, "up": up, "down": w["down"].detach().clone(),
-            "attn_norm": w["attn_norm"].detach().clone(), "mlp_norm": w["mlp_norm"].detach().clone()}
+    out = {"q": unpermute_rope_rows(q, head_dim), "k": unpermute_rope_rows(k, head_dim), "v": v.clone(),
+           "o": w["o"].detach().clone(), "gate": gate, "up": up, "down": w["down"].detach().clone(),
+           "attn_norm": w["attn_norm"].detach().clone(), "mlp_norm": w["mlp_norm"].detach().clone()}
+    if w.get("qkv_bias") is not None:
+        qb, kb, vb = w["qkv_bias"].detach().split((q_width, kv_width, kv_width))
+        out.update(q_bias=unpermute_rope_rows(qb, head_dim), k_bias=unpermute_rope_rows(kb, head_dim), v_bias=vb.clone())
+    return out
 
 
 def standard_weights(block: Any) -> dict[str, torch.Tensor]:
     """A block's weights in the standard layout (new tensors, detached)."""
     d = block.dims
-    return standard_layout(dict(block.named_parameters()), d.q_width, d.kv_width, d.head_dim)
+    return standard_layout({n: p for n, p in block.named_parameters()}, d.q_width, d.kv_width, d.head_dim)
 
 
 def block_from_hf(cls: Any, layer: Any, config: Any = None, *, attention: str = "sdpa",
@@ -75,7 +83,9 @@ def block_from_hf(cls: Any, layer: Any, config: Any = None, *, attention: str = 
 
 def _check_shapes(block: Any, w: dict[str, torch.Tensor], what: str) -> None:
     mine = standard_weights(block)
-    for name in STANDARD:
+    if set(w) != set(mine):
+        raise ValueError(f"{what}: weights {sorted(w)}, the block has {sorted(mine)}")
+    for name in mine:
         if tuple(w[name].shape) != tuple(mine[name].shape):
             raise ValueError(f"{what}: weight {name!r} has shape {tuple(w[name].shape)}, the block's is "
                              f"{tuple(mine[name].shape)} ({block.extra_repr()})")
@@ -86,7 +96,8 @@ def _check_target(block: Any, family: Family, config: Any, idx: int) -> None:
     options = family.block_options(config, idx)
     d = block.dims
     mine = {"dim": d.dim, "n_heads": d.n_heads, "n_kv_heads": d.n_kv_heads, "ffn_dim": d.ffn_dim,
-            "head_dim": d.head_dim, "eps": d.eps, "rope": block.rope, "sliding_window": block.attention.window}
+            "head_dim": d.head_dim, "eps": d.eps, "rope": block.rope, "sliding_window": block.attention.window,
+            "activation": block.mlp.name, "qkv_bias": block.qkv_bias is not None, "norm_offset": block.norm_offset}
     diff = [f"{k}: layer {options[k]!r}, block {v!r}" for k, v in mine.items() if options[k] != v]
     if diff:
         raise ValueError(f"to_hf: the target {family.name} layer does not compute what this block computes, nothing "
@@ -104,7 +115,7 @@ def block_to_hf(block: Any, layer: Any, config: Any = None, *, ignore_fields: It
     _check_target(block, family, config, family.layer_index(layer))
     target = family.read_layer(layer)
     w = standard_weights(block)
-    for name in STANDARD:
+    for name in w:
         if tuple(target[name].shape) != tuple(w[name].shape):
             raise ValueError(f"to_hf: weight {name!r} of the target layer has shape {tuple(target[name].shape)}, "
                              f"the block's is {tuple(w[name].shape)}; nothing was written")

@@ -17,8 +17,9 @@ class Phi3(Family):
     model_types = ("phi3",)
     fields = Family.fields - {"attention_bias", "mlp_bias"} | {
         "sliding_window", "resid_pdrop", "embd_pdrop", "original_max_position_embeddings", "partial_rotary_factor"}
-    paths = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_up_proj",
-             "down": "mlp.down_proj", "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    paths = {"qkv": "self_attn.qkv_proj.weight", "o": "self_attn.o_proj.weight", "gate_up": "mlp.gate_up_proj.weight",
+             "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
+             "mlp_norm": "post_attention_layernorm.weight"}
 
     def check_config(self, config: Any, ignore: Iterable[str] = ()) -> None:
         super().check_config(config, ignore)
