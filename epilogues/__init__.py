@@ -9,7 +9,8 @@ Backward: rmsnorm_backward (the norm-backward dX GEMM epilogue), swiglu_backward
 Training a Llama block (coda_cutlass.nn; block.py): swiglu_backward_scaled, norm_backward(_first),
           cross_entropy_backward; norm_stats and rope_backward are map kernels (no GEMM).
 Model families (coda_cutlass.nn.hf; gated.py): geglu_only, reglu_only, geglu_backward_scaled,
-          reglu_backward_scaled, rope_bias (q/k/v biases), rope_backward_bias.
+          reglu_backward_scaled, rope_bias (q/k/v biases), rope_backward_bias; per-head q/k norms
+          (qk_norm.py): qk_norm_rope, qk_norm_rope_backward, qk_norm_backward (map kernels).
 Helpers:  rstd_from_sumsq (finishes RMSNorm statistics: r = rsqrt(mean x^2 + eps)).
 """
 
@@ -20,6 +21,7 @@ from .pairwise import geglu, reglu, rope, rope_generic, swiglu, swiglu_backward,
 from .loss import lm_head_lse, lm_head_lse_logits
 from .block import (cross_entropy_backward, norm_backward, norm_backward_first, norm_stats, rope_backward,
                     swiglu_backward_scaled)
+from .qk_norm import qk_norm_backward, qk_norm_rope, qk_norm_rope_backward
 from .gated import (geglu_backward_scaled, geglu_only, reglu_backward_scaled, reglu_only, rope_backward_bias,
                     rope_bias)
 
@@ -28,4 +30,5 @@ __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "ro
            "swiglu", "swiglu_only", "geglu", "reglu", "swiglu_backward", "rope", "rope_generic", "lm_head_lse",
            "lm_head_lse_logits", "swiglu_backward_scaled", "norm_backward", "norm_backward_first", "norm_stats",
            "rope_backward", "cross_entropy_backward", "geglu_only", "reglu_only", "geglu_backward_scaled",
-           "reglu_backward_scaled", "rope_bias", "rope_backward_bias"]
+           "reglu_backward_scaled", "rope_bias", "rope_backward_bias", "qk_norm_rope", "qk_norm_rope_backward",
+           "qk_norm_backward"]

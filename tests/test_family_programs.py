@@ -20,3 +20,13 @@ def test_gemm_programs_emit_cuda(program, layout):
 def test_rope_backward_bias_emits_a_map_kernel():
     src = cc.emit_map(E.rope_backward_bias, torch.bfloat16)
     assert "extern \"C\"" in src and "rope_backward_bias" in src
+
+
+@pytest.mark.parametrize("name", ["qk_norm_rope", "qk_norm_rope_backward", "qk_norm_backward"])
+def test_qk_norm_map_programs_emit_cuda(name):
+    assert "extern \"C\"" in cc.emit_map(getattr(E, name), torch.bfloat16)
+
+
+def test_qk_norm_stats_program_emits_cuda():
+    from coda_cutlass.nn.qk_norm import stats_program
+    assert "segment_sum width 128" in cc.emit(stats_program(128), torch.bfloat16)

@@ -154,7 +154,7 @@ def test_biases_are_refused_by_name():
 
 @pytest.mark.parametrize("model_type,reason", [
     ("mixtral", "mixture of experts"), ("qwen3_moe", "mixture of experts"),
-    ("qwen3", "q_norm, k_norm"), ("gemma2", "soft-capped"), ("gemma3_text", "per-head q/k norms")])
+    ("gemma2", "soft-capped"), ("gemma3_text", "per-head q/k norms")])
 def test_families_not_implemented_are_refused_clearly(model_type, reason):
     kw = {"num_local_experts": 2, "num_experts_per_tok": 1} if model_type == "mixtral" else {}
     if model_type == "qwen3_moe":
@@ -179,6 +179,11 @@ def test_qwen2_biases():
 def test_qwen2_sliding_window_layers():
     cfg = config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
     assert [family_of(cfg).sliding_window(cfg, i) for i in range(2)] == [None, 4]
+
+
+def test_qwen3_per_head_q_k_norms():
+    block = check_layer(config("qwen3"), S=10)
+    assert block.q_norm is not None and "qk_norm=True" in repr(block)
 
 
 def test_gemma_offset_norms_and_geglu():

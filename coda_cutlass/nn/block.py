@@ -41,8 +41,9 @@ class BlockFunction(torch.autograd.Function):
     """(x, h, r) -> (x2[, h2, r2]) for one block; the weights' gradients come from the epilogues."""
 
     @staticmethod
-    def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_next, step: Step):  # type: ignore[override]
-        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv)
+    def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k,  # type: ignore[override]
+                g_next, step: Step):
+        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k)
         with no_autocast(x.device):
             x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
         ctx.step, ctx.saved, ctx.weights = step, saved, w
@@ -56,7 +57,8 @@ class BlockFunction(torch.autograd.Function):
         with no_autocast(dx2.device):
             dx, g = block_backward(ctx.step, ctx.saved, ctx.weights, dx2.contiguous())
         ctx.saved = None
-        return dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, g.qkv_bias, None, None
+        return (dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, g.qkv_bias, g.q_norm, g.k_norm,
+                None, None)
 
 
 class LlamaBlock(nn.Module):
@@ -67,7 +69,7 @@ class LlamaBlock(nn.Module):
                  eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
                  rope: Rope | None = None, attention_scale: float | None = None, sliding_window: int | None = None,
                  attention_dropout: float = 0.0, activation: str = "silu", qkv_bias: bool = False,
-                 norm_offset: float = 0.0, attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
+                 qk_norm: bool = False, norm_offset: float = 0.0, attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
                  device: Any = None, dtype: Any = None):
         super().__init__()
         head_dim = head_dim or dim // n_heads
@@ -88,6 +90,11 @@ class LlamaBlock(nn.Module):
         self.down = nn.Parameter(torch.empty(dim, ffn_dim, **kw))
         # q/k/v biases (Qwen 2), in the kernels' column order (RoPE pairs adjacent, as W_qkv's rows)
         self.qkv_bias = nn.Parameter(torch.zeros(d.qkv_width, **kw)) if qkv_bias else None
+        # per-head RMSNorm gains of q and k before RoPE (Qwen 3), in the heads' pair order
+        self.q_norm = nn.Parameter(torch.ones(head_dim, **kw)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(head_dim, **kw)) if qk_norm else None
+        if qk_norm and qkv_bias:
+            raise ValueError("qk_norm with qkv_bias is not implemented")
         self.mlp = find_activation(activation)
         self.norm_offset = float(norm_offset)      # the norms scale by (offset + weight): 1 for Gemma
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)     # per RoPE pair, fp32
@@ -168,6 +175,8 @@ class LlamaBlock(nn.Module):
             extra += f", activation={self.mlp.name}"
         if self.qkv_bias is not None:
             extra += ", qkv_bias=True"
+        if self.q_norm is not None:
+            extra += ", qk_norm=True"
         if self.norm_offset:
             extra += f", norm_offset={self.norm_offset}"
         return (f"dim={d.dim}, heads={d.n_heads}, kv_heads={d.n_kv_heads}, head_dim={d.head_dim}, "
@@ -193,7 +202,8 @@ class LlamaBlock(nn.Module):
     def context(self) -> str:
         """The model widths that decide kernel shapes (the key of in-sequence tuning plans)."""
         d = self.dims
-        extra = ("" if self.mlp.name == "silu" else f":{self.mlp.name}") + ("" if self.qkv_bias is None else ":bias")
+        extra = ("" if self.mlp.name == "silu" else f":{self.mlp.name}") + ("" if self.qkv_bias is None else ":bias") \
+            + ("" if self.q_norm is None else ":qknorm")
         return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}{extra}"
 
     def step(self, batch: int, seq: int, runner: Runner | None = None, dtype: torch.dtype | None = None) -> Step:
@@ -226,7 +236,8 @@ class LlamaBlock(nn.Module):
 
     def weights(self) -> tuple[torch.Tensor | None, ...]:
         return (self.qkv, self.o, self.gate_up, self.down, self.gain(self.attn_norm), self.gain(self.mlp_norm),
-                self.qkv_bias)
+                self.qkv_bias, None if self.q_norm is None else self.gain(self.q_norm),
+                None if self.k_norm is None else self.gain(self.k_norm))
 
     def run(self, step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
             g_next: torch.Tensor | None) -> Any:

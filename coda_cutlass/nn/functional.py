@@ -18,6 +18,7 @@ import torch
 from .. import epilogues as E
 from ..partials import const_vector
 from .activations import ACTIVATIONS, Activation
+from . import qk_norm
 from .attention import Attention
 from .kernels import FORWARD_ONLY
 from .runner import Runner
@@ -69,6 +70,8 @@ class BlockWeights:
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
     qkv_bias: torch.Tensor | None = None     # per QKV column, kernel layout (Qwen 2)
+    q_norm: torch.Tensor | None = None       # per-head RMSNorm gains of q and k (Qwen 3), pair order
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -102,7 +105,10 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     (a forward-only sequence is all GEMMs at the power limit: other tiles can win there)."""
     d, run = step.dims, step.runner
     sfx = "" if train else FORWARD_ONLY
-    if w.qkv_bias is None:                                                                     # F4
+    qk_ctx = None
+    if w.q_norm is not None:                                                                   # F4
+        qkv, qk_ctx = qk_norm.forward(step, h, r, w, "qkv" + sfx)
+    elif w.qkv_bias is None:
         qkv = run.gemm("qkv" + sfx, E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]
     else:
         qkv = run.gemm("qkv" + sfx, E.rope_bias, h, w.qkv, r=r, bias=w.qkv_bias, pos=step.pos, freq=step.freq)["D"]
@@ -120,13 +126,13 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)                         # R2
     else:
         x2, h2, r2 = run.gemm("down.last" + sfx, E.residual_add, y, w.down, resid=x1)["D"], None, None
-    return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx) if train else None
+    return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx) if train else None
 
 
 def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor) -> tuple[torch.Tensor, BlockWeights]:
     """dL/dx of the block's input stream and the weight gradients (as a BlockWeights)."""
     d, run = step.dims, step.runner
-    x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx = saved
+    x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx = saved
     # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
     b4 = run.gemm("down.dgrad", step.mlp.backward, dx2, w.down, layout="kn", partial=True, z=z, r=r1)  # B4
     dz = b4["dz"]
@@ -143,6 +149,10 @@ def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor)
     dqkv = torch.empty_like(qkv)
     zdz = []
     start = 0
+    d_qn = d_kn = None
+    if qk_ctx is not None:      # q and k through their per-head norms, v as below
+        zdz, d_qn, d_kn = qk_norm.backward(step, qk_ctx, w, r, grads[:2], dqkv)
+        start, grads = d.q_width + d.kv_width, grads[2:]
     for g4 in grads:            # (B, S, heads, head_dim) views                                # B1
         width = g4.shape[2] * g4.shape[3]
         cols = slice(start, start + width)
@@ -163,7 +173,8 @@ def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor)
         d_bias = run.timed("qkv.bgrad", lambda: torch.mv(dqkv.t(), r.reciprocal().to(dqkv.dtype)))
     grads_w = BlockWeights(qkv=d_qkv, o=d_o, gate_up=d_gate_up, down=d_down,
                            attn_norm=b2["dgamma"].sum(0).to(w.attn_norm.dtype),
-                           mlp_norm=b6["dgamma"].sum(0).to(w.mlp_norm.dtype), qkv_bias=d_bias)
+                           mlp_norm=b6["dgamma"].sum(0).to(w.mlp_norm.dtype), qkv_bias=d_bias,
+                           q_norm=d_qn, k_norm=d_kn)
     return b2["dx"], grads_w
 
 

@@ -16,7 +16,7 @@ from .family import Family
 from .fields import head_dim
 from .layer import kernel_weights, standard_layout
 
-BLOCK_PARAMS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias")
+BLOCK_PARAMS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm")
 
 
 def _widths(config: Any) -> tuple[int, int, int]:

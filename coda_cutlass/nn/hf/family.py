@@ -103,7 +103,7 @@ class Family:
                 "sliding_window": self.sliding_window(config, layer_idx),
                 "attention_dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
                 "activation": HF_NAMES[self.activation_name(config)],
-                "qkv_bias": "q_bias" in self.paths, "norm_offset": self.norm_offset}
+                "qkv_bias": "q_bias" in self.paths, "qk_norm": "q_norm" in self.paths, "norm_offset": self.norm_offset}
 
     # ------------------------------------------------------------------ layers
     def check_layer(self, layer: Any) -> None:

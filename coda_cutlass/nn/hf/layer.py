@@ -39,6 +39,9 @@ def kernel_weights(w: dict[str, torch.Tensor], head_dim: int) -> dict[str, torch
     if "q_bias" in w:             # biases follow their rows
         out["qkv_bias"] = torch.cat((permute_rope_rows(w["q_bias"], head_dim), permute_rope_rows(w["k_bias"], head_dim),
                                      w["v_bias"]))
+    for n in ("q_norm", "k_norm"):  # per-head gains follow the heads' row order
+        if n in w:
+            out[n] = permute_rope_rows(w[n], head_dim)
     return out
 
 
@@ -52,6 +55,9 @@ def standard_layout(w: dict[str, torch.Tensor], q_width: int, kv_width: int, hea
     if w.get("qkv_bias") is not None:
         qb, kb, vb = w["qkv_bias"].detach().split((q_width, kv_width, kv_width))
         out.update(q_bias=unpermute_rope_rows(qb, head_dim), k_bias=unpermute_rope_rows(kb, head_dim), v_bias=vb.clone())
+    for n in ("q_norm", "k_norm"):
+        if w.get(n) is not None:
+            out[n] = unpermute_rope_rows(w[n].detach(), head_dim)
     return out
 
 
@@ -97,7 +103,8 @@ def _check_target(block: Any, family: Family, config: Any, idx: int) -> None:
     d = block.dims
     mine = {"dim": d.dim, "n_heads": d.n_heads, "n_kv_heads": d.n_kv_heads, "ffn_dim": d.ffn_dim,
             "head_dim": d.head_dim, "eps": d.eps, "rope": block.rope, "sliding_window": block.attention.window,
-            "activation": block.mlp.name, "qkv_bias": block.qkv_bias is not None, "norm_offset": block.norm_offset}
+            "activation": block.mlp.name, "qkv_bias": block.qkv_bias is not None, "norm_offset": block.norm_offset,
+            "qk_norm": block.q_norm is not None}
     diff = [f"{k}: layer {options[k]!r}, block {v!r}" for k, v in mine.items() if options[k] != v]
     if diff:
         raise ValueError(f"to_hf: the target {family.name} layer does not compute what this block computes, nothing "

@@ -13,7 +13,6 @@ REFUSED: dict[str, str] = {
     "deepseek_v3": MOE,
     "olmoe": MOE,
     "phimoe": MOE,
-    "qwen3": "its attention normalises q and k per head (q_norm, k_norm), which is not implemented yet",
     "gemma2": "its RMSNorms scale by (1 + weight), it has sandwich norms, soft-capped attention and final logits and "
               "alternating sliding-window layers: not implemented yet",
     "gemma3_text": "its RMSNorms scale by (1 + weight), it has sandwich norms, per-head q/k norms, two RoPE bases "
