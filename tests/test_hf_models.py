@@ -34,9 +34,9 @@ def coda_grads_hf(model) -> dict[str, torch.Tensor]:
     return to_hf_keys(grads, model.coda_family, model.config, model.coda_tied)
 
 
-def check_model(hf, model, tokens, labels) -> None:
-    ref = hf(input_ids=tokens, labels=labels)
-    out = model(input_ids=tokens, labels=labels)
+def check_model(hf, model, tokens, labels, **inputs) -> None:
+    ref = hf(input_ids=tokens, labels=labels, **inputs)
+    out = model(input_ids=tokens, labels=labels, **inputs)
     assert out.logits is None and abs(out.loss.item() - ref.loss.item()) < TOL * ref.loss.item()
     ref.loss.backward()
     out.loss.backward()

@@ -51,16 +51,19 @@ class Attention:
     def __repr__(self) -> str:
         return f"Attention({self.backend!r}, scale={self.scale}, window={self.window})"
 
-    def forward(self, qkv: torch.Tensor, batch: int, seq: int, dims: Any,
-                dropout: float = 0.0) -> tuple[torch.Tensor, tuple]:
+    def forward(self, qkv: torch.Tensor, batch: int, seq: int, dims: Any, dropout: float = 0.0,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
         """qkv (M, q + 2 kv) -> (attention output (M, q), context for the backward). ``dropout``:
-        the probability of dropping an attention weight (training only)."""
+        the probability of dropping an attention weight (training only); ``mask``: (B, 1, S, S)
+        bool, True = attend, causal included (nn.masks: padding, packed documents)."""
         hd, nq, nkv = dims.head_dim, dims.q_width, dims.kv_width
         bshd = lambda t, h: t.view(batch, seq, h, hd)  # noqa: E731
         q = bshd(qkv[:, :nq], dims.n_heads)
         k = bshd(qkv[:, nq:nq + nkv], dims.n_kv_heads)
         v = bshd(qkv[:, nq + nkv:], dims.n_kv_heads)
         windowed = self.window is not None and seq > self.window
+        if mask is not None and self.backend == "flash":
+            raise ValueError("attention='flash' does not take padding or packed documents yet: use attention='sdpa'")
         with torch.enable_grad():
             leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
             if self.backend == "flash":
@@ -69,7 +72,9 @@ class Attention:
                                     window_size=(self.window - 1, 0) if windowed else (-1, -1))  # (B, S, H, D)
             else:
                 q_, k_, v_ = (t.transpose(1, 2) for t in leaves)                 # (B, H, S, D) views
-                mask = window_mask(seq, self.window, qkv.device) if windowed else None
+                if windowed:
+                    band = window_mask(seq, self.window, qkv.device)
+                    mask = band if mask is None else (mask & band) | torch.eye(seq, dtype=torch.bool, device=qkv.device)
                 o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None,
                                                    dropout_p=dropout, scale=self.scale,
                                                    enable_gqa=dims.n_heads != dims.n_kv_heads).transpose(1, 2)

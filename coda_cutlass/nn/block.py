@@ -206,13 +206,23 @@ class LlamaBlock(nn.Module):
             + ("" if self.q_norm is None else ":qknorm")
         return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}{extra}"
 
-    def step(self, batch: int, seq: int, runner: Runner | None = None, dtype: torch.dtype | None = None) -> Step:
+    def step(self, batch: int, seq: int, runner: Runner | None = None, dtype: torch.dtype | None = None, *,
+             position_ids: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> Step:
+        """What one call needs besides tensors. ``position_ids`` (B, S): each token's RoPE position
+        (default 0..S-1 per row); ``mask``: nn.masks.attention_mask (padding, packed documents)."""
         dtype = dtype or self.call_dtype()
         runner = runner or self.get_runner(dtype)
         if isinstance(runner, KernelRunner):
             runner.prepare(self.context(), batch * seq)
-        return Step(self.dims, runner, self.attention, batch, seq, positions(batch, seq, self.qkv.device),
-                    self.column_freq(seq), self._dropout(), dtype, self.mlp)
+        if position_ids is None:
+            pos, length = positions(batch, seq, self.qkv.device), seq
+        else:
+            if tuple(position_ids.shape[-1:]) != (seq,):
+                raise ValueError(f"position_ids must be (batch, {seq}), got {tuple(position_ids.shape)}")
+            pos = position_ids.to(self.qkv.device).expand(batch, seq).reshape(-1).to(torch.float32)
+            length = int(position_ids.max().item()) + 1
+        return Step(self.dims, runner, self.attention, batch, seq, pos, self.column_freq(length), self._dropout(),
+                    dtype, self.mlp, mask, length)
 
     def _dropout(self) -> float:
         return self.attention_dropout if self.training else 0.0
@@ -220,7 +230,7 @@ class LlamaBlock(nn.Module):
     def local_step(self, step: Step) -> Step:
         """A stack's step with this block's own attention settings and RoPE frequencies (layers of
         one model may differ in both)."""
-        freq = self.column_freq(step.seq)
+        freq = self.column_freq(step.length or step.seq)
         if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout() \
                 and step.mlp is self.mlp:
             return step

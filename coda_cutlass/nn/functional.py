@@ -87,6 +87,8 @@ class Step:
     dropout: float = 0.0     # attention dropout probability (training only)
     dtype: torch.dtype | None = None   # the compute dtype (weights are cast to it: nn.precision)
     mlp: Activation = ACTIVATIONS["silu"]   # the gated MLP's programs (nn.activations)
+    mask: torch.Tensor | None = None         # (B, 1, S, S) bool beyond causal: padding, documents (nn.masks)
+    length: int | None = None                # largest position + 1 (RoPE types that follow it); None: seq
 
 
 def first_norm(step: Step, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +114,7 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
         qkv = run.gemm("qkv" + sfx, E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]
     else:
         qkv = run.gemm("qkv" + sfx, E.rope_bias, h, w.qkv, r=r, bias=w.qkv_bias, pos=step.pos, freq=step.freq)["D"]
-    o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout)
+    o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
     f1 = run.gemm("o" + sfx, E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)  # F1
     x1, h1 = f1["D"], f1["h"]
     r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                       # R1

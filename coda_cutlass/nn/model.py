@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .. import epilogues as E
+from . import masks
 from .block import LlamaBlock
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
@@ -101,13 +102,16 @@ class LlamaModel(nn.Module):
         return tune_module(self, first.get_runner(), lambda: self(tokens, targets), None, context=first.context(),
                            M=tokens.numel(), forward_only=forward_only, **options)
 
-    def hidden(self, tokens: torch.Tensor) -> tuple[Step, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The final norm's inputs: (step, x, h = x * g_final, r = rstd(x)), all (B * S, D)."""
+    def hidden(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+               attention_mask: torch.Tensor | None = None) -> tuple[Step, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The final norm's inputs: (step, x, h = x * g_final, r = rstd(x)), all (B * S, D).
+        ``position_ids`` and ``attention_mask`` as transformers takes them (nn.masks)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
         B, S = tokens.shape
         first = self.blocks[0]
-        step = first.step(B, S, dtype=self.call_dtype())
+        mask = masks.attention_mask(B, S, tokens.device, attention_mask, position_ids)
+        step = first.step(B, S, dtype=self.call_dtype(), position_ids=position_ids, mask=mask)
         x = cast(nn.functional.embedding(tokens.reshape(-1), self.embed, padding_idx=self.padding_idx), step.dtype)
         if self.embed_scale is not None:        # in the compute dtype, as transformers' Gemma scales it
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -118,9 +122,9 @@ class LlamaModel(nn.Module):
             x, h, r = block.run(step, x, h, r, g_next)
         return step, x, h, r
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
-                ignore_index: int = -100) -> torch.Tensor:
-        step, x, h, r = self.hidden(tokens)
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, ignore_index: int = -100,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        step, x, h, r = self.hidden(tokens, position_ids=position_ids, attention_mask=attention_mask)
         w_lm = cast(self.lm_head, step.dtype)
         if targets is None:
             with no_autocast(x.device):

@@ -121,19 +121,19 @@ class CodaCausalLM:
                 raise ValueError(f"{name}=True is not supported by coda models")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        _check_mask_and_positions(input_ids, attention_mask, position_ids)
+        where = {"position_ids": position_ids, "attention_mask": attention_mask}
         loss = logits = None
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
             targets = torch.full_like(labels, -100)
             targets[:, :-1] = labels[:, 1:]
-            loss = self.coda(input_ids, targets)
+            loss = self.coda(input_ids, targets, **where)
             if num_items_in_batch is not None:      # sum over the whole (accumulated) batch / its token count
                 valid = (targets != -100).sum().clamp_min(1)
                 loss = loss * (valid / torch.as_tensor(num_items_in_batch, device=loss.device))
         if labels is None or return_logits:
-            logits = self.coda(input_ids)
+            logits = self.coda(input_ids, **where)
             if logits_to_keep:
                 logits = logits[:, -logits_to_keep:]
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -197,16 +197,6 @@ def _hf_state_to_coda(module: Any, state_dict: dict, prefix: str, *args: Any) ->
     for k, v in module.coda.state_dict().items():           # the settings (RoPE, window) stay as they are
         if not isinstance(v, torch.Tensor):
             state_dict[f"{prefix}coda.{k}"] = v
-
-
-def _check_mask_and_positions(input_ids: torch.Tensor, attention_mask: Any, position_ids: Any) -> None:
-    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
-        raise ValueError("attention_mask with padding (zeros) is not supported yet by coda models: pass unpadded "
-                         "batches of equal length (or attention_mask=None)")
-    if position_ids is not None:
-        expected = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        if not torch.equal(torch.as_tensor(position_ids, device=input_ids.device).expand_as(input_ids), expected):
-            raise ValueError("position_ids other than 0..seq-1 (packed documents) are not supported yet by coda models")
 
 
 class _CodaPreTrained(CodaCausalLM):
