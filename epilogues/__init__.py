@@ -19,7 +19,7 @@ from .basic import identity, residual_add, rowscale
 from .norms import qk_norm_stats, residual_norm_stats, rmsnorm_backward, rstd_from_sumsq
 from .pairwise import geglu, reglu, rope, rope_generic, swiglu, swiglu_backward, swiglu_only
 from .loss import lm_head_lse, lm_head_lse_logits
-from .block import (cross_entropy_backward, norm_backward, norm_backward_first, norm_stats, rope_backward,
+from .block import (cross_entropy_backward, cross_entropy_grad, norm_backward, norm_backward_first, norm_stats, rope_backward,
                     swiglu_backward_scaled)
 from .qk_norm import qk_norm_backward, qk_norm_rope, qk_norm_rope_backward
 from .gated import (geglu_backward_scaled, geglu_only, reglu_backward_scaled, reglu_only, rope_backward_bias,
@@ -29,6 +29,6 @@ __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "ro
            "residual_norm_stats", "rmsnorm_backward", "rstd_from_sumsq", "qk_norm_stats",
            "swiglu", "swiglu_only", "geglu", "reglu", "swiglu_backward", "rope", "rope_generic", "lm_head_lse",
            "lm_head_lse_logits", "swiglu_backward_scaled", "norm_backward", "norm_backward_first", "norm_stats",
-           "rope_backward", "cross_entropy_backward", "geglu_only", "reglu_only", "geglu_backward_scaled",
+           "rope_backward", "cross_entropy_backward", "cross_entropy_grad", "geglu_only", "reglu_only", "geglu_backward_scaled",
            "reglu_backward_scaled", "rope_bias", "rope_backward_bias", "qk_norm_rope", "qk_norm_rope_backward",
            "qk_norm_backward"]

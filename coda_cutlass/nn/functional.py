@@ -208,3 +208,33 @@ def lm_head_backward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tens
         dgamma += nb["dgamma"].sum(0)
         run.timed("lm_head.wgrad", lambda: dw.addmm_(dl.t(), h[a:b]))
     return dx, dw, dgamma.to(g.dtype)
+
+
+def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor, w_lm: torch.Tensor,
+                  g: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, chunk_rows: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LM head, cross-entropy and final norm, forward and backward in one pass over row chunks
+    (for dloss = 1: the caller scales the gradients by dloss), without recomputing the logits: per
+    chunk the logits GEMM writes them with the log-sum-exp and target logit (``lm_head_lse_logits``),
+    a map kernel turns them into dz' = r * dlogits (``cross_entropy_grad``), then the norm-backward
+    dX GEMM and the weight-gradient GEMM consume the chunk: three vocab-sized GEMMs, not four.
+    Returns (lse, target_logit, dx, dW_lm, dgamma)."""
+    d, run = step.dims, step.runner
+    M = x.shape[0]
+    lse = torch.empty(M, dtype=torch.float32, device=x.device)
+    tlogit = torch.empty(M, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(x)
+    dw = torch.zeros_like(w_lm)
+    dgamma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
+    for a in range(0, M, chunk_rows):
+        b = min(M, a + chunk_rows)
+        f = run.gemm("lm_head.fused", E.lm_head_lse_logits, h[a:b], w_lm, r=r[a:b], target=target[a:b])
+        lse[a:b], tlogit[a:b] = f["lse"], f["target_logit"]
+        ce = run.map("lm_head.ce_grad", E.cross_entropy_grad, f["D"], partial=True, r=r[a:b], lse=f["lse"],
+                     target=target[a:b], scale=scale[a:b])
+        dl = ce["D"]
+        nb = run.gemm("lm_head.dgrad", E.norm_backward_first, dl, w_lm, layout="kn", partial=True,
+                      out={"dx": dx[a:b]}, x=x[a:b], r=r[a:b], c=row_mean(ce["zdz"], d.dim), g=g)
+        dgamma += nb["dgamma"].sum(0)
+        run.timed("lm_head.wgrad", lambda: dw.addmm_(dl.t(), h[a:b]))
+    return lse, tlogit, dx, dw, dgamma.to(g.dtype)

@@ -20,32 +20,51 @@ from torch import nn
 from .. import epilogues as E
 from . import masks
 from .block import LlamaBlock
-from .functional import Step, first_norm, lm_head_backward, lm_head_forward
+from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
 
 
 class LMHeadLoss(torch.autograd.Function):
-    """(x, h, r) of the final norm -> mean cross-entropy over the rows whose target is valid."""
+    """(x, h, r) of the final norm -> mean cross-entropy over the rows whose target is valid.
+
+    With ``fused`` and a gradient to compute, the forward also computes the gradients for dloss = 1
+    (``lm_head_fused``: the logits are written once per row chunk, never recomputed) and the
+    backward only scales them; else the backward recomputes the logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx: Any, x, h, r, w_lm, g, target, step: Step, ignore_index: int, chunk_rows: int):  # type: ignore[override]
-        with no_autocast(x.device):
-            lse, target_logit = lm_head_forward(step, h, r, w_lm, target)
+    def forward(ctx: Any, x, h, r, w_lm, g, target, step: Step, ignore_index: int, chunk_rows: int,  # type: ignore[override]
+                fused: bool = False):
         valid = (target != ignore_index) & (target >= 0) & (target < w_lm.shape[0])
         count = valid.sum().clamp_min(1).to(torch.float32)
-        loss = torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum() / count
-        ctx.save_for_backward(x, h, r, w_lm, g, target, lse, valid, count)
         ctx.step, ctx.chunk_rows = step, chunk_rows
-        return loss
+        ctx.fused = fused and any(ctx.needs_input_grad[:5])
+        with no_autocast(x.device):
+            if ctx.fused:
+                scale = valid.to(torch.float32) / count
+                lse, target_logit, dx, dw, dg = lm_head_fused(step, x, h, r, w_lm, g, target, scale, chunk_rows)
+                ctx.save_for_backward(dx, dw, dg)
+            else:
+                lse, target_logit = lm_head_forward(step, h, r, w_lm, target)
+                ctx.save_for_backward(x, h, r, w_lm, g, target, lse, valid, count)
+        return torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum() / count
 
     @staticmethod
     def backward(ctx: Any, dloss: torch.Tensor):  # type: ignore[override]
+        if ctx.fused:
+            if getattr(ctx, "handed_out", False):
+                raise RuntimeError("the fused LM head's gradients were handed out by an earlier backward; set "
+                                   "model.fused_lm_head = False to run the backward more than once")
+            ctx.handed_out = True
+            dx, dw, dg = ctx.saved_tensors
+            s = dloss.to(torch.float32)
+            return (dx.mul_(s.to(dx.dtype)), None, None, dw.mul_(s.to(dw.dtype)), dg.mul_(s.to(dg.dtype)),
+                    None, None, None, None, None)
         x, h, r, w_lm, g, target, lse, valid, count = ctx.saved_tensors
         scale = valid.to(torch.float32) * (dloss.to(torch.float32) / count)
         with no_autocast(x.device):
             dx, dw, dg = lm_head_backward(ctx.step, x, h, r, w_lm, g, lse, target, scale, ctx.chunk_rows)
-        return dx, None, None, dw, dg, None, None, None, None
+        return dx, None, None, dw, dg, None, None, None, None, None
 
 
 class LlamaModel(nn.Module):
@@ -66,6 +85,9 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(dim, **kw))
         self.lm_head = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.ce_chunk_bytes = ce_chunk_bytes
+        # the LM head's gradients computed in the forward from logits written once per chunk (three
+        # vocab GEMMs); False: recomputed in the backward (four GEMMs, no logits chunk in memory)
+        self.fused_lm_head = True
         self.padding_idx: int | None = None     # a token whose embedding gets no gradient (nn.Embedding's)
         self.embed_scale: float | None = None   # the embedding output times this (Gemma: sqrt(dim))
         self.norm_offset = 0.0                  # the final norm scales by (offset + weight): 1 for Gemma
@@ -132,4 +154,4 @@ class LlamaModel(nn.Module):
             return logits.view(*tokens.shape, -1)
         chunk = max(1, self.ce_chunk_bytes // (w_lm.shape[0] * w_lm.element_size()))
         return LMHeadLoss.apply(x, h, r, w_lm, cast(self.final_gain(), step.dtype), targets.reshape(-1).to(torch.int64),
-                                step, ignore_index, chunk)
+                                step, ignore_index, chunk, self.fused_lm_head)
