@@ -44,8 +44,6 @@ SITES: dict[str, tuple[Any, str]] = {
 # the tuned choice of the training site whose GEMM it shares: swiglu_only stages less than swiglu, so
 # every configuration that fits the one fits the other.
 PLAN_FALLBACK: dict[str, str] = {s + FORWARD_ONLY: s for s in ("qkv", "o", "gate_up", "down", "down.last")}
-# the fused LM head's GEMM writes the logits chunk and a row reduction, as the recomputing one does
-PLAN_FALLBACK["lm_head.fused"] = "lm_head.recompute"
 
 
 def prebuild_items(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)) -> list[tuple[Any, dict]]:
