@@ -42,6 +42,26 @@ def test_guide_examples_run():
     assert namespace["on_hopper"] in (True, False)
 
 
+@pytest.mark.parametrize("doc", ["README.md", "docs/NN.md"])
+def test_readme_and_nn_examples_run(doc, tmp_path, monkeypatch):
+    """Every python block of the README and the other docs runs (in order, one namespace per file;
+    the GPU-only lines are skipped by the snippets' own checks)."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    path = REPO / doc
+    blocks = python_blocks(path)
+    assert blocks
+    namespace: dict = {"__name__": "doc_example"}
+    for line, code in blocks:
+        exec(compile("\n" * (line - 1) + code, str(path), "exec"), namespace)
+
+
+def test_every_doc_with_python_blocks_is_run():
+    run = {GUIDE, REPO / "README.md", REPO / "docs" / "NN.md"}
+    with_code = {p for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")] if python_blocks(p)}
+    assert with_code <= run, f"python blocks that no test runs: {sorted(str(p) for p in with_code - run)}"
+
+
 def repo_files():
     for root, dirs, files in os.walk(REPO):
         dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info") and not d.startswith(".")]
