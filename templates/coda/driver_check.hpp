@@ -2,7 +2,7 @@
 //
 // Included before every other CUTLASS header of a generated kernel. CUTLASS encodes the TMA
 // descriptors on the host through the driver (cuTensorMapEncodeTiled); on failure it prints to
-// stderr and asserts, and -DNDEBUG (always on: see DESIGN.md) compiles the assert out, so the
+// stderr and asserts, and -DNDEBUG (always on: see docs/DESIGN.md) compiles the assert out, so the
 // kernel would launch with a garbage descriptor (an illegal instruction that kills the CUDA
 // context). Here every such call goes through a wrapper that remembers the failure, and
 // coda::run() returns kDriverCall instead of launching.
