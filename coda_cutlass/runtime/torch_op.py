@@ -128,8 +128,9 @@ def register(k: OpKernel) -> Any:
         def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
                  swizzle: int | None = None) -> Any:
             out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
-            # block scales are the transposed view of a run-major buffer: the op returns the buffer
-            vals = tuple(out[n].t() if n in transposed else out[n] for n in returned)
+            # block scales are a view of a run-major buffer: the op returns the buffer (call_op views it)
+            vals = tuple(out[n].t().as_strided(_storage(k, n, A, W), (_storage(k, n, A, W)[1], 1))
+                         if n in transposed else out[n] for n in returned)
             if not vals:
                 return None
             # custom ops may not return views of internal buffers (partials are views)
@@ -155,11 +156,19 @@ def transposed_returns(k: OpKernel) -> frozenset[str]:
     return frozenset(getattr(k, "scale_outputs", ()))
 
 
+def _mn(k: OpKernel, A: torch.Tensor, W: torch.Tensor) -> tuple[int, int]:
+    return A.shape[0], (W.shape[0] if k.weight_layout == "nk" else W.shape[1])
+
+
+def _storage(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> tuple[int, int]:
+    """The run-major buffer behind block scales (TensorSlot.storage)."""
+    return k._slots_by_name[name].storage(*_mn(k, A, W))
+
+
 def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor, transposed: bool = False) -> torch.Tensor:
-    M = A.shape[0]
-    N = W.shape[0] if k.weight_layout == "nk" else W.shape[1]
+    M, N = _mn(k, A, W)
     shape, dtype = k.output_spec(name, M, N)
-    return A.new_empty(shape[::-1] if transposed else shape, dtype=dtype)
+    return A.new_empty(_storage(k, name, A, W) if transposed else shape, dtype=dtype)
 
 
 def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *,
@@ -174,7 +183,7 @@ def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, A
         out = (out,)
     result = dict(zip(returned, out or ()))
     for n in transposed_returns(k):
-        result[n] = result[n].t()
+        result[n] = k._slots_by_name[n].view(result[n], *_mn(k, A, W))
     for n in k.inout:
         result[n] = operands[n]
     return {n: result[n] for n in k.outputs}
