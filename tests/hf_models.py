@@ -54,10 +54,15 @@ def rotary(cfg: Any) -> torch.nn.Module:
 
 def run_layer(layer: torch.nn.Module, cfg: Any, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The transformers layer on x (B, S, D) at positions 0..S-1 (a fresh rotary module: dynamic
-    RoPE starts from its trained length)."""
+    RoPE starts from its trained length; Gemma 3 keeps one per layer type)."""
     B, S, _ = x.shape
     pos = torch.arange(S)[None].expand(B, S)
-    out = layer(x, position_embeddings=rotary(cfg)(x, pos), attention_mask=mask, position_ids=pos)
+    kind = getattr(layer.self_attn, "layer_type", None)
+    if cfg._attn_implementation == "eager":     # eager attention adds a float mask and is not causal by itself
+        keep = mask if mask is not None else window_mask(B, S, S)
+        mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    emb = rotary(cfg)(x, pos, kind) if cfg.model_type == "gemma3_text" else rotary(cfg)(x, pos)
+    out = layer(x, position_embeddings=emb, attention_mask=mask, position_ids=pos)
     return out[0] if isinstance(out, tuple) else out
 
 

@@ -30,3 +30,9 @@ def test_qk_norm_map_programs_emit_cuda(name):
 def test_qk_norm_stats_program_emits_cuda():
     from coda_cutlass.nn.qk_norm import stats_program
     assert "segment_sum width 128" in cc.emit(stats_program(128), torch.bfloat16)
+
+
+def test_sandwich_programs_emit_cuda():
+    assert "extern \"C\"" in cc.emit(E.out_sumsq, torch.bfloat16)
+    for p in (E.post_norm_residual, E.post_norm_residual_last, E.post_norm_c, E.post_norm_backward):
+        assert "extern \"C\"" in cc.emit_map(p, torch.bfloat16), p.name

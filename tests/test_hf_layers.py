@@ -23,9 +23,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def check_layer(cfg, S: int = 8, B: int = 2, mask=None, seed: int = 0, **from_hf) -> LlamaBlock:
+def check_layer(cfg, S: int = 8, B: int = 2, mask=None, seed: int = 0, layer_idx: int = 0, **from_hf) -> LlamaBlock:
     """Forward and every gradient of the block against the transformers layer."""
-    layer = decoder_layer(cfg)
+    layer = decoder_layer(cfg, layer_idx)
     block = LlamaBlock.from_hf(layer, **from_hf)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, S, cfg.hidden_size, generator=g)
@@ -153,8 +153,7 @@ def test_biases_are_refused_by_name():
 
 
 @pytest.mark.parametrize("model_type,reason", [
-    ("mixtral", "mixture of experts"), ("qwen3_moe", "mixture of experts"),
-    ("gemma2", "soft-capped"), ("gemma3_text", "per-head q/k norms")])
+    ("mixtral", "mixture of experts"), ("qwen3_moe", "mixture of experts")])
 def test_families_not_implemented_are_refused_clearly(model_type, reason):
     kw = {"num_local_experts": 2, "num_experts_per_tok": 1} if model_type == "mixtral" else {}
     if model_type == "qwen3_moe":
@@ -189,6 +188,32 @@ def test_qwen3_per_head_q_k_norms():
 def test_gemma_offset_norms_and_geglu():
     block = check_layer(config("gemma"), S=10)
     assert block.norm_offset == 1.0 and block.mlp.name == "gelu_tanh"
+
+
+NO_SOFTCAP = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1])
+def test_gemma2_sandwich_norms(layer_idx):
+    cfg = config("gemma2", **NO_SOFTCAP, sliding_window=4, query_pre_attn_scalar=24)
+    mask = window_mask(2, 10, 4) if layer_idx == 0 else None          # even layers slide
+    block = check_layer(cfg, S=10, mask=mask, layer_idx=layer_idx)
+    assert block.post_attn_norm is not None and block.attention.window == (4 if layer_idx == 0 else None)
+
+
+def test_gemma2_soft_caps_are_refused_by_name():
+    with pytest.raises(UnsupportedConfig, match="attn_logit_softcapping=50.0"):
+        LlamaBlock.from_hf(decoder_layer(config("gemma2")))
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1])
+def test_gemma3_layers(layer_idx):
+    cfg = config("gemma3_text", layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                 query_pre_attn_scalar=32)
+    mask = window_mask(2, 10, 6) if layer_idx == 0 else None
+    block = check_layer(cfg, S=10, mask=mask, layer_idx=layer_idx)
+    assert block.q_norm is not None and block.post_attn_norm is not None
+    assert block.rope.params["rope_theta"] == (10000.0 if layer_idx == 0 else 1000000.0)
 
 
 def test_phi3_fused_weights():

@@ -50,6 +50,8 @@ def check_model(hf, model, tokens, labels, **inputs) -> None:
 @pytest.mark.parametrize("model_type,fields", [
     ("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {"sliding_window": 5}), ("phi3", {}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}), ("gemma", {}), ("qwen3", {}),
+    ("gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window": 5}),
+    ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}),
     ("llama", {"hidden_act": "relu", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                           "original_max_position_embeddings": 8}})])
 def test_loss_and_every_gradient_match_the_transformers_model(model_type, fields):

@@ -41,9 +41,9 @@ class BlockFunction(torch.autograd.Function):
     """(x, h, r) -> (x2[, h2, r2]) for one block; the weights' gradients come from the epilogues."""
 
     @staticmethod
-    def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k,  # type: ignore[override]
+    def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k, g_pa, g_pm,  # type: ignore[override]
                 g_next, step: Step):
-        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k)
+        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k, g_pa, g_pm)
         with no_autocast(x.device):
             x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
         ctx.step, ctx.saved, ctx.weights = step, saved, w
@@ -58,7 +58,7 @@ class BlockFunction(torch.autograd.Function):
             dx, g = block_backward(ctx.step, ctx.saved, ctx.weights, dx2.contiguous())
         ctx.saved = None
         return (dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, g.qkv_bias, g.q_norm, g.k_norm,
-                None, None)
+                g.post_attn_norm, g.post_mlp_norm, None, None)
 
 
 class LlamaBlock(nn.Module):
@@ -69,7 +69,7 @@ class LlamaBlock(nn.Module):
                  eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
                  rope: Rope | None = None, attention_scale: float | None = None, sliding_window: int | None = None,
                  attention_dropout: float = 0.0, activation: str = "silu", qkv_bias: bool = False,
-                 qk_norm: bool = False, norm_offset: float = 0.0, attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
+                 qk_norm: bool = False, sandwich_norms: bool = False, norm_offset: float = 0.0, attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
                  device: Any = None, dtype: Any = None):
         super().__init__()
         head_dim = head_dim or dim // n_heads
@@ -95,6 +95,9 @@ class LlamaBlock(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(head_dim, **kw)) if qk_norm else None
         if qk_norm and qkv_bias:
             raise ValueError("qk_norm with qkv_bias is not implemented")
+        # RMSNorms on the out-proj and down-proj outputs before the residual adds (Gemma 2 / 3)
+        self.post_attn_norm = nn.Parameter(torch.ones(dim, **kw)) if sandwich_norms else None
+        self.post_mlp_norm = nn.Parameter(torch.ones(dim, **kw)) if sandwich_norms else None
         self.mlp = find_activation(activation)
         self.norm_offset = float(norm_offset)      # the norms scale by (offset + weight): 1 for Gemma
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)     # per RoPE pair, fp32
@@ -177,6 +180,8 @@ class LlamaBlock(nn.Module):
             extra += ", qkv_bias=True"
         if self.q_norm is not None:
             extra += ", qk_norm=True"
+        if self.post_attn_norm is not None:
+            extra += ", sandwich_norms=True"
         if self.norm_offset:
             extra += f", norm_offset={self.norm_offset}"
         return (f"dim={d.dim}, heads={d.n_heads}, kv_heads={d.n_kv_heads}, head_dim={d.head_dim}, "
@@ -203,7 +208,7 @@ class LlamaBlock(nn.Module):
         """The model widths that decide kernel shapes (the key of in-sequence tuning plans)."""
         d = self.dims
         extra = ("" if self.mlp.name == "silu" else f":{self.mlp.name}") + ("" if self.qkv_bias is None else ":bias") \
-            + ("" if self.q_norm is None else ":qknorm")
+            + ("" if self.q_norm is None else ":qknorm") + ("" if self.post_attn_norm is None else ":sandwich")
         return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}{extra}"
 
     def step(self, batch: int, seq: int, runner: Runner | None = None, dtype: torch.dtype | None = None, *,
@@ -246,8 +251,8 @@ class LlamaBlock(nn.Module):
 
     def weights(self) -> tuple[torch.Tensor | None, ...]:
         return (self.qkv, self.o, self.gate_up, self.down, self.gain(self.attn_norm), self.gain(self.mlp_norm),
-                self.qkv_bias, None if self.q_norm is None else self.gain(self.q_norm),
-                None if self.k_norm is None else self.gain(self.k_norm))
+                self.qkv_bias, *(None if p is None else self.gain(p)
+                                 for p in (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm)))
 
     def run(self, step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
             g_next: torch.Tensor | None) -> Any:

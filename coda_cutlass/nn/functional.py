@@ -16,26 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import epilogues as E
-from ..partials import const_vector
 from .activations import ACTIVATIONS, Activation
-from . import qk_norm
+from . import qk_norm, sandwich
+from .stats import row_mean, rstd
 from .attention import Attention
 from .kernels import FORWARD_ONLY
 from .runner import Runner
-
-def row_mean(partials: torch.Tensor, d: int, add: float = 0.0) -> torch.Tensor:
-    """Per-tile row partials [tiles, M] -> (sum over tiles) / d + add, in one addmv."""
-    tiles, M = partials.shape
-    ones = const_vector(tiles, 1.0 / d, partials.device)
-    if add == 0.0:
-        return torch.mv(partials.t(), ones)
-    return torch.addmv(const_vector(M, add, partials.device), partials.t(), ones)
-
-
-def rstd(partials: torch.Tensor, d: int, eps: float) -> torch.Tensor:
-    """RMSNorm's r = rsqrt(mean x^2 + eps) from per-tile partial sums of x^2 (two launches)."""
-    return row_mean(partials, d, eps).rsqrt_()
-
 
 @dataclass(frozen=True)
 class BlockDims:
@@ -72,6 +58,8 @@ class BlockWeights:
     qkv_bias: torch.Tensor | None = None     # per QKV column, kernel layout (Qwen 2)
     q_norm: torch.Tensor | None = None       # per-head RMSNorm gains of q and k (Qwen 3), pair order
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None   # sandwich norms on the out-proj / down-proj outputs (Gemma 2/3)
+    post_mlp_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -115,38 +103,51 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     else:
         qkv = run.gemm("qkv" + sfx, E.rope_bias, h, w.qkv, r=r, bias=w.qkv_bias, pos=step.pos, freq=step.freq)["D"]
     o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
-    f1 = run.gemm("o" + sfx, E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)  # F1
-    x1, h1 = f1["D"], f1["h"]
-    r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                       # R1
+    post1 = post2 = None
+    if w.post_attn_norm is None:                                                               # F1
+        f1 = run.gemm("o" + sfx, E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)
+        x1, h1 = f1["D"], f1["h"]
+        r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                   # R1
+    else:
+        x1, h1, r1, post1 = sandwich.forward(step, "o" + sfx, o, w.o, x, w.post_attn_norm, w.mlp_norm)
     if not train:                                                                              # F2
         z, y = None, run.gemm("gate_up.infer", step.mlp.infer, h1, w.gate_up, r=r1)["y"]
     else:
         f2 = run.gemm("gate_up", step.mlp.train, h1, w.gate_up, r=r1)
         z, y = f2["z"], f2["y"]
-    if g_next is not None:                                                                     # F3
+    if w.post_mlp_norm is not None:                                                            # F3
+        x2, h2, r2, post2 = sandwich.forward(step, ("down" if g_next is not None else "down.last") + sfx, y,
+                                             w.down, x1, w.post_mlp_norm, g_next)
+    elif g_next is not None:
         f3 = run.gemm("down" + sfx, E.residual_norm_stats, y, w.down, partial=True, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)                         # R2
     else:
         x2, h2, r2 = run.gemm("down.last" + sfx, E.residual_add, y, w.down, resid=x1)["D"], None, None
-    return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx) if train else None
+    return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx, post1, post2) if train else None
 
 
 def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor) -> tuple[torch.Tensor, BlockWeights]:
     """dL/dx of the block's input stream and the weight gradients (as a BlockWeights)."""
     d, run = step.dims, step.runner
-    x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx = saved
+    x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx, post1, post2 = saved
     # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
-    b4 = run.gemm("down.dgrad", step.mlp.backward, dx2, w.down, layout="kn", partial=True, z=z, r=r1)  # B4
+    dm, d_pm = dx2, None
+    if post2 is not None:       # the down-proj output's own norm first (two map kernels)
+        dm, d_pm = sandwich.backward(step, "down", post2, w.post_mlp_norm, dx2)
+    b4 = run.gemm("down.dgrad", step.mlp.backward, dm, w.down, layout="kn", partial=True, z=z, r=r1)  # B4
     dz = b4["dz"]
-    d_down = run.timed("down.wgrad", lambda: dx2.t() @ y)                                      # B5
+    d_down = run.timed("down.wgrad", lambda: dm.t() @ y)                                       # B5
     c1 = row_mean(b4["zdz"], d.dim)
     b6 = run.gemm("gate_up.dgrad", E.norm_backward, dz, w.gate_up, layout="kn", partial=True,  # B6
                   x=x1, r=r1, c=c1, g=w.mlp_norm, dres=dx2)
     dx1 = b6["dx"]
     d_gate_up = run.timed("gate_up.wgrad", lambda: dz.t() @ h1)                                # B7
     # ---- attention: out-proj dX and dW are plain GEMMs; the RoPE backward is a map kernel
-    d_attn = run.timed("o.dgrad", lambda: dx1 @ w.o)                                           # B8
-    d_o = run.timed("o.wgrad", lambda: dx1.t() @ o)                                            # B9
+    do, d_pa = dx1, None
+    if post1 is not None:
+        do, d_pa = sandwich.backward(step, "o", post1, w.post_attn_norm, dx1)
+    d_attn = run.timed("o.dgrad", lambda: do @ w.o)                                            # B8
+    d_o = run.timed("o.wgrad", lambda: do.t() @ o)                                             # B9
     grads = run.timed("attention.bwd", lambda: step.attention.backward(attn_ctx, d_attn))
     dqkv = torch.empty_like(qkv)
     zdz = []
@@ -176,7 +177,7 @@ def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor)
     grads_w = BlockWeights(qkv=d_qkv, o=d_o, gate_up=d_gate_up, down=d_down,
                            attn_norm=b2["dgamma"].sum(0).to(w.attn_norm.dtype),
                            mlp_norm=b6["dgamma"].sum(0).to(w.mlp_norm.dtype), qkv_bias=d_bias,
-                           q_norm=d_qn, k_norm=d_kn)
+                           q_norm=d_qn, k_norm=d_kn, post_attn_norm=d_pa, post_mlp_norm=d_pm)
     return b2["dx"], grads_w
 
 

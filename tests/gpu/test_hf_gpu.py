@@ -29,6 +29,10 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {}),
     "gemma": ("GemmaConfig", {}),
+    "gemma2": ("Gemma2Config", {"attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window": 128,
+                                "query_pre_attn_scalar": 64}),
+    "gemma3_text": ("Gemma3TextConfig", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 128,
+                                         "query_pre_attn_scalar": 64}),
     "phi3": ("Phi3Config", {"pad_token_id": 0}),
 }
 
@@ -42,7 +46,8 @@ def _model(family: str) -> torch.nn.Module:
     dims = dict(DIMS)
     if family == "phi3":
         dims.pop("head_dim")
-    cfg = getattr(transformers, cls)(**dims, **extra, attn_implementation="sdpa")
+    attn = "eager" if family == "gemma2" else "sdpa"       # transformers' Gemma 2 has no SDPA path
+    cfg = getattr(transformers, cls)(**dims, **extra, attn_implementation=attn)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to("cuda", torch.float32)
     with torch.no_grad():     # larger than the 0.02 initialisation: attention far from uniform

@@ -16,7 +16,8 @@ from .family import Family
 from .fields import head_dim
 from .layer import kernel_weights, standard_layout
 
-BLOCK_PARAMS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm")
+BLOCK_PARAMS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm", "post_attn_norm",
+                "post_mlp_norm")
 
 
 def _widths(config: Any) -> tuple[int, int, int]:

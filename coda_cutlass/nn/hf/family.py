@@ -93,17 +93,26 @@ class Family:
     def sliding_window(self, config: Any, layer_idx: int) -> int | None:
         return None
 
+    def rope(self, config: Any, layer_idx: int) -> Any:
+        """The layer's RoPE settings (per layer type where the config nests them)."""
+        return rope_from_config(config, self.layer_type(config, layer_idx))
+
     def block_options(self, config: Any, layer_idx: int = 0) -> dict[str, Any]:
         """The LlamaBlock arguments of layer ``layer_idx``."""
         heads = config.num_attention_heads
         return {"dim": config.hidden_size, "n_heads": heads,
                 "n_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
                 "ffn_dim": config.intermediate_size, "head_dim": head_dim(config), "eps": float(config.rms_norm_eps),
-                "rope": rope_from_config(config, self.layer_type(config, layer_idx)),
+                "rope": self.rope(config, layer_idx),
                 "sliding_window": self.sliding_window(config, layer_idx),
                 "attention_dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
                 "activation": HF_NAMES[self.activation_name(config)],
-                "qkv_bias": "q_bias" in self.paths, "qk_norm": "q_norm" in self.paths, "norm_offset": self.norm_offset}
+                "qkv_bias": "q_bias" in self.paths, "qk_norm": "q_norm" in self.paths, "norm_offset": self.norm_offset,
+                "sandwich_norms": "post_attn_norm" in self.paths, "attention_scale": self.attention_scale(config)}
+
+    def attention_scale(self, config: Any) -> float | None:
+        """The softmax scale (None: head_dim ** -0.5)."""
+        return None
 
     # ------------------------------------------------------------------ layers
     def check_layer(self, layer: Any) -> None:

@@ -42,6 +42,9 @@ def kernel_weights(w: dict[str, torch.Tensor], head_dim: int) -> dict[str, torch
     for n in ("q_norm", "k_norm"):  # per-head gains follow the heads' row order
         if n in w:
             out[n] = permute_rope_rows(w[n], head_dim)
+    for n in ("post_attn_norm", "post_mlp_norm"):
+        if n in w:
+            out[n] = w[n]
     return out
 
 
@@ -58,6 +61,9 @@ def standard_layout(w: dict[str, torch.Tensor], q_width: int, kv_width: int, hea
     for n in ("q_norm", "k_norm"):
         if w.get(n) is not None:
             out[n] = unpermute_rope_rows(w[n].detach(), head_dim)
+    for n in ("post_attn_norm", "post_mlp_norm"):
+        if w.get(n) is not None:
+            out[n] = w[n].detach().clone()
     return out
 
 
@@ -104,7 +110,8 @@ def _check_target(block: Any, family: Family, config: Any, idx: int) -> None:
     mine = {"dim": d.dim, "n_heads": d.n_heads, "n_kv_heads": d.n_kv_heads, "ffn_dim": d.ffn_dim,
             "head_dim": d.head_dim, "eps": d.eps, "rope": block.rope, "sliding_window": block.attention.window,
             "activation": block.mlp.name, "qkv_bias": block.qkv_bias is not None, "norm_offset": block.norm_offset,
-            "qk_norm": block.q_norm is not None}
+            "qk_norm": block.q_norm is not None, "sandwich_norms": block.post_attn_norm is not None,
+            "attention_scale": block._attention_args[1]}
     diff = [f"{k}: layer {options[k]!r}, block {v!r}" for k, v in mine.items() if options[k] != v]
     if diff:
         raise ValueError(f"to_hf: the target {family.name} layer does not compute what this block computes, nothing "

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gemma, llama, mistral, phi3, qwen2, qwen3
+from . import gemma, gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
 from .family import Family
 from .fields import UnsupportedConfig
 from .unsupported import REFUSED
 
-FAMILIES: dict[str, Family] = {t: m.FAMILY for m in (llama, mistral, phi3, qwen2, qwen3, gemma) for t in m.FAMILY.model_types}
+FAMILIES: dict[str, Family] = {t: m.FAMILY for m in (llama, mistral, phi3, qwen2, qwen3, gemma, gemma2, gemma3) for t in m.FAMILY.model_types}
 
 
 def family_of(config: Any) -> Family:

@@ -13,8 +13,4 @@ REFUSED: dict[str, str] = {
     "deepseek_v3": MOE,
     "olmoe": MOE,
     "phimoe": MOE,
-    "gemma2": "its RMSNorms scale by (1 + weight), it has sandwich norms, soft-capped attention and final logits and "
-              "alternating sliding-window layers: not implemented yet",
-    "gemma3_text": "its RMSNorms scale by (1 + weight), it has sandwich norms, per-head q/k norms, two RoPE bases "
-                   "and alternating sliding-window layers: not implemented yet",
 }
