@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
+
+START = time.monotonic()
 from pathlib import Path
 from typing import Any, Callable
 
@@ -213,8 +216,11 @@ def main(out: Path, names: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
+    print(f"rank {rank}: started {time.monotonic() - START:.1f} s after launch", flush=True)
     try:
         for name in names:
+            t0 = time.monotonic()
+            print(f"rank {rank}: {name}", end="", flush=True)
             try:
                 result = SCENARIOS[name]()
             except Exception:       # the test names the scenario and shows this; the others still run
@@ -223,6 +229,7 @@ def main(out: Path, names: list[str]) -> None:
                 if rank == 0:
                     torch.save(result, out / f"{name}.pt")
             dist.barrier()
+            print(f" {time.monotonic() - t0:.1f} s", flush=True)
     finally:
         dist.destroy_process_group()
 
