@@ -343,3 +343,14 @@ def test_checkpointed_block_with_input_not_requiring_grad_still_trains_its_weigh
     for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
         if p.requires_grad:
             assert q.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_torch_checkpoint_wrapper_around_blocks_is_refused_not_ignored():
+    """torch's checkpoint_wrapper wraps forward; the model calls run, which the wrapper hands to the
+    block inside: it would checkpoint nothing. Refused, naming checkpoint_blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from coda_cutlass.nn import LlamaBlock
+    model = build()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaBlock))
+    with pytest.raises(TypeError, match=r"blocks\[0\] is a CheckpointWrapper, not a LlamaBlock.*checkpoint_blocks"):
+        model(*global_batch(2))

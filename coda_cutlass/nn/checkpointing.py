@@ -45,3 +45,15 @@ def _pass(run: Callable[..., Any], step: Any, x: torch.Tensor, h: torch.Tensor, 
     # without autograd (the first pass) the training kernels run and nothing is kept; with it (the
     # recompute) the block's Function runs
     return run(step, x, h, r, g_next, train=True)
+
+
+def check_stack(blocks: Any, block_class: type) -> None:
+    """A stack calls its blocks' ``run``: a wrapper around a block's forward (torch's
+    checkpoint_wrapper, torch.compile) would be passed by unseen, silently doing nothing (such
+    wrappers hand unknown attributes, run included, to the block inside)."""
+    for i, b in enumerate(blocks):
+        if not isinstance(b, block_class):
+            raise TypeError(f"blocks[{i}] is a {type(b).__name__}, not a LlamaBlock: the model calls its blocks' "
+                            "run(), which a wrapper around forward never sees (torch's checkpoint_wrapper would "
+                            "checkpoint nothing); for activation checkpointing use "
+                            "coda_cutlass.nn.parallel.checkpoint_blocks(model)")

@@ -20,6 +20,7 @@ from torch import nn
 from .. import epilogues as E
 from . import masks
 from .block import LlamaBlock
+from .checkpointing import check_stack
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
@@ -131,6 +132,7 @@ class LlamaModel(nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
         B, S = tokens.shape
+        check_stack(self.blocks, LlamaBlock)
         first = self.blocks[0]
         mask = masks.attention_mask(B, S, tokens.device, attention_mask, position_ids)
         step = first.step(B, S, dtype=self.call_dtype(), position_ids=position_ids, mask=mask)
