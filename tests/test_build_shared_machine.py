@@ -74,6 +74,19 @@ def test_nvcc_gets_a_private_tmpdir_inside_its_build_folder(fake_nvcc, monkeypat
     assert not [p for p in folder.rglob("*") if p.name.startswith("tmpxft") or p.name == PRIVATE_TMP]
 
 
+def test_build_sh_gives_nvcc_a_private_tmpdir_too(fake_nvcc, monkeypatch, tmp_path):
+    """The entry's build.sh (rebuild by hand) does what the builder does."""
+    monkeypatch.setenv("TMPDIR", "/tmp")
+    entry = build(SRC, "k").path.parent
+    seen_file = tmp_path / "seen.json"
+    subprocess.run(["sh", str(entry / "build.sh")], check=True, timeout=60,
+                   env={**os.environ, "FAKE_NVCC_ENV": str(seen_file)})
+    seen = json.loads(seen_file.read_text())
+    private = Path(seen["TMPDIR"])
+    assert seen["TMP"] == seen["TEMP"] == str(private) and private.parent == entry
+    assert (seen["mode"], seen["uid"]) == (0o700, os.getuid()) and not private.exists()
+
+
 def test_real_nvcc_writes_its_intermediates_to_the_private_tmpdir(monkeypatch, tmp_path):
     """The real nvcc honours TMPDIR: its --dryrun plan names every intermediate inside the
     build's private folder, none in /tmp (no compile: well under a second)."""
