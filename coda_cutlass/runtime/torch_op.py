@@ -101,7 +101,7 @@ def schema(k: OpKernel) -> str:
     args = ["Tensor A", "Tensor W"]
     names = schema_names(k)
     for o, name in zip(k.operands, names):
-        args.append(f"float {name}" if o.kind == Kind.SCALAR else f"Tensor {name}")
+        args.append(f"float {name}" if o.host_scalar else f"Tensor {name}")
     for i, name in enumerate(names[len(k.operands):]):
         args.append(f"Tensor(a{i}!) {name}")
     args += ["*", "str? raster=None", "int? swizzle=None"]
@@ -123,11 +123,13 @@ def register(k: OpKernel) -> Any:
         lib.define(name + schema(k))
         arg_names = [o.name for o in k.operands] + list(k.inout)
         returned = _returned(k)
+        transposed = transposed_returns(k)
 
         def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
                  swizzle: int | None = None) -> Any:
             out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
-            vals = tuple(out[n] for n in returned)
+            # block scales are the transposed view of a run-major buffer: the op returns the buffer
+            vals = tuple(out[n].t() if n in transposed else out[n] for n in returned)
             if not vals:
                 return None
             # custom ops may not return views of internal buffers (partials are views)
@@ -136,7 +138,7 @@ def register(k: OpKernel) -> Any:
 
         def fake(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
                  swizzle: int | None = None) -> Any:
-            vals = tuple(_fake_output(k, n, A, W) for n in returned)
+            vals = tuple(_fake_output(k, n, A, W, n in transposed) for n in returned)
             if not vals:
                 return None
             return vals[0] if len(vals) == 1 else vals
@@ -148,11 +150,16 @@ def register(k: OpKernel) -> Any:
         return op
 
 
-def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+def transposed_returns(k: OpKernel) -> frozenset[str]:
+    """Outputs the op returns as their run-major storage (block scales), transposed back by call_op."""
+    return frozenset(getattr(k, "scale_outputs", ()))
+
+
+def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor, transposed: bool = False) -> torch.Tensor:
     M = A.shape[0]
     N = W.shape[0] if k.weight_layout == "nk" else W.shape[1]
     shape, dtype = k.output_spec(name, M, N)
-    return A.new_empty(shape, dtype=dtype)
+    return A.new_empty(shape[::-1] if transposed else shape, dtype=dtype)
 
 
 def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *,
@@ -166,6 +173,8 @@ def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, A
     if len(returned) == 1:
         out = (out,)
     result = dict(zip(returned, out or ()))
+    for n in transposed_returns(k):
+        result[n] = result[n].t()
     for n in k.inout:
         result[n] = operands[n]
     return {n: result[n] for n in k.outputs}
