@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..dtypes import DType
+from ..fp8.gemm import Fp8Gemm
 from ..ir.nodes import Kind, Program, layout_columns
 from ..partials import PartialLayout
 
@@ -25,11 +26,13 @@ class TensorSlot:
     """One device pointer of the host ABI."""
     index: int
     name: str         # the operand or output it carries (documentation only)
-    role: str         # "input", "output", "inout" (accumulated output) or "partials"
-    kind: Kind        # TILE, ROW (length M), COL (length N); partials: ROW for row/total, COL for col
+    role: str         # "input", "output", "inout" (accumulated output), "partials" or "scale" (FP8)
+    kind: Kind        # TILE, ROW (length M), COL (length N); partials: ROW for row/total, COL for col;
+                      # scales: SCALAR (their shape is the layout's, fp8/scales.py)
     dtype: DType
     layout: str = "tile"   # tile slots: "tile" (M x N), "packed" (M x 2N 16-bit pairs, passed to the
-                           # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2)
+                           # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2);
+                           # scale slots: the ScaleLayout kind ("tensor", "row", "block_1x128", ...)
     partials: PartialLayout | None = None   # role "partials": how the reduction's buffer is laid out
 
     def columns(self, N: int) -> int:
@@ -61,7 +64,7 @@ class VisitorNode:
 @dataclass(frozen=True)
 class EvtGraph:
     program: Program
-    dtype: DType                   # GEMM operand dtype
+    dtype: DType                   # GEMM operand dtype (FP8 GEMMs: bf16, their epilogue's default)
     nodes: tuple[VisitorNode, ...]
     tensors: tuple[TensorSlot, ...]
     scalars: tuple[str, ...]       # runtime scalar operands, in slot order
@@ -69,6 +72,7 @@ class EvtGraph:
     c_slot: int | None
     element_d: DType | None
     d_slot: int | None
+    fp8: Fp8Gemm | None = None     # FP8 operands (A/W dtypes, scaling, accumulation); None: 16-bit
 
     def slot(self, name: str) -> TensorSlot:
         return next(t for t in self.tensors if t.name == name)
