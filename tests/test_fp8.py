@@ -317,3 +317,17 @@ def test_block_shape_errors_and_16bit_scales():
     A16 = torch.randn(32, 64).bfloat16()
     with pytest.raises(cc.CallError, match="scales are for FP8 kernels"):
         cc.reference(identity, A16, torch.randn(64, 64).bfloat16(), scale_a=torch.ones(()))
+
+
+def test_cli_emits_fp8_kernels(capsys):
+    from coda_cutlass.cli import main
+    assert main(["emit", "coda_cutlass.epilogues:identity", "--dtype", "float8_e5m2", "--scaling", "row"]) == 0
+    src = capsys.readouterr().out
+    assert "using ElementA = cutlass::float_e5m2_t;" in src and "FP8 A e5m2 x W e5m2, row scaling" in src
+
+
+def test_in_sequence_tuner_gets_fp8_candidates():
+    from coda_cutlass.nn.tuning import _site_candidates
+    site = SimpleNamespace(program=residual_norm_stats, layout="nk")
+    cands = _site_candidates(site, E4, None, ())
+    assert cands and set(cands) <= set(FP8_CANDIDATES["exact"])
