@@ -62,7 +62,7 @@ def test_emit_names_mainloop_elements_and_scales(scaling, fast, dname):
 def test_tensor_scaling_reads_both_scales_from_device_memory():
     src = cc.emit(identity, E4)
     g = generate(lower_program(identity, Options.make(E4)))
-    a, b = (t.index for t in g.graph.tensors if t.role == "scale")
+    a, b = (t.index for t in g.graph.tensors if t.role == "gemm_scale")
     assert "fusion::Sm90ScalarBroadcast<ElementCompute, StrideScalar, 2, cutlass::multiplies>" in src
     assert (f"{{{{1.f, 1.f}}, {{static_cast<float const*>(p.tensors[{a}]), "
             f"static_cast<float const*>(p.tensors[{b}])}}, {{}}}}") in src
@@ -160,9 +160,9 @@ def test_tuner_hash_of_16bit_programs_is_unchanged_and_fp8_inputs_are_quantised(
 
 def test_torch_op_schema_takes_the_scales():
     ir = lower_program(residual_norm_stats, Options.make(E4)).ir
-    k = SimpleNamespace(operands=ir.operands, scale_names=fp8.SCALE_NAMES, inout=(), outputs=ir.outputs)
+    k = SimpleNamespace(operands=ir.operands, gemm_scales=fp8.SCALE_NAMES, inout=(), outputs=ir.outputs)
     assert "Tensor g, Tensor scale_a, Tensor scale_b, *" in schema(k)
-    k16 = SimpleNamespace(operands=ir.operands, scale_names=(), inout=(), outputs=ir.outputs)
+    k16 = SimpleNamespace(operands=ir.operands, gemm_scales=(), inout=(), outputs=ir.outputs)
     assert "scale_a" not in schema(k16)
 
 
@@ -331,3 +331,25 @@ def test_in_sequence_tuner_gets_fp8_candidates():
     site = SimpleNamespace(program=residual_norm_stats, layout="nk")
     cands = _site_candidates(site, E4, None, ())
     assert cands and set(cands) <= set(FP8_CANDIDATES["exact"])
+
+
+def test_block_quantised_output_feeds_the_next_blockwise_gemm():
+    """The two halves of FP8: an epilogue that stores its output in FP8 with 1 x 128 scales
+    (cc.quantize) gives the next GEMM's A and scale_a as they are. The kernel returns those scales
+    as the transpose of a run-major buffer (M-major, ld = M): the layout scale_a is read in."""
+    @cc.epilogue
+    def producer(acc, resid: cc.Tile):
+        x = acc + resid
+        return {"D": x, "x8": cc.quantize(x, E4, block=128)}
+
+    M, N, K = 256, 512, 256
+    A8, W8, sa, sb, g = _inputs(M, N, K, E4, "block")
+    out = cc.reference(producer, A8, W8, scaling="block", scale_a=sa, scale_b=sb,
+                       resid=torch.randn(M, N, generator=g).bfloat16())
+    W2, sb2 = fp8.quantize(torch.randn(128, N, generator=g) * 0.05, E4, "block", "W")
+    nxt = cc.reference(identity, out["x8"], W2, scaling="block", scale_a=out["x8_scale"], scale_b=sb2)
+    expect = _emulate_dequant(out["x8"], out["x8_scale"], "block", "A") @ _emulate_dequant(W2, sb2, "block", "W").t()
+    torch.testing.assert_close(nxt["D"], expect.bfloat16())
+    kernel_layout = out["x8_scale"].t().contiguous().t()       # what the producing kernel returns
+    a_layout = fp8.scale_layouts("block")[0]
+    assert fp8.scales.check_scale(a_layout, kernel_layout, M, N, None) == M

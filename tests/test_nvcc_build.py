@@ -76,7 +76,7 @@ def test_fp8_kernel_builds_and_describes_itself(built_fp8, name):
     lib = load(k.path)
     assert lib.description == k.plan.describe()
     assert lib.description["fp8"]["scaling"] == FP8_CI[name][1].get("scaling", "tensor")
-    assert [t["name"] for t in lib.description["tensors"] if t["role"] == "scale"] == ["scale_a", "scale_b"]
+    assert [t["name"] for t in lib.description["tensors"] if t["role"] == "gemm_scale"] == ["scale_a", "scale_b"]
     assert lib.workspace_size(1024, 512, 512) >= 0
     assert "FP8" in k.source[:1500] and k.config.tile_k == 128
     if not torch.cuda.is_available():

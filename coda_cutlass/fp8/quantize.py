@@ -4,7 +4,8 @@ examples feed the kernels with.
 
 ``quantize(x, dtype, scaling, operand)`` returns ``(q, scale)`` with ``x ~ q * scale`` for each
 block: the scale maps the block's largest magnitude to the dtype's largest finite value, and the
-cast saturates. ``dequantize(q, scale, scaling, operand)`` is the fp32 ``q * scale`` per block.
+cast saturates (``coda_cutlass.quantization`` does the arithmetic; this module lays the scales out
+for the GEMM). ``dequantize(q, scale, scaling, operand)`` is the fp32 ``q * scale`` per block.
 """
 
 from __future__ import annotations
@@ -12,12 +13,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import CallError
+from ..quantization import quantize_blocks, quantize_tensor, quantize_tiles, scales_from_amax
 from .gemm import BLOCK_K
 from .scales import ScaleLayout, new_scales, scale_layouts
-
-# Block scales never go below this (an all-zero block would otherwise get scale 0 and 0/0 values).
-MIN_AMAX = 1e-12
-
 
 def _layout(scaling: str, operand: str) -> ScaleLayout:
     if operand not in ("A", "W"):
@@ -46,34 +44,33 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, scaling: str, operand: str)
     return q.float() * _expand(scale.to(q.device), layout, rows, K)
 
 
-def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str = "tensor", operand: str = "A"
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str = "tensor", operand: str = "A", *,
+             pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale): ``x`` (rows, K) in ``dtype`` (torch.float8_e4m3fn / e5m2) with the scales of
-    ``scaling`` for ``operand`` ("A", or "W" for an (N, K) weight), in the kernels' layouts."""
+    ``scaling`` for ``operand`` ("A", or "W" for an (N, K) weight), in the kernels' layouts. The
+    arithmetic is ``coda_cutlass.quantization``'s (the quantising epilogues' reference): each run's
+    scale is amax / fp8_max (``pow2``: rounded up to a power of two), an all-zero run gets scale 1."""
     if x.dim() != 2:
         raise CallError(f"quantize: expected a 2-D (rows, K) tensor, got shape {tuple(x.shape)}")
     layout = _layout(scaling, operand)
     rows, K = x.shape
-    fmax = torch.finfo(dtype).max
-    xf = x.float()
     if layout.kind == "tensor":
-        scale = (xf.abs().amax().clamp(min=MIN_AMAX) / fmax).reshape(())
-    elif layout.kind == "row":
-        amax = xf.abs().amax(dim=1).clamp(min=MIN_AMAX) / fmax
-        scale = amax.reshape(rows, 1) if operand == "A" else amax.reshape(1, rows)
-    elif layout.kind == "block_1x128":
-        _check_k(K)
-        amax = xf.reshape(rows, K // BLOCK_K, BLOCK_K).abs().amax(dim=2).clamp(min=MIN_AMAX) / fmax
+        amax = x.float().abs().amax().reshape(1, 1)
+        scale = scales_from_amax(amax, dtype, pow2)[0].reshape(())
+        return quantize_tensor(x, dtype, scale), scale
+    if layout.kind == "row":
+        q, s = quantize_blocks(x, dtype, block=K, pow2=pow2)
+        return q, (s.reshape(rows, 1) if operand == "A" else s.reshape(1, rows))
+    _check_k(K)
+    if layout.kind == "block_1x128":
+        q, s = quantize_blocks(x, dtype, block=BLOCK_K, pow2=pow2)
         scale = new_scales(rows, K, (1, BLOCK_K), device=x.device, fill=1.0)
-        scale.copy_(amax)
-    else:
-        _check_k(K)
-        if rows % 128:
-            raise CallError(f"quantize: 128 x 128 blocks need rows % 128 == 0, got {rows}")
-        amax = xf.reshape(rows // 128, 128, K // BLOCK_K, BLOCK_K).abs().amax(dim=(1, 3)).clamp(min=MIN_AMAX) / fmax
-        scale = amax.contiguous()
-    q = (xf / _expand(scale, layout, rows, K)).clamp(-fmax, fmax).to(dtype)
-    return q, scale
+        scale.copy_(s)
+        return q, scale
+    if rows % 128:
+        raise CallError(f"quantize: 128 x 128 blocks need rows % 128 == 0, got {rows}")
+    q, s = quantize_tiles(x, dtype, block=128, pow2=pow2)
+    return q, s.contiguous()
 
 
 def _check_k(K: int) -> None:

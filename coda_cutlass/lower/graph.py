@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..dtypes import DType
 from ..fp8.gemm import Fp8Gemm
-from ..ir.nodes import Kind, Program, layout_columns
+from ..ir.nodes import Kind, Program, layout_columns, layout_shape, scale_shape
 from ..partials import PartialLayout
 
 if TYPE_CHECKING:
@@ -26,18 +28,42 @@ class TensorSlot:
     """One device pointer of the host ABI."""
     index: int
     name: str         # the operand or output it carries (documentation only)
-    role: str         # "input", "output", "inout" (accumulated output), "partials" or "scale" (FP8)
+    role: str         # "input", "output", "inout" (accumulated output), "partials" or "gemm_scale" (an FP8
+                      # GEMM's scale_a / scale_b)
     kind: Kind        # TILE, ROW (length M), COL (length N); partials: ROW for row/total, COL for col;
                       # scales: SCALAR (their shape is the layout's, fp8/scales.py)
     dtype: DType
     layout: str = "tile"   # tile slots: "tile" (M x N), "packed" (M x 2N 16-bit pairs, passed to the
                            # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2);
-                           # scale slots: the ScaleLayout kind ("tensor", "row", "block_1x128", ...)
+                           # gemm_scale slots: the ScaleLayout kind ("tensor", "row", "block_1x128", ...)
     partials: PartialLayout | None = None   # role "partials": how the reduction's buffer is laid out
+    scale_of: str | None = None   # layout "scale": the block scales of a quantised output of this layout
+    block: int = 0                # layout "scale": elements per run (1 x block along its stored rows)
+    stored_from_registers: bool = False   # written by a coda node without TMA (no 16-byte row rule)
 
     def columns(self, N: int) -> int:
         """Columns of a tile slot's tensor for a GEMM N."""
         return layout_columns(self.layout, N)
+
+    def shape(self, M: int, N: int) -> tuple[int, int]:
+        """The (rows, columns) of the tensor a call returns for this output slot."""
+        if self.layout == "scale":
+            return scale_shape(self.scale_of, M, N, self.block)
+        return layout_shape(self.layout, M, N)
+
+    def storage(self, M: int, N: int) -> tuple[int, int]:
+        """The row-major buffer behind it: block scales are stored run-major ("MN-major": scale[run,
+        row], with the row count rounded up to 4 so each run's column of scales is 16-byte aligned:
+        the layout the blockwise-scaled GEMMs read with TMA); ``shape`` is the transpose of its
+        first ``rows`` columns."""
+        rows, cols = self.shape(M, N)
+        return (cols, -(-rows // 4) * 4) if self.layout == "scale" else (rows, cols)
+
+    def view(self, buffer: torch.Tensor, M: int, N: int) -> torch.Tensor:
+        """The tensor a call returns from this slot's ``storage`` buffer."""
+        if self.layout == "scale":
+            return buffer[:, :self.shape(M, N)[0]].t()
+        return buffer
 
     def describe(self, tile_n: int) -> dict[str, Any]:
         d = {"index": self.index, "name": self.name, "role": self.role, "kind": self.kind.value,
@@ -49,6 +75,8 @@ class TensorSlot:
                 d["segments"] = self.partials.segments(tile_n)
         if self.layout != "tile":
             d["layout"] = self.layout
+        if self.scale_of is not None:
+            d["scale_of"], d["block"] = self.scale_of, self.block
         return d
 
 

@@ -123,7 +123,7 @@ class Kernel(ReductionOutputs):
         self.fp8 = self.options.fp8             # FP8 operands (A/W dtypes, scaling), else None
         self._a_dtype = self.fp8.a if self.fp8 else self.dtype
         self._w_dtype = self.fp8.w if self.fp8 else self.dtype
-        self.scale_names: tuple[str, ...] = SCALE_NAMES if self.fp8 else ()
+        self.gemm_scales: tuple[str, ...] = SCALE_NAMES if self.fp8 else ()
         self.weight_layout = self.options.weight_layout
         self.path: Path = build.path
         self.key = build.key
@@ -140,9 +140,10 @@ class Kernel(ReductionOutputs):
         self._arg_names = tuple(o.name for o in self.operands) + self.inout
         self._n_args = len(self._arg_names)
         self._tile_outputs = tuple(t.name for t in self.graph.tensors if t.role == "output")
-        self._scalar_names = tuple(o.name for o in self.operands if o.kind == Kind.SCALAR)
+        self.scale_outputs = tuple(t.name for t in self.graph.tensors if t.layout == "scale")
+        self._scalar_names = tuple(o.name for o in self.operands if o.host_scalar)
         self._unused_tensors = tuple(o for o in self.spec.operands
-                                     if o.kind != Kind.SCALAR and o.name not in self._slots_by_name)
+                                     if not o.host_scalar and o.name not in self._slots_by_name)
         self._n_slots = len(self.graph.tensors)
         self._ptr_array = ctypes.c_void_p * max(self._n_slots, 1)
         self._ld_array = ctypes.c_int64 * max(self._n_slots, 1)
@@ -159,7 +160,7 @@ class Kernel(ReductionOutputs):
 
     # ------------------------------------------------------------------ inspection
     def __repr__(self) -> str:
-        args = ", ".join(["A", "W"] + list(self.scale_names) + [o.name for o in self.operands] + list(self.inout))
+        args = ", ".join(["A", "W"] + list(self.gemm_scales) + [o.name for o in self.operands] + list(self.inout))
         operands = self.fp8.describe() if self.fp8 else self.dtype.name
         return (f"<{type(self).__name__} {self.name}({args}) -> ({', '.join(self.outputs)}) "
                 f"{operands} W={self.weight_layout} {self.config.name()} [{self.origin}] {self.path}>")
@@ -239,26 +240,31 @@ class Kernel(ReductionOutputs):
             role, name, i = s.role, s.name, s.index
             if role == "output":
                 t = out.get(name) if out else None
-                cols = s.columns(N)
+                rows, cols = s.storage(M, N)
                 if t is not None:
-                    lds[i] = checks.check_tile(f"out['{name}']", t, M, cols, s.dtype, device)
+                    if s.layout == "scale":
+                        raise CallError(f"{self.name}: out['{name}']: block scales are allocated by the kernel call")
+                    lds[i] = checks.check_tile(f"out['{name}']", t, rows, cols, s.dtype, device,
+                                               tma=not s.stored_from_registers)
                     written = written or {}
                     written[name] = t
                 else:
-                    t = new_buffer((M, cols), s.dtype.torch, device, poison)
+                    t = new_buffer((rows, cols), s.dtype.torch, device, poison)
                     lds[i] = cols
                 lds[i] = _kernel_ld(s.layout, lds[i])
-                results[name] = t
+                results[name] = s.view(t, M, N)
             elif role == "partials":
                 t = new_buffer(s.partials.buffer_shape(M, N, self.config.tile), torch.float32, device, poison)
                 partials.append((name, t))
-            elif role == "scale":
+            elif role == "gemm_scale":
                 t = scales[name]
                 lds[i] = scale_ld[name]
             else:
                 t = operands[name]
                 if s.kind == Kind.TILE:
                     lds[i] = _kernel_ld(s.layout, checks.check_tile(name, t, M, s.columns(N), s.dtype, device))
+                elif s.kind == Kind.SCALAR:
+                    checks.check_device_scalar(name, t, device)
                 else:
                     self._check_vector(name, s.kind, t, s.dtype, M, N, device)
                 if role == "inout":
@@ -316,7 +322,7 @@ class Kernel(ReductionOutputs):
         if name in self._finish_plan:
             return self.reduction_result(name, M, N)
         slot = self._slots_by_name[name]
-        return (M, slot.columns(N)), slot.dtype.torch
+        return slot.shape(M, N), slot.dtype.torch
 
     # ------------------------------------------------------------------ torch.library
     @property

@@ -36,7 +36,7 @@ class OpKernel(Protocol):
     partial_reductions: bool
     weight_layout: str
     operands: tuple[Operand, ...]
-    scale_names: tuple[str, ...]           # an FP8 kernel's scales ("scale_a", "scale_b"), else ()
+    gemm_scales: tuple[str, ...]           # an FP8 kernel's scales ("scale_a", "scale_b"), else ()
     inout: tuple[str, ...]
     outputs: tuple[str, ...]
     _op: Any
@@ -67,8 +67,8 @@ def identity(k: OpKernel) -> str:
         "weight_layout": k.weight_layout, "operands": [(o.name, o.kind.value) for o in k.operands],
         "inout": list(k.inout), "outputs": list(k.outputs),
     }
-    if k.scale_names:
-        fields["scales"] = list(k.scale_names)
+    if k.gemm_scales:
+        fields["scales"] = list(k.gemm_scales)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -84,7 +84,7 @@ def op_name(k: OpKernel) -> str:
 def schema_names(k: OpKernel) -> list[str]:
     """The schema's argument names for the operands and accumulated outputs, in call order: their
     own names when they are ASCII identifiers, else ``arg<i>`` (unique among all of them)."""
-    names = [o.name for o in k.operands] + list(k.scale_names) + list(k.inout)
+    names = [o.name for o in k.operands] + list(k.gemm_scales) + list(k.inout)
     taken = {"A", "W", "raster", "swizzle"} | {n for n in names if _schema_ident(n)}
     out = []
     for i, n in enumerate(names):
@@ -105,8 +105,8 @@ def schema(k: OpKernel) -> str:
     args = ["Tensor A", "Tensor W"]
     names = schema_names(k)
     for o, name in zip(k.operands, names):
-        args.append(f"float {name}" if o.kind == Kind.SCALAR else f"Tensor {name}")
-    n_in = len(k.operands) + len(k.scale_names)
+        args.append(f"float {name}" if o.host_scalar else f"Tensor {name}")
+    n_in = len(k.operands) + len(k.gemm_scales)
     args += [f"Tensor {name}" for name in names[len(k.operands):n_in]]
     for i, name in enumerate(names[n_in:]):
         args.append(f"Tensor(a{i}!) {name}")
@@ -127,13 +127,16 @@ def register(k: OpKernel) -> Any:
             return _OPS[name]
         lib = _library()
         lib.define(name + schema(k))
-        arg_names = [o.name for o in k.operands] + list(k.scale_names) + list(k.inout)
+        arg_names = [o.name for o in k.operands] + list(k.gemm_scales) + list(k.inout)
         returned = _returned(k)
+        transposed = transposed_returns(k)
 
         def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
                  swizzle: int | None = None) -> Any:
             out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
-            vals = tuple(out[n] for n in returned)
+            # block scales are a view of a run-major buffer: the op returns the buffer (call_op views it)
+            vals = tuple(out[n].t().as_strided(_storage(k, n, A, W), (_storage(k, n, A, W)[1], 1))
+                         if n in transposed else out[n] for n in returned)
             if not vals:
                 return None
             # custom ops may not return views of internal buffers (partials are views)
@@ -142,7 +145,7 @@ def register(k: OpKernel) -> Any:
 
         def fake(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
                  swizzle: int | None = None) -> Any:
-            vals = tuple(_fake_output(k, n, A, W) for n in returned)
+            vals = tuple(_fake_output(k, n, A, W, n in transposed) for n in returned)
             if not vals:
                 return None
             return vals[0] if len(vals) == 1 else vals
@@ -154,11 +157,24 @@ def register(k: OpKernel) -> Any:
         return op
 
 
-def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    M = A.shape[0]
-    N = W.shape[0] if k.weight_layout == "nk" else W.shape[1]
+def transposed_returns(k: OpKernel) -> frozenset[str]:
+    """Outputs the op returns as their run-major storage (block scales), transposed back by call_op."""
+    return frozenset(getattr(k, "scale_outputs", ()))
+
+
+def _mn(k: OpKernel, A: torch.Tensor, W: torch.Tensor) -> tuple[int, int]:
+    return A.shape[0], (W.shape[0] if k.weight_layout == "nk" else W.shape[1])
+
+
+def _storage(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> tuple[int, int]:
+    """The run-major buffer behind block scales (TensorSlot.storage)."""
+    return k._slots_by_name[name].storage(*_mn(k, A, W))
+
+
+def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    M, N = _mn(k, A, W)
     shape, dtype = k.output_spec(name, M, N)
-    return A.new_empty(shape, dtype=dtype)
+    return A.new_empty(_storage(k, name, A, W) if transposed else shape, dtype=dtype)
 
 
 def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *,
@@ -166,13 +182,15 @@ def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, A
     """The torch.compile path of ``k(A, W, ...)`` (traced by Dynamo: no locks, no registration)."""
     op = k._op
     k._check_names(operands)
-    args = ([operands[o.name] for o in k.operands] + [operands[n] for n in k.scale_names]
+    args = ([operands[o.name] for o in k.operands] + [operands[n] for n in k.gemm_scales]
             + [operands[n] for n in k.inout])
     out = op(A, W, *args, raster=raster, swizzle=swizzle)
     returned = _returned(k)
     if len(returned) == 1:
         out = (out,)
     result = dict(zip(returned, out or ()))
+    for n in transposed_returns(k):
+        result[n] = k._slots_by_name[n].view(result[n], *_mn(k, A, W))
     for n in k.inout:
         result[n] = operands[n]
     return {n: result[n] for n in k.outputs}

@@ -143,8 +143,10 @@ class TunedEpilogue:
             A, ops["scale_a"] = quantize(A, fp8.a.torch, fp8.scaling, "A")
             W, ops["scale_b"] = quantize(W, fp8.w.torch, fp8.scaling, "W")
         for o in self.ir.operands:
-            if o.kind == Kind.SCALAR:
+            if o.host_scalar:
                 ops[o.name] = 1.0
+            elif o.device:
+                ops[o.name] = torch.ones((), device=device)
             else:
                 shape = {Kind.TILE: (M, 2 * N if o.packed else N), Kind.ROW: (M,), Kind.COL: (N,)}[o.kind]
                 ops[o.name] = (torch.rand(*shape, device=device, generator=g) + 0.5).to(o.dtype.torch)

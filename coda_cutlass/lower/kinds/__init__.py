@@ -24,9 +24,11 @@ from .compute import COMPUTE
 from .fp8 import SCALED_ACC
 from .leaves import ACC, LEAVES
 from .outputs import AUX_STORE, D_STORE, NO_D, OUTPUTS, REDUCE_IDENTITY
+from .quantized import QUANTIZED
 
-# Lowering takes the first kind that matches an IR node (the groups match disjoint ops).
-KINDS: tuple[NodeKind, ...] = (SCALED_ACC, *LEAVES, *COMPUTE, *OUTPUTS)
+# Lowering takes the first kind that matches an IR node (the groups match disjoint ops; the scaled
+# accumulator of FP8 GEMMs before the plain one; quantised and transposed stores before the other stores).
+KINDS: tuple[NodeKind, ...] = (SCALED_ACC, *LEAVES, *COMPUTE, *QUANTIZED, *OUTPUTS)
 
 
 def kind_of(n: Node, ctx: LowerContext) -> NodeKind | None:
