@@ -353,3 +353,15 @@ def test_block_quantised_output_feeds_the_next_blockwise_gemm():
     kernel_layout = out["x8_scale"].t().contiguous().t()       # what the producing kernel returns
     a_layout = fp8.scale_layouts("block")[0]
     assert fp8.scales.check_scale(a_layout, kernel_layout, M, N, None) == M
+
+
+def test_reference_runner_runs_fp8_programs_on_the_cpu():
+    from coda_cutlass.nn.runner import ReferenceRunner
+    M, N, K = 64, 128, 256
+    A8, W8, sa, sb, g = _inputs(M, N, K, E4, "tensor")
+    R = torch.randn(M, N, generator=g).bfloat16()
+    gam = (torch.rand(N, generator=g) + 0.5).bfloat16()
+    out = ReferenceRunner(E4).gemm("site", residual_norm_stats, A8, W8, scale_a=sa, scale_b=sb, resid=R, g=gam)
+    ref = cc.reference(residual_norm_stats, A8, W8, scale_a=sa, scale_b=sb, resid=R, g=gam)
+    for name in ref:
+        assert torch.equal(out[name], ref[name]), name
