@@ -36,7 +36,7 @@ from .fp8.quantize import dequantize
 from .ir.nodes import HALF_LAYOUTS, OPERAND_OPS, TRANSPOSED_LAYOUTS, Kind, Node, Program
 from .ir.ops import OPS, PAIR_OPS
 from .partials import PartialLayout
-from .quantization import block_amax, quantize_blocks, scales_from_amax
+from .quantization import block_amax, quantize_blocks, run_major, scales_from_amax
 
 PRECISIONS = ("kernel", "fp32", "lowp")
 
@@ -174,7 +174,8 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
         elif n.op == "block_scale":
             v = _stored(vals[n.inputs[0]].expand(M, N), n.attr("layout"))
             fp8 = as_dtype(n.attr("qdtype"))
-            outs[n.attr("name")] = scales_from_amax(block_amax(v, n.attr("block")), fp8, n.attr("pow2"))[0]
+            scale = scales_from_amax(block_amax(v, n.attr("block")), fp8, n.attr("pow2"))[0]
+            outs[n.attr("name")] = run_major(scale)        # the kernel's layout (the next GEMM's scale_a)
         elif n.op == "reduce":
             outs[n.attr("name")] = _reduction(n, vals[n.inputs[0]].expand(M, N), precision, partial_tile,
                                               gemm_dtype)
