@@ -201,9 +201,10 @@ def test_gemma2_sandwich_norms(layer_idx):
     assert block.post_attn_norm is not None and block.attention.window == (4 if layer_idx == 0 else None)
 
 
-def test_gemma2_soft_caps_are_refused_by_name():
-    with pytest.raises(UnsupportedConfig, match="attn_logit_softcapping=50.0"):
-        LlamaBlock.from_hf(decoder_layer(config("gemma2")))
+def test_gemma2_soft_capped_attention():
+    cfg = config("gemma2", final_logit_softcapping=None, attn_logit_softcapping=5.0, sliding_window=4)
+    block = check_layer(cfg, S=10, mask=window_mask(2, 10, 4))
+    assert block.attention.softcap == 5.0
 
 
 @pytest.mark.parametrize("layer_idx", [0, 1])
