@@ -276,3 +276,12 @@ def test_to_hf_round_trips_and_checks_its_target():
     moe = decoder_layer(config("mixtral", num_local_experts=2, num_experts_per_tok=1))
     with pytest.raises(UnsupportedConfig, match="mixture of experts"):
         block.to_hf(moe)
+
+
+def test_gemma3_transformers_4_config_style():
+    """transformers 4 kept Gemma 3's local base as rope_local_base_freq and the global one as rope_theta."""
+    cfg = config("gemma3_text", layer_types=["sliding_attention", "full_attention"])
+    legacy = legacy_config(cfg, 1000000.0, None, rope_local_base_freq=10000.0)
+    for i in (0, 1):
+        layer = decoder_layer(cfg, i)
+        assert LlamaBlock.from_hf(layer).rope == LlamaBlock.from_hf(layer, legacy).rope
