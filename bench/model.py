@@ -124,7 +124,8 @@ def liger_model(base: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]
 class Variant:
     def __init__(self, name: str, model: torch.nn.Module, call: Callable[..., Any], params: list[torch.nn.Parameter],
                  optimizer: torch.optim.Optimizer, patch: Callable[[], Any] = contextlib.nullcontext):
-        self.name, self.model, self.call, self.params, self.opt, self.patch = name, model, call, params, optimizer, patch
+        self.name, self.model, self.call, self.params = name, model, call, params
+        self.opt, self.patch = optimizer, patch
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         with self.patch():
@@ -234,7 +235,8 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], path: Path) -> 
     from report import machine_line
     names = [n for n in VARIANTS if any(n in r["variants"] for r in results)]
     lines = [f"# Whole-model training step (forward + loss, backward, fused AdamW)\n",
-             machine_line(env) + f"transformers {env.get('transformers')}, liger-kernel {env.get('liger_kernel', '-')}.",
+             machine_line(env) + f"transformers {env.get('transformers')}, "
+             f"liger-kernel {env.get('liger_kernel', '-')}.",
              "Median step time (ms), tokens/s, peak memory (GiB: own parameters, gradients and optimizer states + the "
              "step's transient peak), loss of the first step.\n",
              "| config | " + " | ".join(names) + " | coda vs |", "|---|" + "---|" * (len(names) + 1)]
