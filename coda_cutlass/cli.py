@@ -127,7 +127,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
         close = difflib.get_close_matches(name, progs, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise UserError(f"no program '{name}' in {file}{hint} (programs: {', '.join(sorted(progs)) or 'none'})")
-    print(emit(progs[name], getattr(torch, args.dtype), weight_layout=args.weight_layout), end="")
+    print(emit(progs[name], getattr(torch, args.dtype), weight_layout=args.weight_layout, scaling=args.scaling,
+               fast_accum=args.fast_accum), end="")
     return 0
 
 
@@ -153,15 +154,15 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from .build.cache import KernelCache, default_root
-    root = default_root()
-    entries = list((root / "kernels").glob("*/*")) if (root / "kernels").is_dir() else []
-    size = sum(f.stat().st_size for e in entries for f in e.rglob("*") if f.is_file())
-    print(f"cache: {root}\nkernels: {len(entries)}\nsize: {size / 1e6:.1f} MB")
+    from .build.cache import KernelCache
+    cache = KernelCache()
+    cache.check_root()                       # someone's folder, not a cache: an error naming it
+    keys = list(cache.keys())
+    size = sum(f.stat().st_size for k in keys for f in cache.entry_dir(k).rglob("*") if f.is_file())
+    print(f"cache: {cache.root}\nkernels: {len(keys)}\nsize: {size / 1e6:.1f} MB")
     if args.export:
         from .build.export import export_cache_entry
-        cache = KernelCache(root)
-        n = sum(export_cache_entry(cache, e.name, args.export) for e in entries)
+        n = sum(export_cache_entry(cache, k, args.export) for k in keys)
         print(f"exported {n} verified kernels as prebuilt kernels to {args.export}")
     return 0
 
@@ -182,8 +183,11 @@ def parser() -> Parser:
     s.set_defaults(fn=cmd_demo)
     s = sub.add_parser("emit", parents=[common], help="print the generated CUDA of FILE:PROGRAM")
     s.add_argument("target", metavar="FILE:PROGRAM")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
     s.add_argument("--weight-layout", default="nk", choices=["nk", "kn"])
+    s.add_argument("--scaling", default=None, choices=["tensor", "row", "block", "block_1x128"],
+                   help="FP8 operands: how A and W are scaled (default: tensor)")
+    s.add_argument("--fast-accum", action="store_true", help="FP8 operands: fast-accumulation mainloop")
     s.set_defaults(fn=cmd_emit)
     s = sub.add_parser("prebuild", parents=[common], help="compile and export prebuilt kernels")
     s.add_argument("file")

@@ -34,8 +34,10 @@ def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
 def scales_from_amax(amax: torch.Tensor, dtype: DType | torch.dtype, pow2: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dequantisation scale, quantisation multiplier) per run, from its amax (fp32)."""
-    fmax = FP8_MAX[as_dtype(dtype)]
     amax = amax.float()
+    # IEEE divisions of two tensors, as the kernel divides: torch turns a division by (or of) a
+    # Python number into a multiplication by its reciprocal, which rounds differently
+    fmax = torch.full_like(amax, FP8_MAX[as_dtype(dtype)])
     if pow2:
         v = amax / fmax
         mant, exp = torch.frexp(v)
@@ -51,6 +53,17 @@ def scales_from_amax(amax: torch.Tensor, dtype: DType | torch.dtype, pow2: bool 
     s = torch.where(finite, torch.where(zero, one, s), nan)
     inv = torch.where(finite, torch.where(zero, one, inv), nan)
     return s, inv
+
+
+def run_major(scale: torch.Tensor) -> torch.Tensor:
+    """(rows, runs) scales laid out as the kernels store them: a run-major buffer with the row count
+    rounded up to 4 (16-byte aligned runs, the layout blockwise FP8 GEMMs read), returned as the
+    (rows, runs) view."""
+    rows, runs = scale.shape
+    buf = torch.empty(runs, -(-rows // 4) * 4, dtype=torch.float32, device=scale.device)
+    view = buf[:, :rows].t()
+    view.copy_(scale)
+    return view
 
 
 def quantize_blocks(x: torch.Tensor, dtype: DType | torch.dtype, block: int = 128, pow2: bool = True,
@@ -92,5 +105,5 @@ def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int = 128
     return codes.float() * scale.float().repeat_interleave(block, dim=1)[:, :C]
 
 
-__all__ = ["block_amax", "scales_from_amax", "quantize_blocks", "quantize_tiles", "quantize_tensor",
+__all__ = ["block_amax", "run_major", "scales_from_amax", "quantize_blocks", "quantize_tiles", "quantize_tensor",
            "dequantize_blocks", "MIN_POW2_SCALE"]

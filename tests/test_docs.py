@@ -4,8 +4,11 @@ Markdown file the code, the scripts or the docs cite exists where the citation s
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -45,15 +48,24 @@ def test_guide_examples_run():
 @pytest.mark.parametrize("doc", ["README.md", "docs/NN.md", "docs/DISTRIBUTED.md"])
 def test_readme_and_nn_examples_run(doc, tmp_path, monkeypatch):
     """Every python block of the README and the other docs runs (in order, one namespace per file;
-    the GPU-only lines are skipped by the snippets' own checks)."""
+    the GPU-only lines are skipped by the snippets' own checks). What a snippet changes in the
+    process (environment variables, warning filters, the coda_cutlass logger) is put back."""
     pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    logger = logging.getLogger("coda_cutlass")
+    handlers, level = list(logger.handlers), logger.level
     path = REPO / doc
     blocks = python_blocks(path)
     assert blocks
     namespace: dict = {"__name__": "doc_example"}
-    for line, code in blocks:
-        exec(compile("\n" * (line - 1) + code, str(path), "exec"), namespace)
+    try:
+        with warnings.catch_warnings():
+            for line, code in blocks:
+                exec(compile("\n" * (line - 1) + textwrap.dedent(code), str(path), "exec"), namespace)
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
 
 
 def test_every_doc_with_python_blocks_is_run():

@@ -36,3 +36,10 @@ def test_sandwich_programs_emit_cuda():
     assert "extern \"C\"" in cc.emit(E.out_sumsq, torch.bfloat16)
     for p in (E.post_norm_residual, E.post_norm_residual_last, E.post_norm_c, E.post_norm_backward):
         assert "extern \"C\"" in cc.emit_map(p, torch.bfloat16), p.name
+
+
+def test_softcap_programs_emit_cuda():
+    for p, layout in ((E.rowscale_softcap, "nk"), (E.lm_head_lse_softcap, "nk"), (E.lm_head_lse_logits_softcap, "nk"),
+                      (E.cross_entropy_backward_softcap, "nk")):
+        assert "extern \"C\"" in cc.emit(p, torch.bfloat16, weight_layout=layout), p.name
+    assert "extern \"C\"" in cc.emit_map(E.cross_entropy_grad_softcap, torch.bfloat16)

@@ -201,9 +201,10 @@ def test_gemma2_sandwich_norms(layer_idx):
     assert block.post_attn_norm is not None and block.attention.window == (4 if layer_idx == 0 else None)
 
 
-def test_gemma2_soft_caps_are_refused_by_name():
-    with pytest.raises(UnsupportedConfig, match="attn_logit_softcapping=50.0"):
-        LlamaBlock.from_hf(decoder_layer(config("gemma2")))
+def test_gemma2_soft_capped_attention():
+    cfg = config("gemma2", final_logit_softcapping=None, attn_logit_softcapping=5.0, sliding_window=4)
+    block = check_layer(cfg, S=10, mask=window_mask(2, 10, 4))
+    assert block.attention.softcap == 5.0
 
 
 @pytest.mark.parametrize("layer_idx", [0, 1])
@@ -275,3 +276,12 @@ def test_to_hf_round_trips_and_checks_its_target():
     moe = decoder_layer(config("mixtral", num_local_experts=2, num_experts_per_tok=1))
     with pytest.raises(UnsupportedConfig, match="mixture of experts"):
         block.to_hf(moe)
+
+
+def test_gemma3_transformers_4_config_style():
+    """transformers 4 kept Gemma 3's local base as rope_local_base_freq and the global one as rope_theta."""
+    cfg = config("gemma3_text", layer_types=["sliding_attention", "full_attention"])
+    legacy = legacy_config(cfg, 1000000.0, None, rope_local_base_freq=10000.0)
+    for i in (0, 1):
+        layer = decoder_layer(cfg, i)
+        assert LlamaBlock.from_hf(layer).rope == LlamaBlock.from_hf(layer, legacy).rope

@@ -51,6 +51,7 @@ def check_model(hf, model, tokens, labels, **inputs) -> None:
     ("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {"sliding_window": 5}), ("phi3", {}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}), ("gemma", {}), ("qwen3", {}),
     ("gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window": 5}),
+    ("gemma2", {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "sliding_window": 5}),
     ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}),
     ("llama", {"hidden_act": "relu", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                           "original_max_position_embeddings": 8}})])
@@ -174,3 +175,11 @@ def test_trainer_trains_a_from_hf_model_as_it_trains_the_transformers_model(tmp_
     trainer.save_model(str(tmp_path / "saved"))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert all(torch.equal(back.state_dict()[k], v) for k, v in trained.items())
+
+
+def test_soft_capped_logits_through_the_recomputing_lm_head():
+    hf = hf_model("gemma2", attn_logit_softcapping=None, final_logit_softcapping=3.0)
+    model = cnn.from_hf(hf)
+    model.coda.fused_lm_head = False
+    tokens = torch.randint(0, 48, (2, 10))
+    check_model(hf, model, tokens, tokens)

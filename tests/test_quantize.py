@@ -205,3 +205,32 @@ def test_a_device_scalar_must_be_one_fp32_value():
         cc.reference(per_tensor, A, W, s=torch.tensor(2.0, dtype=torch.float64))
     with pytest.raises(cc.CallError, match="expected a 0-dim"):
         cc.reference(per_tensor, A, W, s=torch.ones(2))
+
+
+@cc.epilogue
+def map_quant(acc, s: cc.DeviceScalar, g: cc.PerCol):
+    y = acc * g
+    return {"q": cc.quantize(y, block=128), "p": cc.quantize(y, E5M2, scale=s), "amax": cc.amax(y),
+            "h": cc.quantize(cc.half_width(y), block=128, pow2=False)}
+
+
+def test_map_kernels_quantise_their_outputs_too():
+    g0 = torch.Generator().manual_seed(2)
+    X = (torch.randn(70, 392, generator=g0) * 5).to(torch.bfloat16)
+    gam = (torch.rand(392, generator=g0) + 0.5).to(torch.bfloat16)
+    out = cc.map_reference(map_quant, X, s=torch.tensor(0.25), g=gam)
+    y = X.float() * gam.float()
+    codes, scales = emulate_blocks(y, E4M3, pow2=True)
+    assert same_bits(out["q"], codes) and same_bits(out["q_scale"], scales)
+    hc, hs = emulate_blocks(y[:, 0::2].contiguous(), E4M3, pow2=False)
+    assert same_bits(out["h"], hc) and same_bits(out["h_scale"], hs)
+    assert same_bits(out["p"], (y * 4).clamp(-57344, 57344).to(E5M2))
+    src = cc.emit_map(map_quant)
+    assert "coda::quant::shuffle_max(a, 15)" in src and "coda::quant::shuffle_max(a, 31)" in src
+    assert "coda::map::store8<cutlass::float_e5m2_t>" in src
+
+
+def test_map_kernels_refuse_transposed_outputs_by_name():
+    prog = cc.epilogue(lambda acc: {"t": cc.quantize(acc, block=128, transpose=True)})
+    with pytest.raises(EpilogueError, match="transposed"):
+        cc.emit_map(prog)

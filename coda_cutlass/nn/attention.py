@@ -34,7 +34,8 @@ class Attention:
     """One block's attention settings: the backend, the softmax scale (None: head_dim ** -0.5), a
     sliding window (each token sees itself and the window - 1 tokens before it; None: all before it)."""
 
-    def __init__(self, backend: str = "sdpa", *, scale: float | None = None, window: int | None = None):
+    def __init__(self, backend: str = "sdpa", *, scale: float | None = None, window: int | None = None,
+                 softcap: float | None = None):
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {backend!r}")
         if backend == "flash" and not flash_available():
@@ -44,12 +45,15 @@ class Attention:
             raise ValueError(f"sliding_window must be a positive int or None, got {window!r}")
         if scale is not None and not scale > 0:
             raise ValueError(f"attention_scale must be positive, got {scale!r}")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"attention_softcap must be positive, got {softcap!r}")
         self.backend = backend
         self.scale = scale
         self.window = window
+        self.softcap = softcap       # logits -> softcap * tanh(logits / softcap) (Gemma 2): eager attention
 
     def __repr__(self) -> str:
-        return f"Attention({self.backend!r}, scale={self.scale}, window={self.window})"
+        return f"Attention({self.backend!r}, scale={self.scale}, window={self.window}, softcap={self.softcap})"
 
     def forward(self, qkv: torch.Tensor, batch: int, seq: int, dims: Any, dropout: float = 0.0,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
@@ -62,8 +66,12 @@ class Attention:
         k = bshd(qkv[:, nq:nq + nkv], dims.n_kv_heads)
         v = bshd(qkv[:, nq + nkv:], dims.n_kv_heads)
         windowed = self.window is not None and seq > self.window
-        if mask is not None and self.backend == "flash":
+        if (mask is not None or self.softcap is not None) and self.backend == "flash":
+            if self.softcap is not None:
+                raise ValueError("attention='flash' does not take a soft-cap here: use attention='sdpa'")
             raise ValueError("attention='flash' does not take padding or packed documents yet: use attention='sdpa'")
+        if self.softcap is not None and mask is None:
+            mask = causal_mask(seq, qkv.device)
         with torch.enable_grad():
             leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
             if self.backend == "flash":
@@ -75,9 +83,13 @@ class Attention:
                 if windowed:
                     band = window_mask(seq, self.window, qkv.device)
                     mask = band if mask is None else (mask & band) | torch.eye(seq, dtype=torch.bool, device=qkv.device)
-                o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None,
-                                                   dropout_p=dropout, scale=self.scale,
-                                                   enable_gqa=dims.n_heads != dims.n_kv_heads).transpose(1, 2)
+                if self.softcap is not None:
+                    o = softcapped(q_, k_, v_, mask, self.scale or dims.head_dim ** -0.5, self.softcap,
+                                   dropout).transpose(1, 2)
+                else:
+                    o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None,
+                                                       dropout_p=dropout, scale=self.scale,
+                                                       enable_gqa=dims.n_heads != dims.n_kv_heads).transpose(1, 2)
         out = o.detach().reshape(batch * seq, nq)       # a view when o is laid out (B, S, H, D)
         return out, (leaves, o)
 
@@ -86,6 +98,29 @@ class Attention:
         """Gradient of the output (M, q) -> (dq, dk, dv) as (B, S, heads, head_dim) tensors."""
         leaves, o = ctx
         return torch.autograd.grad(o, leaves, d_out.view(o.shape))
+
+
+def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, cap: float,
+               dropout: float) -> torch.Tensor:
+    """Attention with soft-capped logits, in torch (B, H, S, D) -> (B, H, S, D): scores = cap *
+    tanh(q k^T scale / cap), masked, softmax in fp32 (as transformers' eager Gemma 2). It holds the
+    (B, H, S, S) scores: slower and larger than SDPA, which has no soft-cap."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout:
+        p = F.dropout(p, dropout)
+    return torch.matmul(p, v)
+
+
+def causal_mask(seq: int, device: torch.device) -> torch.Tensor:
+    """(seq, seq) bool: query i sees key j <= i (cached)."""
+    return cached_tensor(("causal_mask", seq, device),
+                         lambda: torch.ones(seq, seq, dtype=torch.bool, device=device).tril())
 
 
 def window_mask(seq: int, window: int, device: torch.device) -> torch.Tensor:

@@ -71,8 +71,9 @@ class LlamaBlock(nn.Module):
                  eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
                  rope: Rope | None = None, attention_scale: float | None = None, sliding_window: int | None = None,
                  attention_dropout: float = 0.0, activation: str = "silu", qkv_bias: bool = False,
-                 qk_norm: bool = False, sandwich_norms: bool = False, norm_offset: float = 0.0, attention: str = "sdpa", compute_dtype: torch.dtype | None = None,
-                 device: Any = None, dtype: Any = None):
+                 qk_norm: bool = False, sandwich_norms: bool = False, norm_offset: float = 0.0,
+                 attention_softcap: float | None = None, attention: str = "sdpa",
+                 compute_dtype: torch.dtype | None = None, device: Any = None, dtype: Any = None):
         super().__init__()
         head_dim = head_dim or dim // n_heads
         if n_heads % n_kv_heads:
@@ -106,6 +107,7 @@ class LlamaBlock(nn.Module):
         self.register_buffer("rope_freq", torch.empty(0), persistent=False)    # per QKV column, fp32
         self.attention_dropout = float(attention_dropout)
         self._attention_args = (attention, attention_scale, sliding_window)
+        self._softcap = attention_softcap
         self._set_rope(rope if rope is not None else Rope.explicit(inv_freq) if inv_freq is not None
                        else Rope.default(head_dim, rope_theta),
                        torch.device(device) if device is not None else torch.device("cpu"))
@@ -128,7 +130,7 @@ class LlamaBlock(nn.Module):
         # yarn / longrope scale cos and sin: q . k grows by the square (folded into the softmax scale)
         factor = rope.attention_scaling ** 2
         self.attention = Attention(backend, scale=None if scale is None and factor == 1.0 else base * factor,
-                                   window=window)
+                                   window=window, softcap=self._softcap)
 
     def _set_rope_buffers(self, device: torch.device) -> None:
         d = self.dims
@@ -153,12 +155,14 @@ class LlamaBlock(nn.Module):
     def get_extra_state(self) -> dict[str, Any]:
         """The settings a state_dict keeps besides the tensors: RoPE, softmax scale, sliding window."""
         backend, scale, window = self._attention_args
-        return {"rope": self.rope.to_dict(), "attention_scale": scale, "sliding_window": window}
+        return {"rope": self.rope.to_dict(), "attention_scale": scale, "sliding_window": window,
+                "attention_softcap": self._softcap}
 
     def set_extra_state(self, state: Any) -> None:
         if not isinstance(state, dict) or "rope" not in state:
             raise ValueError(f"LlamaBlock extra state must be a dict with the RoPE settings, got {type(state).__name__}")
         self._attention_args = (self._attention_args[0], state.get("attention_scale"), state.get("sliding_window"))
+        self._softcap = state.get("attention_softcap")
         self._set_rope(Rope.from_dict(state["rope"]), self.rope_freq.device)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LlamaBlock":
@@ -178,6 +182,8 @@ class LlamaBlock(nn.Module):
         extra = "" if self.rope.rope_type == "default" else f", rope={self.rope.rope_type}"
         if self.attention.window is not None:
             extra += f", sliding_window={self.attention.window}"
+        if self.attention.softcap is not None:
+            extra += f", attention_softcap={self.attention.softcap}"
         if self.mlp.name != "silu":
             extra += f", activation={self.mlp.name}"
         if self.qkv_bias is not None:

@@ -12,6 +12,7 @@ block's down-proj epilogue (or, for the first block, by one map kernel over the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -181,28 +182,49 @@ def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor)
     return b2["dx"], grads_w
 
 
+@dataclass(frozen=True)
+class LMHeadPrograms:
+    """The LM head's programs, plain or with soft-capped logits (operands: ``extra``)."""
+    logits: Any
+    lse: Any
+    lse_logits: Any
+    recompute: Any
+    grad: Any
+    extra: dict
+
+
+def lm_head_programs(softcap: float | None) -> LMHeadPrograms:
+    if softcap is None:
+        return LMHeadPrograms(E.rowscale, E.lm_head_lse, E.lm_head_lse_logits, E.cross_entropy_backward,
+                              E.cross_entropy_grad, {})
+    return LMHeadPrograms(E.rowscale_softcap, E.lm_head_lse_softcap, E.lm_head_lse_logits_softcap,
+                          E.cross_entropy_backward_softcap, E.cross_entropy_grad_softcap, {"cap": float(softcap)})
+
+
 def lm_head_forward(step: Step, h: torch.Tensor, r: torch.Tensor, w_lm: torch.Tensor,
-                    target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    target: torch.Tensor, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row log-sum-exp and target logit of logits = r * (h @ W_lm^T); logits are not written."""
-    out = step.runner.gemm("lm_head", E.lm_head_lse, h, w_lm, r=r, target=target)
+    P = lm_head_programs(softcap)
+    out = step.runner.gemm("lm_head", P.lse, h, w_lm, r=r, target=target, **P.extra)
     return out["lse"], out["target_logit"]
 
 
 def lm_head_backward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor, w_lm: torch.Tensor,
                      g: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
-                     chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     chunk_rows: int, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cross-entropy + final-norm backward, in row chunks (dlogits exist for one chunk at a time):
     the LM head is recomputed with the softmax gradient in its epilogue, then the final norm's
     backward rides the dX GEMM. Returns (dx, dW_lm, dgamma)."""
     d, run = step.dims, step.runner
+    P = lm_head_programs(softcap)
     M = x.shape[0]
     dx = torch.empty_like(x)
     dw = torch.zeros_like(w_lm)
     dgamma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
     for a in range(0, M, chunk_rows):
         b = min(M, a + chunk_rows)
-        ce = run.gemm("lm_head.recompute", E.cross_entropy_backward, h[a:b], w_lm, partial=True,
-                      r=r[a:b], lse=lse[a:b], target=target[a:b], scale=scale[a:b])
+        ce = run.gemm("lm_head.recompute", P.recompute, h[a:b], w_lm, partial=True,
+                      r=r[a:b], lse=lse[a:b], target=target[a:b], scale=scale[a:b], **P.extra)
         dl = ce["D"]
         nb = run.gemm("lm_head.dgrad", E.norm_backward_first, dl, w_lm, layout="kn", partial=True,
                       out={"dx": dx[a:b]}, x=x[a:b], r=r[a:b], c=row_mean(ce["zdz"], d.dim), g=g)
@@ -212,8 +234,8 @@ def lm_head_backward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tens
 
 
 def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor, w_lm: torch.Tensor,
-                  g: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, chunk_rows: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  g: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, chunk_rows: int,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The LM head, cross-entropy and final norm, forward and backward in one pass over row chunks
     (for dloss = 1: the caller scales the gradients by dloss), without recomputing the logits: per
     chunk the logits GEMM writes them with the log-sum-exp and target logit (``lm_head_lse_logits``),
@@ -221,6 +243,7 @@ def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     dX GEMM and the weight-gradient GEMM consume the chunk: three vocab-sized GEMMs, not four.
     Returns (lse, target_logit, dx, dW_lm, dgamma)."""
     d, run = step.dims, step.runner
+    P = lm_head_programs(softcap)
     M = x.shape[0]
     lse = torch.empty(M, dtype=torch.float32, device=x.device)
     tlogit = torch.empty(M, dtype=torch.float32, device=x.device)
@@ -229,10 +252,10 @@ def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     dgamma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
     for a in range(0, M, chunk_rows):
         b = min(M, a + chunk_rows)
-        f = run.gemm("lm_head.fused", E.lm_head_lse_logits, h[a:b], w_lm, r=r[a:b], target=target[a:b])
+        f = run.gemm("lm_head.fused", P.lse_logits, h[a:b], w_lm, r=r[a:b], target=target[a:b], **P.extra)
         lse[a:b], tlogit[a:b] = f["lse"], f["target_logit"]
-        ce = run.map("lm_head.ce_grad", E.cross_entropy_grad, f["D"], partial=True, r=r[a:b], lse=f["lse"],
-                     target=target[a:b], scale=scale[a:b])
+        ce = run.map("lm_head.ce_grad", P.grad, f["D"], partial=True, r=r[a:b], lse=f["lse"],
+                     target=target[a:b], scale=scale[a:b], **P.extra)
         dl = ce["D"]
         nb = run.gemm("lm_head.dgrad", E.norm_backward_first, dl, w_lm, layout="kn", partial=True,
                       out={"dx": dx[a:b]}, x=x[a:b], r=r[a:b], c=row_mean(ce["zdz"], d.dim), g=g)

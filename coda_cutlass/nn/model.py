@@ -17,11 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import epilogues as E
 from . import masks
 from .block import LlamaBlock
 from .checkpointing import check_stack
-from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused
+from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
 
@@ -35,18 +34,19 @@ class LMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x, h, r, w_lm, g, target, step: Step, ignore_index: int, chunk_rows: int,  # type: ignore[override]
-                fused: bool = False):
+                fused: bool = False, softcap: float | None = None):
         valid = (target != ignore_index) & (target >= 0) & (target < w_lm.shape[0])
         count = valid.sum().clamp_min(1).to(torch.float32)
-        ctx.step, ctx.chunk_rows = step, chunk_rows
+        ctx.step, ctx.chunk_rows, ctx.softcap = step, chunk_rows, softcap
         ctx.fused = fused and any(ctx.needs_input_grad[:5])
         with no_autocast(x.device):
             if ctx.fused:
                 scale = valid.to(torch.float32) / count
-                lse, target_logit, dx, dw, dg = lm_head_fused(step, x, h, r, w_lm, g, target, scale, chunk_rows)
+                lse, target_logit, dx, dw, dg = lm_head_fused(step, x, h, r, w_lm, g, target, scale, chunk_rows,
+                                                              softcap)
                 ctx.save_for_backward(dx, dw, dg)
             else:
-                lse, target_logit = lm_head_forward(step, h, r, w_lm, target)
+                lse, target_logit = lm_head_forward(step, h, r, w_lm, target, softcap)
                 ctx.save_for_backward(x, h, r, w_lm, g, target, lse, valid, count)
         return torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum() / count
 
@@ -60,12 +60,13 @@ class LMHeadLoss(torch.autograd.Function):
             dx, dw, dg = ctx.saved_tensors
             s = dloss.to(torch.float32)
             return (dx.mul_(s.to(dx.dtype)), None, None, dw.mul_(s.to(dw.dtype)), dg.mul_(s.to(dg.dtype)),
-                    None, None, None, None, None)
+                    None, None, None, None, None, None)
         x, h, r, w_lm, g, target, lse, valid, count = ctx.saved_tensors
         scale = valid.to(torch.float32) * (dloss.to(torch.float32) / count)
         with no_autocast(x.device):
-            dx, dw, dg = lm_head_backward(ctx.step, x, h, r, w_lm, g, lse, target, scale, ctx.chunk_rows)
-        return dx, None, None, dw, dg, None, None, None, None, None
+            dx, dw, dg = lm_head_backward(ctx.step, x, h, r, w_lm, g, lse, target, scale, ctx.chunk_rows,
+                                          ctx.softcap)
+        return dx, None, None, dw, dg, None, None, None, None, None, None
 
 
 class LlamaModel(nn.Module):
@@ -92,6 +93,7 @@ class LlamaModel(nn.Module):
         self.padding_idx: int | None = None     # a token whose embedding gets no gradient (nn.Embedding's)
         self.embed_scale: float | None = None   # the embedding output times this (Gemma: sqrt(dim))
         self.norm_offset = 0.0                  # the final norm scales by (offset + weight): 1 for Gemma
+        self.logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
         nn.init.normal_(self.embed, std=1.0)
         nn.init.normal_(self.lm_head, std=1.0 / math.sqrt(dim))
 
@@ -152,8 +154,9 @@ class LlamaModel(nn.Module):
         w_lm = cast(self.lm_head, step.dtype)
         if targets is None:
             with no_autocast(x.device):
-                logits = step.runner.gemm("lm_head.logits", E.rowscale, h, w_lm, r=r)["D"]
+                P = lm_head_programs(self.logit_softcap)
+                logits = step.runner.gemm("lm_head.logits", P.logits, h, w_lm, r=r, **P.extra)["D"]
             return logits.view(*tokens.shape, -1)
         chunk = max(1, self.ce_chunk_bytes // (w_lm.shape[0] * w_lm.element_size()))
         return LMHeadLoss.apply(x, h, r, w_lm, cast(self.final_gain(), step.dtype), targets.reshape(-1).to(torch.int64),
-                                step, ignore_index, chunk, self.fused_lm_head)
+                                step, ignore_index, chunk, self.fused_lm_head, self.logit_softcap)

@@ -156,3 +156,23 @@ def test_saturation_and_non_finite_values():
     assert out["q"][3, :128].float().isnan().all() and not out["q"][3, 128:].float().isnan().any()
     assert float(out["p"][9, 300].float()) == 448.0 and float(out["p"][3, 5].float()) == 448.0
     assert out["amax"].isnan()
+
+
+@cc.epilogue
+def map_quant(acc, s: cc.DeviceScalar, g: cc.PerCol):
+    y = acc * g
+    return {"q": cc.quantize(y, block=128), "p": cc.quantize(y, E5M2, scale=s), "amax": cc.amax(y),
+            "h": cc.quantize(cc.half_width(y), block=128, pow2=False)}
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 392)])
+def test_map_kernel_quantised_outputs_are_exact(shape):
+    M, N = shape
+    g = torch.Generator(device="cuda").manual_seed(N)
+    X = (torch.randn(M, N, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    gam = torch.randint(1, 5, (N,), device="cuda", generator=g).to(torch.bfloat16) / 2   # exact products
+    ops = {"s": torch.tensor(0.5, device="cuda"), "g": gam}
+    k = cc.compile_map(map_quant, torch.bfloat16)
+    out = k(X, **ops)
+    ref = cc.map_reference(map_quant, X, **ops)
+    _check_exact(out, ref, f"map {shape}")

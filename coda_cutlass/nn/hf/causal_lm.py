@@ -69,6 +69,7 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
     pad = getattr(config, "pad_token_id", None)
     model.padding_idx = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
     model.embed_scale = family.embed_scale(config)
+    model.logit_softcap = family.logit_softcap(config)
     model.norm_offset = family.norm_offset
     with torch.no_grad():
         model.embed.copy_(embed)

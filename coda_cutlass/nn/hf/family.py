@@ -108,7 +108,12 @@ class Family:
                 "attention_dropout": float(getattr(config, "attention_dropout", 0.0) or 0.0),
                 "activation": HF_NAMES[self.activation_name(config)],
                 "qkv_bias": "q_bias" in self.paths, "qk_norm": "q_norm" in self.paths, "norm_offset": self.norm_offset,
-                "sandwich_norms": "post_attn_norm" in self.paths, "attention_scale": self.attention_scale(config)}
+                "sandwich_norms": "post_attn_norm" in self.paths, "attention_scale": self.attention_scale(config),
+                "attention_softcap": self.attention_softcap(config)}
+
+    def attention_softcap(self, config: Any) -> float | None:
+        """The attention logits' soft-cap (Gemma 2), None for none."""
+        return None
 
     def attention_scale(self, config: Any) -> float | None:
         """The softmax scale (None: head_dim ** -0.5)."""
@@ -159,6 +164,10 @@ class Family:
 
     def model_part(self, model: Any, path: str) -> Any:
         return _part(model, path, f"{self.name} model")
+
+    def logit_softcap(self, config: Any) -> float | None:
+        """The final logits' soft-cap (Gemma 2), None for none."""
+        return None
 
     def embed_scale(self, config: Any) -> float | None:
         """The factor the embedding output is multiplied by (Gemma: sqrt(hidden_size))."""

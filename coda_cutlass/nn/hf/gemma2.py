@@ -2,15 +2,15 @@
 scale, plus sandwich norms (RMSNorms on the attention and MLP outputs before the residual adds:
 ``post_attention_layernorm``, ``post_feedforward_layernorm``; the MLP's input norm is
 ``pre_feedforward_layernorm``), a softmax scale of ``query_pre_attn_scalar ** -0.5`` and sliding-window
-layers (``layer_types``). Soft-capped attention logits and final logits are refused while set
-(``attn_logit_softcapping``, ``final_logit_softcapping``: set them to None to run without)."""
+layers (``layer_types``). Soft-capped attention logits (``attn_logit_softcapping``) run as eager torch
+attention (SDPA has no soft-cap); soft-capped final logits (``final_logit_softcapping``) in the LM
+head's epilogues (``epilogues.softcap``)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 from .family import Family
-from .fields import UnsupportedConfig
 from .gemma import Gemma
 
 
@@ -24,15 +24,16 @@ class Gemma2(Gemma):
              "post_attn_norm": "post_attention_layernorm.weight",
              "post_mlp_norm": "post_feedforward_layernorm.weight"}
 
-    def check_config(self, config: Any, ignore: Iterable[str] = ()) -> None:
-        super().check_config(config, ignore)
-        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(config, name, None) is not None:
-                raise UnsupportedConfig(f"config.{name}={getattr(config, name)!r}: soft-capped logits are not "
-                                        f"implemented yet (set config.{name} = None to run without)")
+    def logit_softcap(self, config: Any) -> float | None:
+        cap = getattr(config, "final_logit_softcapping", None)
+        return None if cap is None else float(cap)
 
     def activation_name(self, config: Any) -> str:
         return getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+
+    def attention_softcap(self, config: Any) -> float | None:
+        cap = getattr(config, "attn_logit_softcapping", None)
+        return None if cap is None else float(cap)
 
     def attention_scale(self, config: Any) -> float | None:
         return float(config.query_pre_attn_scalar) ** -0.5

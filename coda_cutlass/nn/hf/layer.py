@@ -111,7 +111,7 @@ def _check_target(block: Any, family: Family, config: Any, idx: int) -> None:
             "head_dim": d.head_dim, "eps": d.eps, "rope": block.rope, "sliding_window": block.attention.window,
             "activation": block.mlp.name, "qkv_bias": block.qkv_bias is not None, "norm_offset": block.norm_offset,
             "qk_norm": block.q_norm is not None, "sandwich_norms": block.post_attn_norm is not None,
-            "attention_scale": block._attention_args[1]}
+            "attention_scale": block._attention_args[1], "attention_softcap": block.attention.softcap}
     diff = [f"{k}: layer {options[k]!r}, block {v!r}" for k, v in mine.items() if options[k] != v]
     if diff:
         raise ValueError(f"to_hf: the target {family.name} layer does not compute what this block computes, nothing "
