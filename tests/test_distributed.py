@@ -354,3 +354,36 @@ def test_torch_checkpoint_wrapper_around_blocks_is_refused_not_ignored():
     apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaBlock))
     with pytest.raises(TypeError, match=r"blocks\[0\] is a CheckpointWrapper, not a LlamaBlock.*checkpoint_blocks"):
         model(*global_batch(2))
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone (an in-process store, no network)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family, fields", [("llama", {"tie_word_embeddings": True}), ("qwen3", {}),
+                                            ("gemma2", {})])
+def test_from_hf_models_under_shard_model(world_of_one, family, fields):
+    """from_hf models (tied embeddings; Qwen 3's per-head q/k norms; Gemma 2's sandwich norms and
+    (1 + w) gains, the next block's gathered with its offset) under shard_model: every parameter
+    sharded (a DTensor), loss and gradients as the unsharded model's."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import hf_models
+    from coda_cutlass.nn import from_hf
+    hf = hf_models.draw(hf_models.transformers.AutoModelForCausalLM.from_config(hf_models.config(family, **fields)))
+    plain = from_hf(hf)
+    sharded = shard_model(copy.deepcopy(plain))
+    assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
+    tokens = torch.randint(0, hf_models.DIMS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    losses = [m(input_ids=tokens, labels=tokens).loss for m in (plain, sharded)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[0].item() - losses[1].item()) <= FP32_TOL * abs(losses[0].item())
+    assert_close({n: p.grad.full_tensor() for n, p in sharded.named_parameters()},
+                 {n: p.grad for n, p in plain.named_parameters()})
