@@ -290,7 +290,7 @@ def test_dcp_saved_by_2_processes_loads_into_one(run2, dcp_dir):
     opt = optimizer(model.parameters())
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(dcp_dir))
+    dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=True)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), saved["saved"][name]), name
