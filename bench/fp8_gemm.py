@@ -118,7 +118,9 @@ def agreement(k_out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((k_out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def run(M: int, shapes: list[str], variants: list[str], rounds: int, reps: int) -> tuple[list[dict], dict]:
+def run(M: int, shapes: list[str], variants: list[str], rounds: int, reps: int,
+        done: Callable[[list[dict], dict], None] = lambda rows, unsupported: None) -> tuple[list[dict], dict]:
+    """Every shape in turn; ``done(rows, unsupported)`` after each (results survive a cut-short run)."""
     built = dict(zip(variants, cc.compile_many(kernel_items(variants), skip_failed=True)))
     kernels = {v: k for v, k in built.items() if k is not None}
     if len(kernels) < len(variants):
@@ -157,6 +159,7 @@ def run(M: int, shapes: list[str], variants: list[str], rounds: int, reps: int) 
             rows.append({"M": M, "N": N, "K": K, "shape": shape, "variant": f"scaled_mm_{n}",
                          "us": times[f"scaled_mm_{n}"], "tflops": 2 * M * N * K / times[f"scaled_mm_{n}"] / 1e6})
         del sets
+        done(rows, unsupported)
     return rows, unsupported
 
 
@@ -199,7 +202,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    rows, unsupported = run(args.m, args.shapes, args.variants, args.rounds, args.reps)
+    def done(rows: list[dict], unsupported: dict) -> None:
+        (out / "results.json").write_text(json.dumps({"environment": env, "results": rows,
+                                                      "unsupported": unsupported}, indent=1))
+        write_markdown(rows, env, unsupported, out / "results.md")
+
+    rows, unsupported = run(args.m, args.shapes, args.variants, args.rounds, args.reps, done)
     (out / "results.json").write_text(json.dumps({"environment": env, "results": rows,
                                                   "unsupported": unsupported}, indent=1))
     write_markdown(rows, env, unsupported, out / "results.md")

@@ -75,7 +75,9 @@ def _quant_pair(y: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return q, s, qt, st
 
 
-def run(M: int, shapes: list[str], rounds: int, reps: int) -> tuple[list[dict], dict]:
+def run(M: int, shapes: list[str], rounds: int, reps: int, done: Callable[[list[dict], dict], None]
+        ) -> tuple[list[dict], dict]:
+    """Every shape in turn; ``done(rows, notes)`` after each (results survive a cut-short run)."""
     kernels = dict(zip(PROGRAMS, cc.compile_many(kernel_items(), skip_failed=True)))
     missing = [n for n, k in kernels.items() if k is None]
     if missing:
@@ -120,6 +122,7 @@ def run(M: int, shapes: list[str], rounds: int, reps: int) -> tuple[list[dict], 
             print(f"M={M} {shape:10s} {name:22s} {t:9.1f} us  " +
                   (f"{row['ratio_to_plain']:.3f}x plain" if base else ""), flush=True)
         del sets
+        done(rows, notes)
     return rows, notes
 
 
@@ -154,9 +157,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    rows, notes = run(args.m, args.shapes, args.rounds, args.reps)
-    (out / "results.json").write_text(json.dumps({"environment": env, "results": rows, "notes": notes}, indent=1))
-    write_markdown(rows, env, notes, out / "results.md")
+
+    def done(rows: list[dict], notes: dict) -> None:
+        (out / "results.json").write_text(json.dumps({"environment": env, "results": rows, "notes": notes},
+                                                     indent=1))
+        write_markdown(rows, env, notes, out / "results.md")
+
+    run(args.m, args.shapes, args.rounds, args.reps, done)
     print(f"wrote {out}/results.json, results.md")
 
 
