@@ -23,6 +23,32 @@ from .functional import Step, first_norm, lm_head_backward, lm_head_forward
 from .tuning import tune_module
 
 
+def checked_targets(targets: Any, tokens: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """The targets as one int64 vector, refused as torch's cross_entropy refuses them: class indices
+    of an integer dtype, the tokens' shape and device, each in [0, vocab) or ``ignore_index``. On a
+    GPU the range check is asynchronous (``torch._assert_async``: no synchronisation, a few small
+    launches over M elements; a bad target is a device-side assert, as in torch's cross_entropy)."""
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a tensor of class indices, got {type(targets).__name__}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be integer class indices (int64 or int32), got {targets.dtype}; "
+                        "class probabilities are not supported")
+    if targets.shape != tokens.shape:
+        raise ValueError(f"targets must have the tokens' shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
+    if targets.device != tokens.device:
+        raise ValueError(f"targets are on {targets.device}, the tokens on {tokens.device}")
+    t = targets.reshape(-1).to(torch.int64)
+    bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
+    if t.is_cuda:
+        torch._assert_async(~bad.any(), f"a target is out of bounds: class indices are in [0, {vocab}) or "
+                                        f"ignore_index ({ignore_index})")
+    elif bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"target {int(t[i])} (at flat position {i}) is out of bounds: class indices are in "
+                         f"[0, {vocab}) or ignore_index ({ignore_index})")
+    return t
+
+
 class LMHeadLoss(torch.autograd.Function):
     """(x, h, r) of the final norm -> mean cross-entropy over the rows whose target is valid."""
 
@@ -101,10 +127,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
                 ignore_index: int = -100) -> torch.Tensor:
+        target = None if targets is None else checked_targets(targets, tokens, self.lm_head.shape[0], ignore_index)
         step, x, h, r = self.hidden(tokens)
-        if targets is None:
+        if target is None:
             logits = step.runner.gemm("lm_head.logits", E.rowscale, h, self.lm_head, r=r)["D"]
             return logits.view(*tokens.shape, -1)
         chunk = max(1, self.ce_chunk_bytes // (self.lm_head.shape[0] * self.lm_head.element_size()))
-        return LMHeadLoss.apply(x, h, r, self.lm_head, self.norm, targets.reshape(-1).to(torch.int64), step,
-                                ignore_index, chunk)
+        return LMHeadLoss.apply(x, h, r, self.lm_head, self.norm, target, step, ignore_index, chunk)
