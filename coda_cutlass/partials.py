@@ -82,6 +82,17 @@ class PartialLayout:
         rows, *rest = self.buffer_shape(M, N, tile)
         return (rows, M if self.over_n else N, *rest[1:])
 
+    def partial_stride(self, M: int, N: int, tile: tuple[int, int]) -> tuple[int, ...]:
+        """The strides of what ``partial_reductions=True`` returns: ``partial_view`` of the padded
+        buffer keeps the buffer's (contiguous) strides. The fake implementation gives the same, so
+        torch.compile's stride checks hold."""
+        shape = self.buffer_shape(M, N, tile)
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= max(size, 1)
+        return tuple(reversed(strides))
+
     def result_shape(self, M: int, N: int) -> tuple[int, ...]:
         """The finished reduction's shape."""
         if self.axis == "segment":

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ConfigError, DeviceError
 from ..partials import cached_tensor
 from .attention import Attention, rope_inv_freq
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
@@ -34,20 +35,66 @@ def column_frequencies(inv_freq: torch.Tensor, n_heads: int, n_kv_heads: int) ->
     return torch.cat((head.repeat(n_heads + n_kv_heads), torch.zeros(n_kv_heads * head.numel())))
 
 
+def check_kernel_runner(runner: KernelRunner, weight: torch.Tensor) -> None:
+    """A KernelRunner set on a module runs kernels of one dtype, on a GPU: say so when the module
+    was moved away from it (the default runner follows the module by itself)."""
+    if weight.device.type != "cuda":
+        raise DeviceError(f"the block's runner is a KernelRunner (compiled kernels, a Hopper GPU) but its weights "
+                          f"are on {weight.device}; move the module to the GPU or set block.runner = None (the "
+                          "reference interpreter)")
+    if runner.dtype != weight.dtype:
+        raise ConfigError(f"the block's runner is a KernelRunner for {runner.dtype} but its weights are "
+                          f"{weight.dtype} (moved with .to() / .half()?); set block.runner = KernelRunner("
+                          f"{weight.dtype}) or None (the default runner follows the weights)")
+
+
 def positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     """The position of every token of (batch, seq), fp32, cached."""
     return cached_tensor(("positions", batch, seq, device),
                          lambda: torch.arange(seq, dtype=torch.float32, device=device).repeat(batch))
 
 
+class _Kept:
+    """A leaf of the saved structure that is not a tensor: kept on the ctx as it is."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _flatten(obj: Any, tensors: list[Any]) -> Any:
+    """Nested tuples -> their tensor (or None) leaves appended to ``tensors``, and the structure
+    (None where a tensor was)."""
+    if isinstance(obj, tuple):
+        return tuple(_flatten(o, tensors) for o in obj)
+    if obj is None or isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return None
+    return _Kept(obj)
+
+
+def _unflatten(spec: Any, tensors: Any) -> Any:
+    if spec is None:
+        return next(tensors)
+    if isinstance(spec, _Kept):
+        return spec.value
+    return tuple(_unflatten(s, tensors) for s in spec)
+
+
 class BlockFunction(torch.autograd.Function):
-    """(x, h, r) -> (x2[, h2, r2]) for one block; the weights' gradients come from the epilogues."""
+    """(x, h, r) -> (x2[, h2, r2]) for one block; the weights' gradients come from the epilogues.
+    What the backward needs goes through ``save_for_backward``: autograd frees it after the backward
+    (unless ``retain_graph``, which then works), checks it for in-place changes, and applies
+    saved-tensor hooks (``torch.autograd.graph.save_on_cpu``)."""
 
     @staticmethod
     def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, g_next, step: Step):  # type: ignore[override]
         w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
         x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
-        ctx.step, ctx.saved, ctx.weights = step, saved, w
+        tensors: list[Any] = []
+        ctx.layout = _flatten(saved, tensors)
+        ctx.save_for_backward(*tensors, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
+        ctx.step = step
         if h2 is None:
             return x2
         ctx.mark_non_differentiable(h2, r2)
@@ -55,8 +102,10 @@ class BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
-        dx, g = block_backward(ctx.step, ctx.saved, ctx.weights, dx2.contiguous())
-        ctx.saved = None
+        *tensors, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp = ctx.saved_tensors
+        saved = _unflatten(ctx.layout, iter(tensors))
+        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
+        dx, g = block_backward(ctx.step, saved, w, dx2.contiguous())
         return dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, None, None
 
 
@@ -85,7 +134,8 @@ class LlamaBlock(nn.Module):
         self.register_buffer("rope_freq", torch.empty(0), persistent=False)    # per QKV column, fp32
         self._set_rope_buffers(torch.device(device) if device is not None else torch.device("cpu"))
         self.attention = Attention(attention)
-        self.runner: Runner | None = None
+        self.runner: Runner | None = None     # a runner set here replaces the default (get_runner)
+        self._default: tuple[tuple[torch.device, torch.dtype], Runner] | None = None
         self.reset_parameters()
 
     def _set_rope_buffers(self, device: torch.device) -> None:
@@ -111,10 +161,24 @@ class LlamaBlock(nn.Module):
                 f"ffn={d.ffn_dim}, eps={d.eps}, attention={self.attention.backend}")
 
     # ------------------------------------------------------------------ running
+    def __getstate__(self) -> dict[str, Any]:
+        # The default runner is a cache (compiled kernels hold ctypes handles): made again on first
+        # use, so copies, pickles and torch.save work after GPU use. A runner set on the block is
+        # kept (runners drop their own caches when pickled).
+        state = super().__getstate__()
+        state["_default"] = None
+        return state
+
     def get_runner(self) -> Runner:
-        if self.runner is None:
-            self.runner = default_runner(self.qkv.device, self.qkv.dtype)
-        return self.runner
+        """``block.runner`` when set, else the default for the weights' device and dtype (kernels
+        on a Hopper GPU in bf16 / fp16, the reference interpreter elsewhere), made again whenever the
+        module has moved (``.to()``, ``.cuda()``, ``.half()``)."""
+        if self.runner is not None:
+            return self.runner
+        key = (self.qkv.device, self.qkv.dtype)
+        if self._default is None or self._default[0] != key:
+            self._default = (key, default_runner(*key))
+        return self._default[1]
 
     def context(self) -> str:
         """The model widths that decide kernel shapes (the key of in-sequence tuning plans)."""
@@ -124,6 +188,7 @@ class LlamaBlock(nn.Module):
     def step(self, batch: int, seq: int, runner: Runner | None = None) -> Step:
         runner = runner or self.get_runner()
         if isinstance(runner, KernelRunner):
+            check_kernel_runner(runner, self.qkv)
             runner.prepare(self.context(), batch * seq)
         return Step(self.dims, runner, self.attention, batch, seq, positions(batch, seq, self.qkv.device),
                     self.rope_freq)

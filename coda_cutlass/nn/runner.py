@@ -47,8 +47,18 @@ class Recorder:
 
 
 class Runner:
-    """The interface the block's forward and backward call."""
+    """The interface the block's forward and backward call. Runners hold caches (typed IR, compiled
+    kernels with their ctypes handles, CUDA events): pickling or copying one drops them, and they
+    are made again on first use."""
     recorder: Recorder | None = None
+    _caches: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("recorder", None)
+        for name in self._caches:
+            state[name] = {}
+        return state
 
     def gemm(self, site: str, program: Any, A: torch.Tensor, W: torch.Tensor, *, layout: str = "nk",
              partial: bool = False, out: dict[str, torch.Tensor] | None = None,
@@ -69,6 +79,7 @@ class Runner:
 
 class ReferenceRunner(Runner):
     """The torch interpreter, on whatever device the tensors are (fp32 tensors: exact math)."""
+    _caches = ("_ir",)
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, precision: str | None = None):
         self.dtype = dtype
@@ -107,6 +118,7 @@ def _into(res: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None) -> 
 class KernelRunner(Runner):
     """Compiled kernels on a Hopper GPU. ``plan`` maps a site to its Choice (default: the heuristic
     default configuration); kernels are compiled (or fetched from the cache) on first use."""
+    _caches = ("_gemms", "_maps", "_defaults")
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, plan: dict[str, Choice] | None = None,
                  cache_dir: Any = None, verbose: bool | None = None):

@@ -42,6 +42,7 @@ class OpKernel(Protocol):
     def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *, raster: str | None = None,
             swizzle: int | None = None) -> dict[str, torch.Tensor]: ...
     def output_spec(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]: ...
+    def output_stride(self, name: str, M: int, N: int) -> tuple[int, ...]: ...
     def _check_names(self, operands: dict[str, Any]) -> None: ...
 
 _LOCK = threading.Lock()
@@ -127,11 +128,9 @@ def register(k: OpKernel) -> Any:
         def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
                  swizzle: int | None = None) -> Any:
             out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
-            vals = tuple(out[n] for n in returned)
+            vals = tuple(as_returned(k, n, out[n], A, W) for n in returned)
             if not vals:
                 return None
-            # custom ops may not return views of internal buffers (partials are views)
-            vals = tuple(v.clone() if v._base is not None else v for v in vals)
             return vals[0] if len(vals) == 1 else vals
 
         def fake(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
@@ -148,11 +147,29 @@ def register(k: OpKernel) -> Any:
         return op
 
 
+def _MN(k: OpKernel, A: torch.Tensor, W: torch.Tensor) -> tuple[int, int]:
+    return A.shape[0], W.shape[0] if k.weight_layout == "nk" else W.shape[1]
+
+
 def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    M = A.shape[0]
-    N = W.shape[0] if k.weight_layout == "nk" else W.shape[1]
+    """What the op returns, as the eager call returns it: shape, dtype and strides (partials are
+    views of a padded buffer, so their row stride is the padded length, not the length)."""
+    M, N = _MN(k, A, W)
     shape, dtype = k.output_spec(name, M, N)
-    return A.new_empty(shape, dtype=dtype)
+    return A.new_empty_strided(shape, k.output_stride(name, M, N), dtype=dtype)
+
+
+def as_returned(k: OpKernel, name: str, v: torch.Tensor, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """A kernel output as the op returns it: with the fake implementation's strides (Inductor checks
+    them), and not a view (a custom op may not return a view of an internal buffer; partials are
+    views). A view keeps its storage and strides as a tensor of its own: no copy."""
+    M, N = _MN(k, A, W)
+    stride = k.output_stride(name, M, N)
+    if v.numel() and tuple(v.stride()) != stride:
+        return v.new_empty_strided(tuple(v.shape), stride).copy_(v)     # not expected: kept correct anyway
+    if v._base is not None:
+        return v.new_empty(0).set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
+    return v
 
 
 def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *,
