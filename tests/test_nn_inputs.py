@@ -65,3 +65,61 @@ def test_targets_of_another_shape_are_refused(shape):
     model = small_model()
     with pytest.raises(ValueError, match=r"targets must have the tokens' shape \(2, 8\)"):
         model(torch.randint(0, V, (2, 8)), torch.zeros(shape, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------- the CPU refuses what the GPU would
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_an_input_of_another_dtype_than_the_weights_is_refused(dtype):
+    """A bf16 block refuses fp32/fp16 input on the CPU as its kernels do on the GPU (the reference
+    interpreter used to take it); fp32 modules take fp32 only."""
+    import coda_cutlass as cc
+    block = LlamaBlock(64, 4, 2, 96, dtype=torch.bfloat16)
+    with pytest.raises(cc.CallError, match=f"x is {dtype} but the weights are torch.bfloat16"):
+        block(torch.randn(1, 8, 64, dtype=dtype))
+    fp32 = LlamaBlock(64, 4, 2, 96, dtype=torch.float32)
+    with pytest.raises(cc.CallError, match="x is torch.bfloat16 but the weights are torch.float32"):
+        fp32(torch.randn(1, 8, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="expects \\(batch, seq, 64\\) input, got \\(1, 8\\)"):
+        fp32(torch.randn(1, 8))
+
+
+def test_integer_input_is_refused():
+    import coda_cutlass as cc
+    with pytest.raises(cc.CallError, match="x is torch.int64"):
+        LlamaBlock(64, 4, 2, 96, dtype=torch.float32)(torch.zeros(1, 8, 64, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("args,kw,match", [
+    ((64, 0, 1, 96), {}, "n_heads must be a positive int, got 0"),
+    ((64, 4, 0, 96), {}, "n_kv_heads must be a positive int, got 0"),
+    ((64, 4, 3, 96), {}, "n_heads \\(4\\) must be a multiple of n_kv_heads \\(3\\)"),
+    ((64, 4, 2, 96), {"head_dim": 15}, "head_dim must be a positive multiple of 8 .*RoPE.*got 15"),
+    ((60, 4, 2, 96), {}, "dim must be a positive multiple of 8"),
+    ((96, 8, 2, 96), {}, "head_dim must be a positive multiple of 8 .*got 12"),
+    ((64, 4, 2, 100), {}, "ffn_dim must be a positive multiple of 8 .*got 100"),
+    ((64, 4, 2, 96), {"eps": 0.0}, "eps must be a positive finite number, got 0.0"),
+    ((64, 4, 2, 96), {"eps": -1e-5}, "eps must be a positive finite number"),
+    ((64, 4, 2, 96), {"eps": float("nan")}, "eps must be a positive finite number, got nan"),
+    ((64, 4, 2, 96), {"rope_theta": 0.0}, "rope_theta must be a positive finite number"),
+    ((64, 4, 2, 96), {"rope_theta": float("nan")}, "rope_theta must be a positive finite number"),
+    ((64, 4, 2, 96), {"rope_theta": float("inf")}, "rope_theta must be a positive finite number"),
+    ((64, 4, 2, 96), {"inv_freq": torch.ones(3)}, "inv_freq must be a tensor of head_dim / 2 = 8"),
+    ((64, 4, 2, 96), {"inv_freq": torch.full((8,), float("nan"))}, "inv_freq must be .* finite"),
+])
+def test_hyper_parameters_the_kernels_cannot_take_are_refused_when_the_block_is_made(args, kw, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaBlock(*args, **kw)
+
+
+@pytest.mark.parametrize("kw,match", [({"vocab_size": 30}, "vocab_size must be a positive multiple of 8"),
+                                      ({"n_layers": 0}, "n_layers must be a positive int"),
+                                      ({"ce_chunk_bytes": 0}, "ce_chunk_bytes must be a positive int")])
+def test_model_sizes_the_kernels_cannot_take_are_refused(kw, match):
+    args = {"vocab_size": V, "dim": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, **kw}
+    with pytest.raises(ValueError, match=match):
+        LlamaModel(**args)
+
+
+def test_a_nan_eps_no_longer_gives_nan_silently():
+    with pytest.raises(ValueError):
+        LlamaModel(V, 64, 1, 4, 2, 96, eps=float("nan"))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError, DeviceError
+from ..errors import CallError, ConfigError, DeviceError
 from ..partials import cached_tensor
 from .attention import Attention, rope_inv_freq
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
@@ -33,6 +33,48 @@ def column_frequencies(inv_freq: torch.Tensor, n_heads: int, n_kv_heads: int) ->
     on both of its columns, for the q and k heads; 0 on v (not rotated)."""
     head = inv_freq.to(torch.float32).repeat_interleave(2)
     return torch.cat((head.repeat(n_heads + n_kv_heads), torch.zeros(n_kv_heads * head.numel())))
+
+
+def _positive_int(name: str, value: Any, multiple: int = 1, why: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % multiple:
+        what = "a positive int" if multiple == 1 else f"a positive multiple of {multiple}{why}"
+        raise ValueError(f"LlamaBlock: {name} must be {what}, got {value!r}")
+    return value
+
+
+def _positive_float(name: str, value: Any) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"LlamaBlock: {name} must be a positive finite number, got {value!r}")
+    return v
+
+
+def check_block_args(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int) -> None:
+    """Widths the kernels take, checked when the module is made (on the CPU too, so a CPU test
+    says what the GPU would): every GEMM's K and N and every map kernel's row a multiple of 8, and
+    RoPE pairs within a head of such a width."""
+    vec = " (the kernels move 8-element vectors: every GEMM's K and N)"
+    _positive_int("dim", dim, 8, vec)
+    _positive_int("n_heads", n_heads)
+    _positive_int("n_kv_heads", n_kv_heads)
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    _positive_int("head_dim", head_dim, 8, " (RoPE rotates adjacent pairs; the RoPE backward reads each head "
+                                           "in 8-element vectors)")
+    _positive_int("ffn_dim", ffn_dim, 8, vec)
+
+
+def check_stream(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """The input's dtype and device are the weights' (the kernels' operands share one dtype; the
+    reference interpreter would take others, and say nothing)."""
+    if x.dtype != weight.dtype:
+        raise CallError(f"LlamaBlock: x is {x.dtype} but the weights are {weight.dtype}; cast x (or the module "
+                        f"with .to({x.dtype}))")
+    if x.device != weight.device:
+        raise CallError(f"LlamaBlock: x is on {x.device} but the weights are on {weight.device}")
 
 
 def check_kernel_runner(runner: KernelRunner, weight: torch.Tensor) -> None:
@@ -117,10 +159,17 @@ class LlamaBlock(nn.Module):
                  eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
                  attention: str = "sdpa", device: Any = None, dtype: Any = None):
         super().__init__()
-        head_dim = head_dim or dim // n_heads
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
-        self.dims = BlockDims(dim, n_heads, n_kv_heads, head_dim, ffn_dim, float(eps))
+        _positive_int("n_heads", n_heads)
+        head_dim = dim // n_heads if head_dim is None else head_dim
+        check_block_args(dim, n_heads, n_kv_heads, head_dim, ffn_dim)
+        eps = _positive_float("eps", eps)
+        if inv_freq is None:
+            inv_freq = rope_inv_freq(head_dim, _positive_float("rope_theta", rope_theta))
+        elif not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (head_dim // 2,) \
+                or not bool(torch.isfinite(inv_freq).all()):
+            raise ValueError(f"LlamaBlock: inv_freq must be a tensor of head_dim / 2 = {head_dim // 2} finite "
+                             f"frequencies, got {getattr(inv_freq, 'shape', inv_freq)!r}")
+        self.dims = BlockDims(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)
         kw = {"device": device, "dtype": dtype}
         d = self.dims
         self.attn_norm = nn.Parameter(torch.ones(dim, **kw))
@@ -129,7 +178,7 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(dim, **kw))
         self.gate_up = nn.Parameter(torch.empty(2 * ffn_dim, dim, **kw))
         self.down = nn.Parameter(torch.empty(dim, ffn_dim, **kw))
-        self._inv_freq64 = (rope_inv_freq(head_dim, rope_theta) if inv_freq is None else inv_freq).double().cpu()
+        self._inv_freq64 = inv_freq.double().cpu()
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)     # per RoPE pair, fp32
         self.register_buffer("rope_freq", torch.empty(0), persistent=False)    # per QKV column, fp32
         self._set_rope_buffers(torch.device(device) if device is not None else torch.device("cpu"))
@@ -209,8 +258,10 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, S, D) -> (B, S, D)."""
-        if x.dim() != 3 or x.shape[-1] != self.dims.dim:
-            raise ValueError(f"LlamaBlock expects (batch, seq, {self.dims.dim}) input, got {tuple(x.shape)}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dims.dim:
+            raise ValueError(f"LlamaBlock expects (batch, seq, {self.dims.dim}) input, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        check_stream(x, self.qkv)
         B, S, D = x.shape
         step = self.step(B, S)
         x2d = x.reshape(B * S, D).contiguous()

@@ -78,6 +78,12 @@ class LlamaModel(nn.Module):
                  head_dim: int | None = None, eps: float = 1e-5, rope_theta: float = 500000.0,
                  attention: str = "sdpa", ce_chunk_bytes: int = 1 << 30, device: Any = None, dtype: Any = None):
         super().__init__()
+        for name, value, multiple in (("vocab_size", vocab_size, 8), ("n_layers", n_layers, 1),
+                                      ("ce_chunk_bytes", ce_chunk_bytes, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % multiple:
+                what = "a positive int" if multiple == 1 else \
+                    "a positive multiple of 8 (the LM head's N and its backward's K)"
+                raise ValueError(f"LlamaModel: {name} must be {what}, got {value!r}")
         kw = {"device": device, "dtype": dtype}
         self.embed = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.blocks = nn.ModuleList(
