@@ -167,3 +167,23 @@ def test_saved_tensor_hooks_see_the_blocks_activations():
         y = block(x)
     y.sum().backward()
     assert (16, block.dims.qkv_width) in packed and (16, 2 * block.dims.ffn_dim) in packed
+
+
+def test_constant_tensors_of_new_shapes_do_not_pile_up(monkeypatch):
+    """Each new (batch, seq) made position and ones vectors that were never freed; now the least
+    recently used go once the cache holds CACHE_LIMIT of them, and the block stays right."""
+    from coda_cutlass import partials
+    monkeypatch.setattr(partials, "CACHE_LIMIT", 4)
+    monkeypatch.setattr(partials, "_CACHED", partials.OrderedDict())
+    block = LlamaBlock(64, 4, 2, 96, dtype=torch.float32)
+    for seq in range(1, 12):
+        x = torch.randn(1, seq, 64)
+        y = block(x)
+        assert len(partials._CACHED) <= 4
+    torch.testing.assert_close(block(x), y, rtol=0, atol=0)
+    pos = block_module.positions(3, 5, torch.device("cpu"))
+    assert block_module.positions(3, 5, torch.device("cpu")) is pos        # still made once while in use
+    assert torch.equal(pos, torch.arange(5.0).repeat(3))
+    for n in range(1000):
+        partials.const_vector(n, 1.0, torch.device("cpu"))
+    assert len(partials._CACHED) == 4

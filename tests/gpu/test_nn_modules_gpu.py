@@ -209,3 +209,24 @@ def _scaled_by(c: float):
     def scale(acc):
         return acc * c
     return scale
+
+
+def test_a_constant_read_by_a_captured_cuda_graph_is_never_dropped(monkeypatch):
+    """The constant-tensor cache drops its least recently used entries, but never one a captured
+    CUDA graph reads (the graph holds its address, not a reference)."""
+    from coda_cutlass import partials
+    monkeypatch.setattr(partials, "CACHE_LIMIT", 4)
+    monkeypatch.setattr(partials, "_CACHED", partials.OrderedDict())
+    monkeypatch.setattr(partials, "_PINNED", set())
+    dev = torch.device("cuda")
+    ones = partials.const_vector(1000, 1.0, dev)
+    x = torch.randn(1000, device=dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * partials.const_vector(1000, 1.0, dev)
+    for n in range(50):
+        partials.const_vector(n + 1, 2.0, dev)
+    assert partials.const_vector(1000, 1.0, dev) is ones and len(partials._CACHED) <= 5
+    x.copy_(torch.randn(1000, device=dev))
+    graph.replay()
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
