@@ -72,7 +72,8 @@ class LMHeadLoss(torch.autograd.Function):
 
 class LlamaModel(nn.Module):
     """A Llama decoder stack. ``forward(tokens, targets)`` returns the mean cross-entropy (targets
-    equal to ``ignore_index`` are skipped); ``forward(tokens)`` returns the logits (B, S, vocab)."""
+    equal to ``ignore_index`` are skipped, others outside [0, vocab) raise); ``forward(tokens)``
+    returns the logits (B, S, vocab)."""
 
     def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *,
                  head_dim: int | None = None, eps: float = 1e-5, rope_theta: float = 500000.0,
