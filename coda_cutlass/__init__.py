@@ -16,10 +16,10 @@ __version__ = "0.1.0"
 from .config import KernelConfig
 from .errors import (BuildError, CallError, CodaError, ConfigError, DeviceError, EpilogueError,
                      ToolchainError)
-from .frontend.operands import PairTile, PerCol, PerRow, Scalar, Tile
-from .frontend.primitives import (abs, accumulate, cast, col_index, col_max, col_min, col_sum, cos, exp,
+from .frontend.operands import DeviceScalar, PairTile, PerCol, PerRow, Scalar, Tile
+from .frontend.primitives import (abs, accumulate, amax, cast, col_index, col_max, col_min, col_sum, cos, exp,
                                   gather, gelu, half_width, interleave, log, maximum, minimum, pack,
-                                  pair_map, pairs, pow, reciprocal, relu, rotate_pairs, row_index,
+                                  pair_map, pairs, pow, quantize, reciprocal, relu, rotate_pairs, row_index,
                                   row_logsumexp,
                                   row_max, row_min, row_sum, rsqrt, segment_sum, sigmoid, silu, sin,
                                   sqrt, square, tanh, total_max, total_min, total_sum, unpack,
@@ -31,9 +31,9 @@ from .maps import compile_map, emit_map, map_reference
 __all__ = [
     "__version__", "epilogue", "EpilogueProgram", "compile_epilogue", "compile_many", "emit", "reference",
     "compile_map", "emit_map", "map_reference",
-    "Tile", "PairTile", "PerRow", "PerCol", "Scalar", "KernelConfig",
-    "abs", "accumulate", "cast", "col_index", "col_max", "col_min", "col_sum", "cos", "exp", "gather",
-    "gelu", "half_width", "interleave", "log", "maximum", "minimum", "pack", "pair_map", "pairs", "pow",
+    "Tile", "PairTile", "PerRow", "PerCol", "Scalar", "DeviceScalar", "KernelConfig",
+    "abs", "accumulate", "amax", "cast", "col_index", "col_max", "col_min", "col_sum", "cos", "exp", "gather",
+    "gelu", "half_width", "interleave", "log", "maximum", "minimum", "pack", "pair_map", "pairs", "pow", "quantize",
     "reciprocal", "relu", "rotate_pairs", "row_index", "row_logsumexp", "row_max", "row_min", "row_sum", "rsqrt",
     "segment_sum", "sigmoid", "silu", "sin", "sqrt", "square", "tanh", "total_max", "total_min", "total_sum",
     "unpack", "where",

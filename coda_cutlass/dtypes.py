@@ -26,16 +26,32 @@ F32 = DType("f32", torch.float32, "float", 32)
 # Integer index vectors (per-row targets of a gather); the kernel reads them as exact fp32 (< 2^24).
 I32 = DType("i32", torch.int32, "int32_t", 32)
 I64 = DType("i64", torch.int64, "int64_t", 64)
+# FP8 (Hopper's two formats). Tile outputs convert to them saturating to the largest finite value
+# (CUTLASS's cvt.rn.satfinite): +-inf becomes +-max, NaN stays NaN.
+E4M3 = DType("e4m3", torch.float8_e4m3fn, "cutlass::float_e4m3_t", 8)
+E5M2 = DType("e5m2", torch.float8_e5m2, "cutlass::float_e5m2_t", 8)
 
-ALL: tuple[DType, ...] = (BF16, F16, F32, I32, I64)
+ALL: tuple[DType, ...] = (BF16, F16, F32, I32, I64, E4M3, E5M2)
 FLOAT_DTYPES: tuple[DType, ...] = (BF16, F16, F32)
+FP8_DTYPES: tuple[DType, ...] = (E4M3, E5M2)
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}    # the largest finite value of each format
 INDEX_DTYPES: tuple[DType, ...] = (I32, I64)
 OPERAND_DTYPES: tuple[DType, ...] = (BF16, F16)   # GEMM A/W operands
 
 _BY_NAME = {d.name: d for d in ALL}
 _BY_TORCH = {d.torch: d for d in ALL}
 _ALIASES = {"bfloat16": BF16, "float16": F16, "half": F16, "float32": F32, "float": F32, "fp32": F32,
-            "fp16": F16, "int32": I32, "int64": I64, "long": I64, "int": I32}
+            "fp16": F16, "int32": I32, "int64": I64, "long": I64, "int": I32,
+            "float8_e4m3fn": E4M3, "fp8_e4m3": E4M3, "float8_e5m2": E5M2, "fp8_e5m2": E5M2}
+
+
+def round_to(x: torch.Tensor, dtype: "DType") -> torch.Tensor:
+    """``x`` (fp32) rounded to ``dtype`` as the kernel stores it: round to nearest even, and for FP8
+    saturating to the largest finite value (NaN stays NaN) as CUTLASS's conversion does."""
+    if dtype in FP8_MAX:
+        m = FP8_MAX[dtype]
+        return x.clamp(-m, m).to(dtype.torch)     # clamp keeps NaN; e5m2 would otherwise overflow to inf
+    return x.to(dtype.torch)
 
 
 def as_dtype(value: object, *, what: str = "dtype") -> DType:

@@ -24,11 +24,12 @@ from typing import Any, Mapping
 import torch
 
 from .config import WEIGHT_LAYOUTS
-from .dtypes import F32, DType, as_dtype
+from .dtypes import F32, DType, as_dtype, round_to
 from .errors import CallError
-from .ir.nodes import OPERAND_OPS, Kind, Node, Program
+from .ir.nodes import HALF_LAYOUTS, OPERAND_OPS, TRANSPOSED_LAYOUTS, Kind, Node, Program
 from .ir.ops import OPS, PAIR_OPS
 from .partials import PartialLayout
+from .quantization import block_amax, quantize_blocks, scales_from_amax
 
 PRECISIONS = ("kernel", "fp32", "lowp")
 
@@ -94,9 +95,11 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
         if name not in operands:
             raise CallError(f"reference: missing operand '{name}'")
         v = operands[name]
-        if kind == Kind.SCALAR:
+        if kind == Kind.SCALAR and not isinstance(v, torch.Tensor):
             return torch.tensor(float(v), dtype=torch.float32, device=dev)
         t = torch.as_tensor(v).to(device=dev, dtype=torch.float32)
+        if kind == Kind.SCALAR:         # a cc.DeviceScalar (or a one-element tensor for a cc.Scalar)
+            return t.reshape(())
         if kind == Kind.ROW:
             return t.reshape(M, 1)
         if kind == Kind.COL:
@@ -137,12 +140,19 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
         elif n.op == "store":
             layout = n.attr("layout", "tile")
             v = vals[n.inputs[0]]
-            v = v.expand(M, 2 * N) if layout == "packed" else v.expand(M, N)
-            if layout == "half":
-                v = v[:, 0::2]
-            outs[n.attr("name")] = v.clone() if precision == "fp32" else v.to(_dtype(n).torch)
+            v = v.expand(M, 2 * N) if layout == "packed" else _stored(v.expand(M, N), layout)
+            if n.attr("quant") == "block":
+                codes, _ = quantize_blocks(v, _dtype(n), n.attr("block"), n.attr("pow2"),
+                                           round_codes=precision != "fp32")
+                outs[n.attr("name")] = codes
+            else:
+                outs[n.attr("name")] = v.clone() if precision == "fp32" else round_to(v, _dtype(n))
             if n.attr("accumulate"):
                 updated[n.attr("name")] = outs[n.attr("name")]
+        elif n.op == "block_scale":
+            v = _stored(vals[n.inputs[0]].expand(M, N), n.attr("layout"))
+            fp8 = as_dtype(n.attr("qdtype"))
+            outs[n.attr("name")] = scales_from_amax(block_amax(v, n.attr("block")), fp8, n.attr("pow2"))[0]
         elif n.op == "reduce":
             outs[n.attr("name")] = _reduction(n, vals[n.inputs[0]].expand(M, N), precision, partial_tile,
                                               gemm_dtype)
@@ -153,6 +163,13 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
         if isinstance(target, torch.Tensor):
             outs[name] = target.copy_(v)
     return {name: outs[name] for name in program.outputs}
+
+
+def _stored(v: torch.Tensor, layout: str) -> torch.Tensor:
+    """An (M, N) value as the output of ``layout`` stores it (half width, transposed)."""
+    if layout in HALF_LAYOUTS:
+        v = v[:, 0::2]
+    return v.t().contiguous() if layout in TRANSPOSED_LAYOUTS else v
 
 
 def _dtype(n: Node) -> DType:

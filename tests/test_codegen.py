@@ -207,3 +207,21 @@ def test_total_max_and_min_are_per_tile_row_partials():
     assert re.search(r"Sm90ColReduction<\s*cutlass::minimum", src)
     assert "amax: fp32 partials of total_max" in src and "tmin: fp32 partials of total_min" in src
     assert "fp32 partials of total_max, [ceil(N / 256), M]" in cc.emit_map(p)
+
+
+def test_cutlass_driver_calls_are_checked_and_the_context_bound_before_launch():
+    """CUTLASS encodes TMA descriptors through the driver and only asserts on failure (compiled out
+    with NDEBUG): the check header must come before every CUTLASS header so its wrapper replaces
+    CUTLASS's, and the host ABI binds a context and checks the encodes before launching."""
+    from coda_cutlass import epilogues as E
+    from coda_cutlass.paths import templates_dir
+    src = cc.emit(E.residual_add)
+    first_cutlass = min(src.index('#include "cutlass/'), src.index('#include "cute/'))
+    assert src.index('#include "coda/driver_check.hpp"') < first_cutlass
+    check = (templates_dir() / "coda" / "driver_check.hpp").read_text()
+    assert "#undef CUTLASS_CUDA_DRIVER_WRAPPER_CALL" in check and "record_driver_result" in check
+    abi = (templates_dir() / "coda" / "host_abi.hpp").read_text()
+    run = abi[abi.index("int run("):]
+    assert run.index("ensure_context()") < run.index("gemm.initialize(")
+    assert run.index("driver_error = 0") < run.index("gemm.initialize(") < run.index("return kDriverCall") \
+        < run.index("gemm.run(")

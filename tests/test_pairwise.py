@@ -19,7 +19,7 @@ from coda_cutlass.ir.nodes import Kind
 from coda_cutlass.partials import PartialLayout, finish_lse, finish_segments, lse_partials, segment_partials
 from coda_cutlass.pipeline import Options, generate, lower_program
 
-BASE_HEADERS = {"coda/functors.hpp", "coda/visitor.hpp", "coda/host_abi.hpp"}
+BASE_HEADERS = {"coda/functors.hpp", "coda/visitor.hpp", "coda/host_abi.hpp", "coda/driver_check.hpp"}
 
 
 def ref(program, A, W, **ops):

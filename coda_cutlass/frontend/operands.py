@@ -1,4 +1,5 @@
-"""Operand annotations of epilogue programs: ``cc.Tile``, ``cc.PerRow``, ``cc.PerCol``, ``cc.Scalar``.
+"""Operand annotations of epilogue programs: ``cc.Tile``, ``cc.PerRow``, ``cc.PerCol``, ``cc.Scalar``,
+``cc.DeviceScalar``.
 
 Use the class itself (``resid: cc.Tile``: dtype bound at compile time, default the GEMM dtype) or an
 instance with an explicit dtype (``rstd: cc.PerRow(torch.float32)``).
@@ -19,6 +20,7 @@ class OperandSpec:
     kind: Kind = Kind.TILE
     shape_doc: str = ""
     packed: bool = False
+    device: bool = False      # a scalar read from a device tensor (cc.DeviceScalar)
 
     def __init__(self, dtype: Any = None):
         self.dtype: DType | None = None if dtype is None else as_dtype(dtype, what=f"{type(self).__name__} dtype")
@@ -60,7 +62,15 @@ class Scalar(OperandSpec):
     shape_doc = "a Python number"
 
 
-SPEC_CLASSES: tuple[type[OperandSpec], ...] = (Tile, PairTile, PerRow, PerCol, Scalar)
+class DeviceScalar(OperandSpec):
+    """One fp32 number that lives on the GPU: a 0-dim (or one-element) fp32 CUDA tensor, read by the
+    kernel itself, so nothing waits for the host (e.g. an FP8 scale computed from an amax history)."""
+    kind = Kind.SCALAR
+    shape_doc = "a 0-dim fp32 tensor"
+    device = True
+
+
+SPEC_CLASSES: tuple[type[OperandSpec], ...] = (Tile, PairTile, PerRow, PerCol, Scalar, DeviceScalar)
 
 
 def resolve_spec(annotation: Any) -> OperandSpec | None:

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ..dtypes import FLOAT_DTYPES, as_dtype
+from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, as_dtype
 from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Kind
 from .torch_functions import gelu_op
-from .values import (Accumulate, HalfWidth, ReductionResult, Value, active_tracer, apply, find_tracer,
-                     power)
+from .values import (Accumulate, HalfWidth, Quantized, ReductionResult, Value, active_tracer, apply,
+                     find_tracer, power)
 
 
 def exp(x: Any) -> Any: return apply("exp", x)
@@ -239,6 +239,58 @@ def gather(x: Any, index: Any) -> ReductionResult:
     if not isinstance(index, Value) or index.kind != Kind.ROW:
         raise tracer.error("gather: the index must be a per-row value (a cc.PerRow operand)")
     return _reduce(where(col_index() == index, x, 0.0), "sum", "row", "gather")
+
+
+QUANT_BLOCKS = (128,)
+
+
+def quantize(value: Any, dtype: Any = torch.float8_e4m3fn, *, scale: Any = None, block: int | None = None,
+             transpose: bool = False, pow2: bool = True) -> Quantized:
+    """Mark an output as stored in FP8 (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``), quantised by
+    the kernel that computes it. Exactly one of:
+
+    - ``scale=s``: per tensor with a given dequantisation scale (delayed scaling): the codes are
+      ``fp8(value * (1 / s))``, saturated to the format's largest finite value (NaN stays NaN). ``s``
+      is a number or a traced scalar (a ``cc.DeviceScalar`` keeps it on the GPU). Return
+      ``cc.amax(value)`` beside it for the next step's scale.
+    - ``block=128``: per 1 x 128 run of each stored row, the run's amax computed inside the tile and
+      used to scale what the same epilogue stores. The output ``name`` holds the codes and
+      ``name_scale`` (fp32) the dequantisation scales, one per run: ``value ~= codes * scale``.
+      ``pow2=True`` (default) rounds each scale up to a power of two (exact to apply and invert);
+      ``pow2=False`` uses amax / fp8_max. A run whose amax is inf or NaN gives a NaN scale and NaN
+      codes (the consumer then computes NaN: an overflow is never hidden); an all-zero run gives
+      scale 1 and zero codes.
+
+    ``transpose=True`` stores the transpose (N x M, M contiguous: the K-major operand of a weight
+    gradient GEMM whose K is the token dimension); with ``block`` its runs are 128 x 1 blocks of
+    the untransposed output (128 rows of one column). ``value`` may be ``cc.half_width(v)``."""
+    if isinstance(value, (Accumulate, ReductionResult, Quantized)):
+        raise EpilogueError("cc.quantize takes an elementwise value or cc.half_width(value)")
+    try:
+        d = as_dtype(dtype, what="cc.quantize dtype")
+    except ConfigError as e:
+        raise EpilogueError(str(e)) from None
+    if d not in FP8_DTYPES:
+        raise EpilogueError(f"cc.quantize: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {d.torch}")
+    if (scale is None) == (block is None):
+        raise EpilogueError("cc.quantize: give exactly one of scale= (per tensor, a given scale) or block=128 "
+                            "(scales computed per 1 x 128 run inside the tile)")
+    if block is not None and (isinstance(block, bool) or block not in QUANT_BLOCKS):
+        raise EpilogueError(f"cc.quantize: block must be one of {QUANT_BLOCKS} (the blockwise FP8 GEMMs read "
+                            f"1 x 128 scales), got {block!r}")
+    if not isinstance(transpose, bool) or not isinstance(pow2, bool):
+        raise EpilogueError("cc.quantize: transpose and pow2 are True or False")
+    if scale is not None and not pow2:
+        raise EpilogueError("cc.quantize: pow2= applies to block scales; with scale= the scale is given")
+    if isinstance(scale, (HalfWidth, Accumulate, ReductionResult, Quantized)):
+        raise EpilogueError("cc.quantize: scale must be a number or a traced scalar value")
+    return Quantized(value, d, scale, block, transpose, pow2)
+
+
+def amax(x: Any) -> ReductionResult:
+    """max |x| over the whole output: a 0-dim fp32 tensor, NaN when any element is NaN (the amax an
+    FP8 recipe keeps a history of). The same as ``cc.total_max(cc.abs(x))``."""
+    return _reduce(apply("abs", x), "max", "all", "amax")
 
 
 def accumulate(value: Any) -> Accumulate:

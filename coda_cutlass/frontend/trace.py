@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from ..errors import EpilogueError
 from ..ir.nodes import Kind, Operand, Program, make_attrs, renumber
 from .operands import OperandSpec, resolve_spec
-from .values import Accumulate, HalfWidth, ReductionResult, Tracer, Value, apply
+from .values import Accumulate, HalfWidth, Quantized, ReductionResult, Tracer, Value, apply
 
 _MISSING = inspect.Parameter.empty
 # Names an operand (or accumulated output, passed by name) cannot have: the GEMM inputs, and the
@@ -188,8 +188,8 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
     operands: list[Operand] = []
     kwargs: dict[str, Any] = {}
     for pname, spec in program.specs.items():
-        operands.append(Operand(pname, spec.kind, spec.dtype, packed=spec.packed))
-        op = "scalar" if spec.kind == Kind.SCALAR else "load"
+        operands.append(Operand(pname, spec.kind, spec.dtype, packed=spec.packed, device=spec.device))
+        op = "scalar" if spec.kind == Kind.SCALAR and not spec.device else "load"
         attrs = {"packed": True} if spec.packed else {}
         kwargs[pname] = Value(tracer, tracer.emit(op, (), spec.kind, operand=pname, **attrs))
     kwargs.update(consts)
@@ -216,7 +216,7 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
 
 def _record_outputs(tracer: Tracer, program: EpilogueProgram, result: Any, operands: list[Operand]) -> list[str]:
     """Record the returned outputs as sinks; returns their names in order."""
-    if isinstance(result, (Value, Accumulate, HalfWidth)):
+    if isinstance(result, (Value, Accumulate, HalfWidth, Quantized)):
         result = {"D": result}
     if isinstance(result, ReductionResult):
         raise tracer.error("a bare reduction was returned; name it: return {'name': cc.row_sum(...)}")
@@ -238,8 +238,32 @@ def _record_outputs(tracer: Tracer, program: EpilogueProgram, result: Any, opera
             raise tracer.error(f"output '{name}' has the same name as an operand; pick another name "
                                "(accumulated outputs are passed by their output name)")
         outputs.append(name)
+        if isinstance(value, Quantized):
+            scale_name = _record_quantized(tracer, name, value)
+            if scale_name:
+                outputs.append(scale_name)
+            continue
         _record_output(tracer, name, value, operands)
     return outputs
+
+
+def _record_quantized(tracer: Tracer, name: str, q: Quantized) -> str | None:
+    """An FP8 output: per tensor, the store of value * (1 / scale); blockwise, a quantising store and
+    the sink of its scales (output ``name_scale``, returned). Stores round with saturation."""
+    value, half = (q.value.value, True) if isinstance(q.value, HalfWidth) else (q.value, False)
+    layout = ("half_t" if half else "t") if q.transpose else ("half" if half else "tile")
+    v = tracer.lift(value, f"output '{name}'")
+    if q.block is None:
+        s = tracer.lift(q.scale, f"output '{name}': the scale")
+        v = apply("mul", v, apply("reciprocal", s))
+        tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=False, layout=layout, qdtype=q.dtype.name)
+        return None
+    scale_name = f"{name}_scale"
+    tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=False, layout=layout, qdtype=q.dtype.name,
+                quant="block", block=q.block, pow2=q.pow2)
+    tracer.emit("block_scale", (v.id,), Kind.TILE, name=scale_name, of=name, layout=layout, qdtype=q.dtype.name,
+                block=q.block, pow2=q.pow2)
+    return scale_name
 
 
 def _record_output(tracer: Tracer, name: str, value: Any, operands: list[Operand]) -> None:

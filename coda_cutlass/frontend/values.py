@@ -323,6 +323,17 @@ class HalfWidth(_OutputMarker):
     marker = "cc.half_width"
 
 
+class Quantized(_OutputMarker):
+    """``cc.quantize(v, ...)`` in the returned dict: an FP8 output (and, with ``block``, its scales)."""
+
+    __slots__ = ("dtype", "scale", "block", "transpose", "pow2")
+    marker = "cc.quantize"
+
+    def __init__(self, value: Any, dtype: Any, scale: Any, block: int | None, transpose: bool, pow2: bool):
+        super().__init__(value)
+        self.dtype, self.scale, self.block, self.transpose, self.pow2 = dtype, scale, block, transpose, pow2
+
+
 class Accumulate(_OutputMarker):
     """``cc.accumulate(v)`` in the returned dict: the output tensor is passed in and updated in place."""
 

@@ -17,8 +17,13 @@ Node ops:
 - compute ops (see ``ops.py``)  elementwise math in fp32; ``cast`` rounds to ``attrs dtype``;
                                 pair ops read the adjacent column pair (2i, 2i+1)
 - ``store``   attrs name, accumulate, layout    a tile output (sink); layout "tile" (M x N),
-                                "packed" (a pack(a, b) value, M x 2N) or "half" (M x N/2, the even
-                                column of each pair)
+                                "packed" (a pack(a, b) value, M x 2N), "half" (M x N/2, the even
+                                column of each pair), "t" (the transpose, N x M: row n holds column
+                                n) or "half_t" (the transpose of a half-width output, N/2 x M);
+                                attrs quant "block" (with block, pow2): an FP8 output scaled per
+                                1 x block run of each stored row (``cc.quantize(..., block=)``)
+- ``block_scale`` attrs name, of, layout, block, pow2   the dequantisation scales of the quantised
+                                output ``of`` (sink, fp32): one per 1 x block run of its stored rows
 - ``reduce``  attrs name, fn, axis      a reduction output (sink): fn sum/max/min over axis
                                 row/col/all; fn lse (log-sum-exp) over row; fn sum over axis segment
                                 (attrs width: one sum per row and width-wide column segment)
@@ -37,19 +42,35 @@ from ..dtypes import DType
 from .kind import Kind
 from .printer import format_program, format_signature
 
-SINK_OPS = frozenset({"store", "reduce"})
+SINK_OPS = frozenset({"store", "reduce", "block_scale"})
 LEAF_OPS = frozenset({"acc", "load", "scalar", "const", "index"})
 OPERAND_OPS = frozenset({"load", "scalar"})      # leaves that read a named operand
 REDUCE_FNS = ("sum", "max", "min", "lse")
 # What a reduction over nothing gives (an empty M or N, padding in partials).
 REDUCTION_IDENTITY = {"sum": 0.0, "max": float("-inf"), "min": float("inf"), "lse": float("-inf")}
 REDUCE_AXES = ("row", "col", "all", "segment")
-STORE_LAYOUTS = ("tile", "packed", "half")
+STORE_LAYOUTS = ("tile", "packed", "half", "t", "half_t")
+TRANSPOSED_LAYOUTS = frozenset({"t", "half_t"})    # written as the transpose: rows are the columns n
+HALF_LAYOUTS = frozenset({"half", "half_t"})       # the even column of each pair (2i, 2i+1), as column i
 
 
 def layout_columns(layout: str, N: int) -> int:
-    """Columns of a tile tensor of this layout: M x N, packed pairs M x 2N, half width M x N/2."""
-    return 2 * N if layout == "packed" else (N // 2 if layout == "half" else N)
+    """Columns of a tile tensor of this layout: M x N, packed pairs M x 2N, half width M x N/2
+    (for the transposed layouts: the columns of the untransposed output)."""
+    return 2 * N if layout == "packed" else (N // 2 if layout in HALF_LAYOUTS else N)
+
+
+def layout_shape(layout: str, M: int, N: int) -> tuple[int, int]:
+    """The (rows, columns) of a stored output of this layout for an M x N GEMM output."""
+    cols = layout_columns(layout, N)
+    return (cols, M) if layout in TRANSPOSED_LAYOUTS else (M, cols)
+
+
+def scale_shape(codes_layout: str, M: int, N: int, block: int) -> tuple[int, int]:
+    """The (rows, blocks) of the block scales of a quantised output: one per 1 x block run of each
+    stored row (a partial run at the end of a row included)."""
+    rows, cols = layout_shape(codes_layout, M, N)
+    return rows, -(-cols // block)
 
 
 @dataclass(frozen=True)
@@ -99,6 +120,13 @@ class Operand:
     kind: Kind
     dtype: DType | None = None     # None: bound to the GEMM operand dtype (tensors) / f32 (scalars)
     packed: bool = False           # an M x 2N tile of interleaved 16-bit pairs (cc.PairTile)
+    device: bool = False           # a SCALAR read from a 0-dim device tensor (cc.DeviceScalar): a
+                                   # tensor slot of the ABI, loaded with op "load" like tensors
+
+    @property
+    def host_scalar(self) -> bool:
+        """A runtime number passed by value (cc.Scalar), not a tensor slot."""
+        return self.kind == Kind.SCALAR and not self.device
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,12 @@ def node_text(n: Node) -> str:
     if n.op == "store":
         verb = "accumulate" if n.attr("accumulate") else "store"
         layout = n.attr("layout", "tile")
-        return f"{verb} {n.attr('name')} = {args}" + ("" if layout == "tile" else f" ({layout})")
+        notes = [] if layout == "tile" else [layout]
+        if n.attr("quant") == "block":
+            notes.append(f"quantised per 1x{n.attr('block')} run{', pow2 scales' if n.attr('pow2') else ''}")
+        return f"{verb} {n.attr('name')} = {args}" + (f" ({'; '.join(notes)})" if notes else "")
+    if n.op == "block_scale":
+        return f"block_scale {n.attr('name')} = scales of {n.attr('of')} {args}"
     if n.op == "reduce":
         width = f" width {n.attr('width')}" if n.attr("axis") == "segment" else ""
         return f"reduce {n.attr('name')} = {n.attr('axis')}_{n.attr('fn')}{width} {args}"
@@ -51,7 +56,8 @@ def node_line(n: Node) -> str:
 def format_signature(p: Program) -> str:
     """``name(acc, resid: tile bf16, ...) -> (D, ...)``."""
     params = ", ".join(
-        f"{o.name}: {_KIND[o.kind]}" + (f" {o.dtype}" if o.dtype is not None else "") for o in p.operands)
+        f"{o.name}: {'device scalar' if o.device else _KIND[o.kind]}" + (f" {o.dtype}" if o.dtype is not None else "")
+        for o in p.operands)
     return f"{p.name}(acc{', ' if params else ''}{params}) -> ({', '.join(p.outputs)})"
 
 

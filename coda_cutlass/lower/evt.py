@@ -23,12 +23,14 @@ from .kinds import ACC, D_STORE, NO_D, LowerContext, element, kind_of
 __all__ = ["ABI_VERSION", "MIN_VISITOR_NODES", "collective_d_output", "lower"]
 
 MIN_VISITOR_NODES = 5
+REGISTER_STORE_LAYOUTS = frozenset({"half", "t", "half_t"})   # written by coda nodes from registers
 
 
 def collective_d_output(program: Program) -> Node | None:
     """The output the collective writes as D: the one named D, else the first full-tile output
     (half-width outputs are written by their own node)."""
-    stores = [n for n in program.nodes if n.op == "store" and n.attr("layout", "tile") != "half"]
+    stores = [n for n in program.nodes if n.op == "store" and n.attr("layout", "tile") in ("tile", "packed")
+              and n.attr("quant") is None]
     for n in stores:
         if n.attr("name") == "D":
             return n
@@ -43,7 +45,7 @@ def host_slots(program: Program) -> LowerContext:
     slot_of: dict[str, int] = {}
     live_loads = {n.attr("operand") for n in program.nodes if n.op == "load"}
     for o in program.operands:
-        if o.kind == Kind.SCALAR or o.name not in live_loads:
+        if o.host_scalar or o.name not in live_loads:
             continue
         role = "inout" if o.name in accumulated else "input"
         slot_of[o.name] = len(tensors)
@@ -55,14 +57,19 @@ def host_slots(program: Program) -> LowerContext:
             continue
         slot_of[name] = len(tensors)
         if n.op == "store":
-            tensors.append(TensorSlot(len(tensors), name, "output", Kind.TILE, n.dtype,
-                                      layout=n.attr("layout", "tile")))
+            layout = n.attr("layout", "tile")
+            tensors.append(TensorSlot(len(tensors), name, "output", Kind.TILE, n.dtype, layout=layout,
+                                      stored_from_registers=layout in REGISTER_STORE_LAYOUTS
+                                      or n.attr("quant") is not None))
+        elif n.op == "block_scale":
+            tensors.append(TensorSlot(len(tensors), name, "output", Kind.TILE, F32, layout="scale",
+                                      scale_of=n.attr("layout"), block=n.attr("block"), stored_from_registers=True))
         else:
             partials = PartialLayout.of(n)
             tensors.append(TensorSlot(len(tensors), name, "partials", Kind.ROW if partials.over_n else Kind.COL,
                                       F32, partials=partials))
     scalars = tuple(o.name for o in program.operands
-                    if o.kind == Kind.SCALAR and any(n.op == "scalar" and n.attr("operand") == o.name
+                    if o.host_scalar and any(n.op == "scalar" and n.attr("operand") == o.name
                                                      for n in program.nodes))
     c_operand = next((t.name for t in tensors if t.role in ("input", "inout") and t.kind == Kind.TILE), None)
     return LowerContext(tuple(tensors), slot_of, scalars, c_operand)

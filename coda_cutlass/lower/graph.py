@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..dtypes import DType
-from ..ir.nodes import Kind, Program, layout_columns
+from ..ir.nodes import Kind, Program, layout_columns, layout_shape, scale_shape
 from ..partials import PartialLayout
 
 if TYPE_CHECKING:
@@ -31,10 +31,25 @@ class TensorSlot:
     layout: str = "tile"   # tile slots: "tile" (M x N), "packed" (M x 2N 16-bit pairs, passed to the
                            # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2)
     partials: PartialLayout | None = None   # role "partials": how the reduction's buffer is laid out
+    scale_of: str | None = None   # layout "scale": the block scales of a quantised output of this layout
+    block: int = 0                # layout "scale": elements per run (1 x block along its stored rows)
+    stored_from_registers: bool = False   # written by a coda node without TMA (no 16-byte row rule)
 
     def columns(self, N: int) -> int:
         """Columns of a tile slot's tensor for a GEMM N."""
         return layout_columns(self.layout, N)
+
+    def shape(self, M: int, N: int) -> tuple[int, int]:
+        """The (rows, columns) of the tensor a call returns for this output slot."""
+        if self.layout == "scale":
+            return scale_shape(self.scale_of, M, N, self.block)
+        return layout_shape(self.layout, M, N)
+
+    def storage(self, M: int, N: int) -> tuple[int, int]:
+        """The row-major buffer behind it: block scales are stored run-major ("MN-major": scale[run,
+        row], the layout the blockwise-scaled GEMMs read); ``shape`` is then its transpose."""
+        rows, cols = self.shape(M, N)
+        return (cols, rows) if self.layout == "scale" else (rows, cols)
 
     def describe(self, tile_n: int) -> dict[str, Any]:
         d = {"index": self.index, "name": self.name, "role": self.role, "kind": self.kind.value,
@@ -46,6 +61,8 @@ class TensorSlot:
                 d["segments"] = self.partials.segments(tile_n)
         if self.layout != "tile":
             d["layout"] = self.layout
+        if self.scale_of is not None:
+            d["scale_of"], d["block"] = self.scale_of, self.block
         return d
 
 

@@ -103,7 +103,7 @@ def lower_map(program: Program, dtype: DType) -> MapGraph:
     slot_of: dict[str, int] = {}
     live = {n.attr("operand") for n in program.nodes if n.op == "load"}
     for o in program.operands:
-        if o.kind == Kind.SCALAR or o.name not in live:
+        if o.host_scalar or o.name not in live:
             continue
         if o.packed:
             raise EpilogueError(f"operand '{o.name}': map kernels do not read packed pairs (cc.PairTile)",
@@ -123,7 +123,7 @@ def lower_map(program: Program, dtype: DType) -> MapGraph:
             out = as_dtype(n.attr("out_dtype", "f32"))   # partials are fp32; the finished result is this
             slots.append(MapSlot(len(slots), name, "partials", Kind.ROW, out, partials=PartialLayout.of(n)))
     scalars = tuple(o.name for o in program.operands
-                    if o.kind == Kind.SCALAR and any(n.op == "scalar" and n.attr("operand") == o.name
+                    if o.host_scalar and any(n.op == "scalar" and n.attr("operand") == o.name
                                                      for n in program.nodes))
 
     vector: dict[int, bool] = {}

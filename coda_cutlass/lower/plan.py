@@ -24,6 +24,8 @@ FALLBACKS: tuple[KernelConfig, ...] = (
     KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1),
     KernelConfig(tile_m=128, tile_n=128, tile_k=32, cluster_m=2, cluster_n=1),
     KernelConfig(tile_m=128, tile_n=64, tile_k=32, cluster_m=2, cluster_n=1),
+    # for outputs quantised per 128 half-width columns (256 tile columns)
+    KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1),
 )
 
 
@@ -81,13 +83,19 @@ def plan(graph: EvtGraph, config: KernelConfig | None = None, weight_layout: str
         if why:
             raise ConfigError(f"{graph.program.name}: output '{t.name}': {why}; pick a config whose tile "
                               "width fits the segment width")
+    for v in graph.nodes:
+        why = v.kind.config_problem(v, config)
+        if why:
+            raise ConfigError(f"{graph.program.name}: {v.comment}: {why}; pick another config")
     check_fits(config, graph)
     return KernelPlan(graph, config, weight_layout)
 
 
 def segments_fit(config: KernelConfig, graph: EvtGraph) -> bool:
-    """Segment sums need the tile width and the segment width to divide one another."""
-    return all(t.partials.check(config.tile_n) is None for t in graph.tensors if t.partials)
+    """Segment sums need the tile width and the segment width to divide one another, and every node
+    its own constraints on the tile (quantisation runs inside the tile)."""
+    return all(t.partials.check(config.tile_n) is None for t in graph.tensors if t.partials) and \
+        all(v.kind.config_problem(v, config) is None for v in graph.nodes)
 
 
 def default_config(graph: EvtGraph) -> KernelConfig:
@@ -99,12 +107,18 @@ def default_config(graph: EvtGraph) -> KernelConfig:
         if fits(c, graph) and segments_fit(c, graph):
             return c
     if any(fits(c, graph) for c in FALLBACKS):
+        node_problem = next(((v, v.kind.config_problem(v, c)) for c in (DEFAULT, *FALLBACKS) for v in graph.nodes
+                             if fits(c, graph) and v.kind.config_problem(v, c)), None)
+        if node_problem and not any(t.partials and t.partials.width for t in graph.tensors):
+            v, why = node_problem
+            raise ConfigError(f"{graph.program.name}: {v.comment}: no default configuration fits: {why}; pass a "
+                              "config that does")
         slot = _misfit_segments(graph)
         widths = sorted({c.tile_n for c in (DEFAULT, *FALLBACKS)})
         raise ConfigError(f"{graph.program.name}: output '{slot.name}': segment width {slot.partials.width} "
                           f"and none of the default tile widths {widths} divide one another; pass a config "
                           "whose tile_n and the segment width divide one another")
-    kib = epilogue_smem_bytes(FALLBACKS[-1], graph) // 1024
+    kib = min(epilogue_smem_bytes(c, graph) for c in FALLBACKS) // 1024
     raise EpilogueError(f"its tile inputs and outputs need {kib} KiB of shared memory for staging even with "
                         "the smallest tile; use fewer or 16-bit tile inputs and outputs", program=graph.program.name)
 

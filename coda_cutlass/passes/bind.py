@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from ..dtypes import F32, FLOAT_DTYPES, INDEX_DTYPES, DType, as_dtype
+from ..dtypes import F32, FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, DType, as_dtype
 from ..errors import EpilogueError
 from ..ir.nodes import OPERAND_OPS, Kind, Node, Operand, Program, make_attrs
 from ..ir.ops import PACK_OPS, UNPACK_OPS
@@ -82,13 +82,21 @@ def bind_types(program: Program, dtype: DType, operand_dtypes: Mapping[str, Any]
             n = replace(n, attrs=make_attrs(**attrs))
             d = F32
         elif n.op == "store":
-            d = out_dtype(n.attr("name"), dtype)
-            if d not in FLOAT_DTYPES:
+            qdtype = n.attr("qdtype")
+            d = out_dtype(n.attr("name"), as_dtype(qdtype) if qdtype else dtype)
+            if d not in FLOAT_DTYPES + FP8_DTYPES:
                 raise EpilogueError(f"output '{n.attr('name')}': tile outputs are floating point, not {d.torch}",
                                     program=program.name)
+            if qdtype and d.name != qdtype:
+                raise EpilogueError(f"output '{n.attr('name')}' is cc.quantize(..., {as_dtype(qdtype).torch}); "
+                                    f"output_dtypes cannot make it {d.torch}", program=program.name)
             if n.attr("layout") == "packed" and d.bits != 16:
                 raise EpilogueError(f"output '{n.attr('name')}' stores cc.pack(...) pairs: its dtype must be "
                                     f"16-bit (bf16 or f16), not {d.torch}", program=program.name)
+        elif n.op == "block_scale":
+            if n.attr("name") in output_dtypes and as_dtype(output_dtypes[n.attr("name")]) != F32:
+                raise EpilogueError(f"output '{n.attr('name')}': block scales are fp32", program=program.name)
+            d = F32
         elif n.op == "reduce":
             attrs = dict(n.attrs)
             attrs["out_dtype"] = out_dtype(n.attr("name"), F32).name

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..errors import EpilogueError
-from ..ir.nodes import LEAF_OPS, REDUCE_AXES, REDUCE_FNS, SINK_OPS, STORE_LAYOUTS, Kind, Program
+from ..dtypes import FP8_DTYPES
+from ..ir.nodes import LEAF_OPS, REDUCE_AXES, REDUCE_FNS, SINK_OPS, STORE_LAYOUTS, TRANSPOSED_LAYOUTS, Kind, Program
 from ..ir.ops import OPS, PAIR_PICK_OPS, UNPACK_OPS, result_kind
 from ..ir.printer import node_text
 
@@ -32,7 +33,7 @@ def validate(program: Program) -> Program:
                 raise fail("an input is defined after its user (internal error)", n.id)
             src = program.nodes[i]
             if src.is_sink:
-                what = "reduction" if src.op == "reduce" else "output store"
+                what = "reduction" if src.op in ("reduce", "block_scale") else "output store"
                 raise fail(f"uses the result of a {what} (%{i}); a reduction is only finished after the "
                            "kernel and cannot be used later in the same epilogue", n.id)
         if n.op in LEAF_OPS:
@@ -87,8 +88,18 @@ def validate(program: Program) -> Program:
                     if fn != "sum" or not isinstance(w, int) or w <= 0 or w % 8:
                         raise fail("segment reductions are sums over a width that is a positive multiple "
                                    "of 8", n.id)
-            elif n.attr("layout", "tile") not in STORE_LAYOUTS:
-                raise fail(f"unknown store layout {n.attr('layout')!r} (internal error)", n.id)
+            elif n.op == "block_scale":
+                of = [m for m in program.nodes if m.op == "store" and m.attr("name") == n.attr("of")]
+                if len(of) != 1 or of[0].attr("quant") != "block" or of[0].inputs != n.inputs:
+                    raise fail("block scales without their quantised output (internal error)", n.id)
+            else:
+                layout = n.attr("layout", "tile")
+                if layout not in STORE_LAYOUTS:
+                    raise fail(f"unknown store layout {layout!r} (internal error)", n.id)
+                if n.attr("quant") == "block" and n.dtype is not None and n.dtype not in FP8_DTYPES:
+                    raise fail("a blockwise-quantised output must be FP8 (internal error)", n.id)
+                if layout in TRANSPOSED_LAYOUTS and n.attr("accumulate"):
+                    raise fail("a transposed output cannot be accumulated", n.id)
             continue
         raise fail(f"unsupported op '{n.op}'", n.id)
 
@@ -102,7 +113,8 @@ def validate(program: Program) -> Program:
 
     tile_loads = {n.attr("operand") for n in program.nodes if n.op == "load" and n.kind == Kind.TILE}
     tile_stores = [n for n in program.nodes if n.op == "store" and n.attr("name") != "D"
-                   and n.attr("layout") != "half"]     # half-width outputs are stored from registers
+                   and n.attr("layout") not in ("half", "t", "half_t")   # stored from registers
+                   and n.attr("quant") is None]
     if len(tile_loads) > MAX_TILE_INPUTS:
         raise EpilogueError(f"{len(tile_loads)} M x N tile inputs ({', '.join(sorted(tile_loads))}); at most "
                             f"{MAX_TILE_INPUTS} fit the epilogue's shared memory", program=program.name)

@@ -51,7 +51,7 @@ def environment() -> jinja2.Environment:
 
 
 def slot_doc(t: TensorSlot, tile_n: int) -> str:
-    shape = {Kind.TILE: "[M, N]", Kind.ROW: "[M]", Kind.COL: "[N]"}[t.kind]
+    shape = {Kind.TILE: "[M, N]", Kind.ROW: "[M]", Kind.COL: "[N]", Kind.SCALAR: "[] (one value, on the device)"}[t.kind]
     if t.partials is not None:
         return t.partials.doc(tile_n)
     role = {"input": "input", "output": "output", "inout": "accumulated output (read, then written)"}[t.role]
@@ -59,6 +59,13 @@ def slot_doc(t: TensorSlot, tile_n: int) -> str:
         return f"{role} {t.dtype.name} [M, 2N] interleaved pairs, read as [M, N] 32-bit words (ld in words)"
     if t.layout == "half":
         return f"{role} {t.dtype.name} [M, N/2] (half width: column i from the pair 2i, 2i+1)"
+    if t.layout in ("t", "half_t"):
+        cols = "N" if t.layout == "t" else "N/2 (half width)"
+        return f"{role} {t.dtype.name} [{cols}, M], the transpose (M contiguous; ld = row stride)"
+    if t.layout == "scale":
+        rows = {"tile": "M", "half": "M", "t": "N", "half_t": "N/2"}[t.scale_of]
+        return (f"{role} f32 block scales, stored [runs, {rows}] (run-major; ld = {rows}): one per 1 x {t.block} "
+                "run of each stored row of the quantised output")
     return f"{role} {t.dtype.name} {shape}"
 
 
@@ -67,7 +74,7 @@ def slot_check(t: TensorSlot) -> str:
         return "coda::SlotKind::Partials, 4"
     if t.layout == "packed":
         return "coda::SlotKind::Tile, 4"    # 32-bit words holding a pair each
-    if t.layout == "half":
+    if t.stored_from_registers:
         return f"coda::SlotKind::Vector, {t.dtype.bits // 8}"  # register stores: no TMA constraints
     kind = "Tile" if t.kind == Kind.TILE else "Vector"
     return f"coda::SlotKind::{kind}, {t.dtype.bits // 8}"

@@ -16,7 +16,11 @@ import torch
 
 from ..dtypes import DType
 from ..errors import CallError
-from ..ir.nodes import OPERAND_OPS, Kind, Program, layout_columns
+from ..ir.nodes import OPERAND_OPS, TRANSPOSED_LAYOUTS, Kind, Program, layout_columns
+
+# outputs whose rows are not the GEMM's rows m (transposed outputs and their scales): returned as
+# they are when A has leading batch dimensions
+COLUMN_MAJOR_OUTPUTS = TRANSPOSED_LAYOUTS | {"scale_t"}
 from . import checks
 
 
@@ -29,6 +33,12 @@ class OperandSpec:
     packed: bool = False      # an M x 2N tile of 16-bit pairs (cc.PairTile)
     inout: bool = False       # an accumulated output: read, then updated in place
     used: bool = True         # read by the program (an unused operand is still checked)
+    device: bool = False      # a cc.DeviceScalar: a one-element fp32 tensor, passed by pointer
+
+    @property
+    def host_scalar(self) -> bool:
+        """A runtime number passed by value (cc.Scalar)."""
+        return self.kind == Kind.SCALAR and not self.device
 
     def columns(self, N: int) -> int:
         return 2 * N if self.packed else N
@@ -49,7 +59,7 @@ class CallSpec:
     def of(cls, ir: Program, positional: tuple[str, ...] = ("A", "W")) -> "CallSpec":
         inout = [n.attr("name") for n in ir.nodes if n.op == "store" and n.attr("accumulate")]
         read = {n.attr("operand") for n in ir.nodes if n.op in OPERAND_OPS}
-        ops = [OperandSpec(o.name, o.kind, o.dtype, o.packed, used=o.name in read)
+        ops = [OperandSpec(o.name, o.kind, o.dtype, o.packed, used=o.name in read, device=o.device)
                for o in ir.operands if o.name not in inout]
         ops += [OperandSpec(o.name, o.kind, o.dtype, inout=True) for name in inout
                 for o in ir.operands if o.name == name]
@@ -59,7 +69,9 @@ class CallSpec:
             program=ir.name,
             operands=tuple(ops),
             tile_outputs=tuple((n.attr("name"), n.attr("layout", "tile")) for n in ir.nodes
-                               if n.op == "store" and not n.attr("accumulate")),
+                               if n.op == "store" and not n.attr("accumulate"))
+            + tuple((n.attr("name"), "scale_t" if n.attr("layout") in TRANSPOSED_LAYOUTS else "scale")
+                    for n in ir.nodes if n.op == "block_scale"),
             row_reductions=tuple(n.attr("name") for n in reductions if n.attr("axis") in ("row", "segment")),
             segment_widths=segments,
             uses_index=any(n.op == "index" for n in ir.nodes) or bool(segments),
@@ -114,7 +126,9 @@ class CallSpec:
         """Checks one tensor operand; returns a tile's row stride (0 for a vector)."""
         if o.kind == Kind.TILE:
             return checks.check_tile(o.name, t, M, o.columns(N), o.dtype, device, tma=tma, fp32_ok=fp32_ok)
-        if o.kind == Kind.ROW:
+        if o.device:
+            checks.check_device_scalar(o.name, t, device)
+        elif o.kind == Kind.ROW:
             checks.check_vector(o.name, t, M, "row (length M)", o.dtype, device, tma=tma, fp32_ok=fp32_ok)
         else:
             checks.check_vector(o.name, t, N, "column (length N)", o.dtype, device, tma=tma, fp32_ok=fp32_ok)
@@ -127,7 +141,7 @@ class CallSpec:
         M, N, K = checks.check_gemm_shapes(A, W, dtype, weight_layout, fp32_ok)
         self.check_extent(M, N)
         for o in self.operands:
-            if o.kind == Kind.SCALAR:
+            if o.host_scalar:
                 checks.check_scalar(o.name, operands[o.name])
             else:
                 self.check_operand(o, operands[o.name], M, N, A.device, tma=False, fp32_ok=fp32_ok)
@@ -135,7 +149,7 @@ class CallSpec:
         if written:
             read = {"A": A, "W": W}
             read.update((o.name, operands[o.name]) for o in self.operands
-                        if o.used and not o.inout and o.kind != Kind.SCALAR)
+                        if o.used and not o.inout and not o.host_scalar)
             checks.check_no_overlap(written, read)
         return M, N, K
 
@@ -151,7 +165,8 @@ class Batch:
         """Outputs with one row per flattened row m get the leading dimensions back; a tensor the
         caller passed for an output (accumulated, ``out=``) is returned as passed. Column and total
         reductions, and partials (``partial=True``), are returned as they are."""
-        per_row = {n for n, _ in spec.tile_outputs} | (set() if partial else set(spec.row_reductions))
+        per_row = {n for n, layout in spec.tile_outputs if layout not in COLUMN_MAJOR_OUTPUTS} \
+            | (set() if partial else set(spec.row_reductions))
         out = {}
         for name, v in result.items():
             if name in given:
@@ -201,6 +216,7 @@ def flatten_batch(spec: CallSpec, A: torch.Tensor, W: Any, operands: Mapping[str
     if out:
         columns = dict(spec.tile_outputs)
         flat_out = {name: (_flat(f"out['{name}']", t, batch, (layout_columns(columns[name], N),))
-                           if name in columns and isinstance(t, torch.Tensor) else t)
+                           if name in columns and columns[name] not in COLUMN_MAJOR_OUTPUTS
+                           and isinstance(t, torch.Tensor) else t)
                     for name, t in out.items()}
     return flat_A, ops, flat_out, Batch(batch)

@@ -160,6 +160,20 @@ def check_vector(name: str, t: Any, length: int, what: str, dtype: DType, device
         raise CallError(f"{name}: must be contiguous (stride 1), got stride {t.stride(0)}; call .contiguous()")
 
 
+def check_device_scalar(name: str, t: Any, device: torch.device, *, fp32_ok: bool = True) -> None:
+    """A cc.DeviceScalar: one fp32 value in a tensor on the call's device (read by the kernel)."""
+    if type(t) is torch.Tensor and t.dtype is torch.float32 and t.device == device and t.numel() == 1:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise CallError(f"{name}: a cc.DeviceScalar operand is a 0-dim fp32 tensor on the GPU (read by the kernel "
+                        f"without a host sync), got {type(t).__name__}")
+    _device(name, t, device)
+    if t.dtype is not torch.float32:
+        raise CallError(f"{name}: dtype is {t.dtype}, expected torch.float32 (a cc.DeviceScalar)")
+    if t.numel() != 1:
+        raise CallError(f"{name}: shape is {tuple(t.shape)}, expected a 0-dim (one-element) tensor")
+
+
 def check_out_names(program: str, out: Iterable[str], tile_outputs: Sequence[str]) -> None:
     """``out=`` names tile outputs only (reductions and accumulated outputs cannot be given)."""
     for name in out:

@@ -135,9 +135,10 @@ class Kernel(ReductionOutputs):
         self._arg_names = tuple(o.name for o in self.operands) + self.inout
         self._n_args = len(self._arg_names)
         self._tile_outputs = tuple(t.name for t in self.graph.tensors if t.role == "output")
-        self._scalar_names = tuple(o.name for o in self.operands if o.kind == Kind.SCALAR)
+        self.scale_outputs = tuple(t.name for t in self.graph.tensors if t.layout == "scale")
+        self._scalar_names = tuple(o.name for o in self.operands if o.host_scalar)
         self._unused_tensors = tuple(o for o in self.spec.operands
-                                     if o.kind != Kind.SCALAR and o.name not in self._slots_by_name)
+                                     if not o.host_scalar and o.name not in self._slots_by_name)
         self._n_slots = len(self.graph.tensors)
         self._ptr_array = ctypes.c_void_p * max(self._n_slots, 1)
         self._ld_array = ctypes.c_int64 * max(self._n_slots, 1)
@@ -225,16 +226,19 @@ class Kernel(ReductionOutputs):
             role, name, i = s.role, s.name, s.index
             if role == "output":
                 t = out.get(name) if out else None
-                cols = s.columns(N)
+                rows, cols = s.storage(M, N)
                 if t is not None:
-                    lds[i] = checks.check_tile(f"out['{name}']", t, M, cols, s.dtype, device)
+                    if s.layout == "scale":
+                        raise CallError(f"{self.name}: out['{name}']: block scales are allocated by the kernel call")
+                    lds[i] = checks.check_tile(f"out['{name}']", t, rows, cols, s.dtype, device,
+                                               tma=not s.stored_from_registers)
                     written = written or {}
                     written[name] = t
                 else:
-                    t = new_buffer((M, cols), s.dtype.torch, device, poison)
+                    t = new_buffer((rows, cols), s.dtype.torch, device, poison)
                     lds[i] = cols
                 lds[i] = _kernel_ld(s.layout, lds[i])
-                results[name] = t
+                results[name] = t.t() if s.layout == "scale" else t
             elif role == "partials":
                 t = new_buffer(s.partials.buffer_shape(M, N, self.config.tile), torch.float32, device, poison)
                 partials.append((name, t))
@@ -242,6 +246,8 @@ class Kernel(ReductionOutputs):
                 t = operands[name]
                 if s.kind == Kind.TILE:
                     lds[i] = _kernel_ld(s.layout, checks.check_tile(name, t, M, s.columns(N), s.dtype, device))
+                elif s.kind == Kind.SCALAR:
+                    checks.check_device_scalar(name, t, device)
                 else:
                     self._check_vector(name, s.kind, t, s.dtype, M, N, device)
                 if role == "inout":
@@ -299,7 +305,7 @@ class Kernel(ReductionOutputs):
         if name in self._finish_plan:
             return self.reduction_result(name, M, N)
         slot = self._slots_by_name[name]
-        return (M, slot.columns(N)), slot.dtype.torch
+        return slot.shape(M, N), slot.dtype.torch
 
     def output_stride(self, name: str, M: int, N: int) -> tuple[int, ...]:
         """Strides of a returned output: partials keep their padded buffer's, the rest are contiguous."""

@@ -106,7 +106,7 @@ class CompiledMap(ReductionOutputs):
         # Precomputed call plan (the eager path runs on every launch).
         self._arg_names = self.spec.names
         self._scalars = graph.scalars
-        self._unused = tuple(o for o in self.operands if o.kind != Kind.SCALAR
+        self._unused = tuple(o for o in self.operands if not o.host_scalar
                              and o.name not in {s.name for s in graph.slots})
         self._tile_outputs = tuple(s.name for s in graph.slots if s.role == "output")
         self._read = tuple(s.name for s in graph.slots if s.role == "input")    # what out= and inout must not alias

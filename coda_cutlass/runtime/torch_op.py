@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import threading
 from pathlib import Path
@@ -102,7 +103,7 @@ def schema(k: OpKernel) -> str:
     args = ["Tensor A", "Tensor W"]
     names = schema_names(k)
     for o, name in zip(k.operands, names):
-        args.append(f"float {name}" if o.kind == Kind.SCALAR else f"Tensor {name}")
+        args.append(f"float {name}" if o.host_scalar else f"Tensor {name}")
     for i, name in enumerate(names[len(k.operands):]):
         args.append(f"Tensor(a{i}!) {name}")
     args += ["*", "str? raster=None", "int? swizzle=None"]
@@ -124,18 +125,21 @@ def register(k: OpKernel) -> Any:
         lib.define(name + schema(k))
         arg_names = [o.name for o in k.operands] + list(k.inout)
         returned = _returned(k)
+        transposed = transposed_returns(k)
 
         def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
                  swizzle: int | None = None) -> Any:
             out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
-            vals = tuple(as_returned(k, n, out[n], A, W) for n in returned)
+            # block scales are the transposed view of a run-major buffer: the op returns the buffer
+            vals = tuple(as_returned(k, n, out[n].t() if n in transposed else out[n], A, W, n in transposed)
+                         for n in returned)
             if not vals:
                 return None
             return vals[0] if len(vals) == 1 else vals
 
         def fake(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
                  swizzle: int | None = None) -> Any:
-            vals = tuple(_fake_output(k, n, A, W) for n in returned)
+            vals = tuple(_fake_output(k, n, A, W, n in transposed) for n in returned)
             if not vals:
                 return None
             return vals[0] if len(vals) == 1 else vals
@@ -147,24 +151,35 @@ def register(k: OpKernel) -> Any:
         return op
 
 
-def _MN(k: OpKernel, A: torch.Tensor, W: torch.Tensor) -> tuple[int, int]:
-    return A.shape[0], W.shape[0] if k.weight_layout == "nk" else W.shape[1]
+def transposed_returns(k: OpKernel) -> frozenset[str]:
+    """Outputs the op returns as their run-major storage (block scales), transposed back by call_op."""
+    return frozenset(getattr(k, "scale_outputs", ()))
 
 
-def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    """What the op returns, as the eager call returns it: shape, dtype and strides (partials are
-    views of a padded buffer, so their row stride is the padded length, not the length)."""
-    M, N = _MN(k, A, W)
+def _layout(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor,
+            transposed: bool) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype]:
+    """(shape, strides, dtype) of what the op returns for an output, as the eager call returns it
+    (partials are views of a padded buffer: their row stride is the padded length); a transposed
+    output is its contiguous run-major buffer."""
+    M, N = A.shape[0], W.shape[0] if k.weight_layout == "nk" else W.shape[1]
     shape, dtype = k.output_spec(name, M, N)
-    return A.new_empty_strided(shape, k.output_stride(name, M, N), dtype=dtype)
+    if transposed:
+        shape = tuple(shape[::-1])
+        return shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), dtype
+    return tuple(shape), tuple(k.output_stride(name, M, N)), dtype
 
 
-def as_returned(k: OpKernel, name: str, v: torch.Tensor, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    shape, stride, dtype = _layout(k, name, A, W, transposed)
+    return A.new_empty_strided(shape, stride, dtype=dtype)
+
+
+def as_returned(k: OpKernel, name: str, v: torch.Tensor, A: torch.Tensor, W: torch.Tensor,
+                transposed: bool = False) -> torch.Tensor:
     """A kernel output as the op returns it: with the fake implementation's strides (Inductor checks
     them), and not a view (a custom op may not return a view of an internal buffer; partials are
     views). A view keeps its storage and strides as a tensor of its own: no copy."""
-    M, N = _MN(k, A, W)
-    stride = k.output_stride(name, M, N)
+    shape, stride, _ = _layout(k, name, A, W, transposed)
     if v.numel() and tuple(v.stride()) != stride:
         return v.new_empty_strided(tuple(v.shape), stride).copy_(v)     # not expected: kept correct anyway
     if v._base is not None:
@@ -183,6 +198,8 @@ def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, A
     if len(returned) == 1:
         out = (out,)
     result = dict(zip(returned, out or ()))
+    for n in transposed_returns(k):
+        result[n] = result[n].t()
     for n in k.inout:
         result[n] = operands[n]
     return {n: result[n] for n in k.outputs}

@@ -163,8 +163,10 @@ class TunedEpilogue:
         W = (torch.randn(*wshape, device=device, generator=g) * 0.02).to(dt)
         ops: dict[str, Any] = {}
         for o in self.ir.operands:
-            if o.kind == Kind.SCALAR:
+            if o.host_scalar:
                 ops[o.name] = 1.0
+            elif o.device:
+                ops[o.name] = torch.ones((), device=device)
             else:
                 shape = {Kind.TILE: (M, 2 * N if o.packed else N), Kind.ROW: (M,), Kind.COL: (N,)}[o.kind]
                 ops[o.name] = (torch.rand(*shape, device=device, generator=g) + 0.5).to(o.dtype.torch)

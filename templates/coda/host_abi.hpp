@@ -2,7 +2,8 @@
 //
 // Every check here runs before any launch. CUTLASS's can_implement checks shapes and strides but
 // not pointer alignment, and a failed TMA descriptor encode is only an assert (compiled out with
-// NDEBUG), so a misaligned pointer would otherwise launch with a bad descriptor.
+// NDEBUG), so a misaligned pointer or a thread without a CUDA context would otherwise launch with a
+// bad descriptor: the context is bound first and every encode is checked (coda/driver_check.hpp).
 #pragma once
 
 #include <cstddef>
@@ -11,6 +12,8 @@
 #include <cuda_runtime.h>
 
 #include "cutlass/cutlass.h"
+
+#include "coda/driver_check.hpp"
 
 #define CODA_EXPORT __attribute__((visibility("default")))
 
@@ -27,6 +30,8 @@ enum Status : int {
   kInitialize = 7,       // Gemm::initialize failed (workspace init or smem attribute)
   kLaunch = 8,           // the kernel launch failed
   kDevice = 9,           // no current CUDA device
+  kContext = 10,         // no CUDA context could be made current on this thread
+  kDriverCall = 11,      // a CUDA driver call of CUTLASS's host code (TMA descriptor encode) failed
 };
 
 inline const char* status_string(int status) {
@@ -41,6 +46,10 @@ inline const char* status_string(int status) {
     case kInitialize: return "Gemm::initialize() failed";
     case kLaunch: return "the kernel launch failed";
     case kDevice: return "could not query the current CUDA device";
+    case kContext: return "no CUDA context is current on this thread and the device's primary context could not be bound";
+    case kDriverCall:
+      return "CUTLASS could not encode a TMA descriptor (cuTensorMapEncodeTiled failed; its arguments are printed "
+             "on stderr); nothing was launched";
     default: return "unknown status";
   }
 }
@@ -100,6 +109,7 @@ int run(MakeArgs make, Launch p, SlotSpec const* slots, void* workspace, size_t 
       if (!aligned16(ptr)) return kMisaligned;
     }
   }
+  if (!ensure_context()) return kContext;
   p.device = current_device(&p.sm_count);
   if (p.device < 0) return kDevice;
 
@@ -109,7 +119,9 @@ int run(MakeArgs make, Launch p, SlotSpec const* slots, void* workspace, size_t 
   size_t needed = Gemm::get_workspace_size(args);
   if (needed > 0 && (workspace == nullptr || workspace_bytes < needed)) return kWorkspace;
   // initialize() builds the kernel Params (TMA descriptors) and sets the smem size attribute.
+  driver_error = 0;
   if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return kInitialize;
+  if (driver_error != 0) return kDriverCall;
   if (gemm.run(stream) != cutlass::Status::kSuccess) return kLaunch;
   return kOk;
 }

@@ -22,9 +22,11 @@ from .base import LowerContext, NodeKind, Staging, element, float_literal
 from .compute import COMPUTE
 from .leaves import ACC, LEAVES
 from .outputs import AUX_STORE, D_STORE, NO_D, OUTPUTS, REDUCE_IDENTITY
+from .quantized import QUANTIZED
 
-# Lowering takes the first kind that matches an IR node (the groups match disjoint ops).
-KINDS: tuple[NodeKind, ...] = (*LEAVES, *COMPUTE, *OUTPUTS)
+# Lowering takes the first kind that matches an IR node (the groups match disjoint ops; quantised
+# and transposed stores before the other stores).
+KINDS: tuple[NodeKind, ...] = (*LEAVES, *COMPUTE, *QUANTIZED, *OUTPUTS)
 
 
 def kind_of(n: Node, ctx: LowerContext) -> NodeKind | None:

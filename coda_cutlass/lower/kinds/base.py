@@ -14,6 +14,7 @@ from ...ir.nodes import Node
 from ..graph import TensorSlot, VisitorNode
 
 if TYPE_CHECKING:
+    from ...config import KernelConfig
     from ..plan import KernelPlan
 
 
@@ -93,3 +94,7 @@ class NodeKind:
 
     def smem_bytes(self, v: VisitorNode, staging: Staging) -> int:
         return 0
+
+    def config_problem(self, v: VisitorNode, config: "KernelConfig") -> str | None:
+        """Why this node cannot run with ``config`` (e.g. a run that must lie inside the CTA tile), or None."""
+        return None

@@ -103,6 +103,20 @@ class PerColBroadcast(PerRowBroadcast):
         return staging.tile_n * v.params["element"].bits // 8
 
 
+class DeviceScalarLoad(_Load):
+    """A cc.DeviceScalar: one fp32 value read from device memory by every thread."""
+    name = "device_scalar"
+
+    def matches(self, n: Node, ctx: LowerContext) -> bool:
+        return n.op == "load" and n.kind == Kind.SCALAR
+
+    def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        return "fusion::Sm90ScalarBroadcast<ElementCompute, StrideScalar>"
+
+    def arguments(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        return f"{{{{0.0f}}, {{static_cast<float const*>(p.tensors[{v.params['slot']}])}}, {{}}}}"
+
+
 class ScalarBroadcast(NodeKind):
     """A runtime scalar operand."""
     name = "scalar"
@@ -133,4 +147,4 @@ class Constant(ScalarBroadcast):
 ACC = AccFetch()
 # in match order: the C load before other tile loads
 LEAVES: tuple[NodeKind, ...] = (ACC, IndexFetch(), SrcFetch(), AuxLoad(), PerRowBroadcast(), PerColBroadcast(),
-                                ScalarBroadcast(), Constant())
+                                DeviceScalarLoad(), ScalarBroadcast(), Constant())

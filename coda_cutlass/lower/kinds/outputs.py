@@ -79,7 +79,10 @@ class NoD(NodeKind):
         return "fusion::Sm90Compute<coda::identity, ElementCompute, ElementCompute, RoundStyle>"
 
 
-REDUCE_FUNCTOR = {"sum": "cutlass::plus", "max": "cutlass::maximum", "min": "cutlass::minimum"}
+# max / min propagate NaN, as torch's amax / amin do (and the interpreter): an amax of a tensor with
+# a NaN must say so (hardware max.NaN.f32).
+REDUCE_FUNCTOR = {"sum": "cutlass::plus", "max": "cutlass::maximum_with_nan_propagation",
+                  "min": "cutlass::minimum_with_nan_propagation"}
 REDUCE_IDENTITY = {"sum": "0.0f",
                    "max": "-cutlass::platform::numeric_limits<float>::infinity()",
                    "min": "cutlass::platform::numeric_limits<float>::infinity()"}

@@ -1,0 +1,114 @@
+"""FP8 outputs that quantise themselves (``cc.quantize``) and transposed outputs: stored from
+registers by ``templates/coda/quant_store.hpp``. Per-tensor quantisation to a row-major output is
+an ordinary store (the multiply by 1 / scale is in the program; every FP8 store saturates)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ...config import KernelConfig
+from ...ir.nodes import HALF_LAYOUTS, TRANSPOSED_LAYOUTS, Node
+from ..graph import VisitorNode
+from .base import LowerContext, NodeKind, Staging, element
+
+if TYPE_CHECKING:
+    from ..plan import KernelPlan
+
+# Consumer threads that run the epilogue of one CTA tile, by schedule (2 or 1 warp groups).
+EPILOGUE_THREADS = {"cooperative": 256, "pingpong": 128}
+
+
+def _bool(b: bool) -> str:
+    return "true" if b else "false"
+
+
+class QuantRowStore(NodeKind):
+    """Row-major FP8 codes with 1 x block scales computed in the tile."""
+    name, header = "quant_row_store", "coda/quant_store.hpp"
+
+    def matches(self, n: Node, ctx: LowerContext) -> bool:
+        return n.op == "store" and n.attr("quant") == "block" and n.attr("layout") not in TRANSPOSED_LAYOUTS
+
+    def params(self, n: Node, ctx: LowerContext) -> dict[str, Any]:
+        slot = ctx.slot(n.attr("name"))
+        return {"slot": slot.index, "element": element(slot), "scale": ctx.slot(f"{n.attr('name')}_scale").index,
+                "block": n.attr("block"), "half": n.attr("layout") in HALF_LAYOUTS, "pow2": bool(n.attr("pow2"))}
+
+    def span(self, v: VisitorNode) -> int:
+        """Tile columns one run covers."""
+        return v.params["block"] * (2 if v.params["half"] else 1)
+
+    def config_problem(self, v: VisitorNode, config: KernelConfig) -> str | None:
+        if config.tile_n % self.span(v):
+            what = " (half width: 128 output columns are 256 tile columns)" if v.params["half"] else ""
+            return (f"its 1 x {v.params['block']} scale runs must lie inside one tile: tile_n must be a multiple "
+                    f"of {self.span(v)}{what}, got {config.tile_n}")
+        return None
+
+    def comment(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        return f"{v.comment}: FP8 codes + 1x{v.params['block']} scales from registers"
+
+    def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        p = v.params
+        return (f"coda::QuantRowStore<{p['element'].cpp}, TileShape, {p['block']}, /*Half=*/{_bool(p['half'])}, "
+                f"/*Pow2=*/{_bool(p['pow2'])}>")
+
+    def arguments(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        p = v.params
+        return (f"{{static_cast<{p['element'].cpp}*>(p.tensors[{p['slot']}]), p.ld[{p['slot']}], "
+                f"static_cast<float*>(p.tensors[{p['scale']}]), p.ld[{p['scale']}]}}")
+
+
+class TransposedStore(NodeKind):
+    """The transpose of a tile output (N x M), as it comes or quantised per 128 x 1 run."""
+    name, header = "transposed_store", "coda/quant_store.hpp"
+
+    def matches(self, n: Node, ctx: LowerContext) -> bool:
+        return n.op == "store" and n.attr("layout") in TRANSPOSED_LAYOUTS
+
+    def params(self, n: Node, ctx: LowerContext) -> dict[str, Any]:
+        slot = ctx.slot(n.attr("name"))
+        block = n.attr("block", 0) if n.attr("quant") == "block" else 0
+        scale = ctx.slot(f"{n.attr('name')}_scale").index if block else None
+        return {"slot": slot.index, "element": element(slot), "scale": scale, "block": block,
+                "half": n.attr("layout") in HALF_LAYOUTS, "pow2": bool(n.attr("pow2"))}
+
+    def config_problem(self, v: VisitorNode, config: KernelConfig) -> str | None:
+        b = v.params["block"]
+        if b and config.tile_m != b:
+            return f"its {b} x 1 scale runs are the tile's rows: tile_m must be {b}, got {config.tile_m}"
+        return None
+
+    def comment(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        b = v.params["block"]
+        return f"{v.comment}: transposed from registers" + (f", {b}x1 scales" if b else "")
+
+    def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        p = v.params
+        threads = EPILOGUE_THREADS[plan.config.schedule]
+        return (f"coda::TransposedStore<{p['element'].cpp}, TileShape, typename EpilogueDescriptor::EpilogueTile, "
+                f"{threads}, /*Block=*/{p['block']}, /*Half=*/{_bool(p['half'])}, /*Pow2=*/{_bool(p['pow2'])}>")
+
+    def arguments(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        p = v.params
+        scale = f"static_cast<float*>(p.tensors[{p['scale']}]), p.ld[{p['scale']}]" if p["scale"] is not None \
+            else "nullptr, 0"
+        return f"{{static_cast<{p['element'].cpp}*>(p.tensors[{p['slot']}]), p.ld[{p['slot']}], {scale}}}"
+
+    def smem_bytes(self, v: VisitorNode, staging: Staging) -> int:
+        return 8 * 64 * 4 if v.params["block"] else 0    # per-warp column maxima of one subtile (at most)
+
+
+class BlockScales(NodeKind):
+    """The scales of a quantised output: written by its store node; an identity here (unused)."""
+    name = "block_scales"
+    ops = frozenset({"block_scale"})
+
+    def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        return "fusion::Sm90Compute<coda::identity, ElementCompute, ElementCompute, RoundStyle>"
+
+    def comment(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        return f"{v.comment}: written by the quantised store (this node computes nothing)"
+
+
+QUANTIZED: tuple[NodeKind, ...] = (QuantRowStore(), TransposedStore(), BlockScales())

@@ -1,0 +1,431 @@
+// coda-cutlass: FP8 outputs that quantise themselves inside the epilogue (cc.quantize).
+//
+// QuantRowStore:    codes [rows, cols] row-major with one fp32 dequantisation scale per 1 x Block run
+//                   of each row, the run's amax computed from the tile (the run lies inside it);
+// TransposedStore:  the transpose [cols, rows] (M contiguous: a K-major operand when K is the token
+//                   dimension), either of a value already scaled (per-tensor scale, Block == 0) or
+//                   quantised per Block x 1 run down each column (the tile's 128 rows).
+//
+// Both buffer the values they receive in registers until a run is complete (the collective visits
+// the tile in subtiles, columns outer, rows inner), then reduce |x| (NaN-propagating) with warp
+// shuffles (and, down a column, across warps through shared memory), derive the scale, convert
+// with round-to-nearest-even saturated to the format's largest finite value, and store straight from
+// registers. The scale semantics are coda_cutlass/quantization.py's, bit for bit:
+//   Pow2:  v = amax / fp8_max, scale = v if v is a power of two else the next one up (>= 2^-126),
+//          codes = x * (1 / scale) (exact);
+//   else:  scale = amax / fp8_max, codes = x * (fp8_max / amax);
+//   amax == 0: scale 1; amax inf or NaN: scale NaN and NaN codes.
+// Scales are written "MN-major", scale[run][row] (ld = the row count): the layout CUTLASS's sm90
+// blockwise-scaled mainloop reads for an operand's scales by default.
+#pragma once
+
+#include <cstdint>
+#include <cmath>
+
+#include "cute/tensor.hpp"
+#include "cutlass/array.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/float8.h"
+#include "cutlass/numeric_conversion.h"
+#include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
+
+#include "coda/pairwise.hpp"
+#include "coda/pointer_node.hpp"
+#include "coda/segments.hpp"
+
+namespace coda {
+
+namespace quant {
+
+template <class Element> struct Fp8Max;
+template <> struct Fp8Max<cutlass::float_e4m3_t> { static constexpr float value = 448.0f; };
+template <> struct Fp8Max<cutlass::float_e5m2_t> { static constexpr float value = 57344.0f; };
+
+// max(a, b) where a NaN wins (torch's amax semantics).
+CUTLASS_DEVICE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+
+// The dequantisation scale and the quantisation multiplier of a run with this amax.
+template <class Element, bool Pow2>
+CUTLASS_DEVICE void scales(float amax, float& scale, float& inv) {
+  constexpr float fmax = Fp8Max<Element>::value;
+  if (!(amax <= 3.402823466e38f)) {                       // inf or NaN
+    scale = inv = __int_as_float(0x7fc00000);
+    return;
+  }
+  if (amax == 0.0f) {
+    scale = inv = 1.0f;
+    return;
+  }
+  if constexpr (Pow2) {
+    float v = amax / fmax;
+    int e = 0;
+    float m = frexpf(v, &e);
+    float s = (m == 0.5f) ? v : ldexpf(1.0f, e);
+    s = fmaxf(s, 1.17549435e-38f);                        // 2^-126: keeps 1 / s finite
+    scale = s;
+    inv = 1.0f / s;
+  } else {
+    scale = amax / fmax;
+    inv = fmax / amax;
+  }
+}
+
+template <class Element>
+CUTLASS_DEVICE Element convert(float x) {
+  return cutlass::NumericConverter<Element, float, cutlass::FloatRoundStyle::round_to_nearest>{}(x);
+}
+
+// The collective's register -> smem thread layout over one epilogue subtile, flattened: which
+// (row, column) each thread-index bit steps to.
+template <class TiledCopy, class EpiTileShape>
+using FlatThreads = decltype(cute::flatten(
+    cute::get<0>(TiledCopy::tidfrg_S(cute::make_identity_layout(EpiTileShape{})))));
+
+// Lane bits that step along M within one column (the mirror of detail::n_lane_bits).
+template <class FlatThr>
+CUTE_HOST_DEVICE constexpr int m_lane_bits() {
+  int mask = 0;
+  for (int b = 0; b < 5; ++b) {
+    auto d = FlatThr{}(1 << b) - FlatThr{}(0);
+    int dm = detail::row_of(d), dn = detail::col_of(d);
+    if (dn == 0 && dm != 0) mask |= 1 << b;
+    else if (dm != 0 && dn != 0) return -1;
+  }
+  return mask;
+}
+
+CUTLASS_DEVICE float shuffle_max(float v, int mask) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int b = 0; b < 5; ++b) {
+    if (mask & (1 << b)) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, 1 << b));
+  }
+  return v;
+}
+
+}  // namespace quant
+
+// ------------------------------------------------------------------------------------------------
+// Row-major codes, 1 x Block runs along N (Half: along the half-width output's columns, i.e. the
+// even columns of 2 * Block tile columns).
+// ------------------------------------------------------------------------------------------------
+template <class Element>
+struct QuantStoreArguments {
+  Element* ptr = nullptr;
+  int64_t ld = 0;            // row stride of the codes, in elements
+  float* scale = nullptr;    // scale[run * scale_ld + row]
+  int64_t scale_ld = 0;
+};
+
+template <class Element, class CtaTileShapeMNK, int Block, bool Half, bool Pow2>
+struct QuantRowStore : PointerNode<QuantStoreArguments<Element>> {
+  using Base = PointerNode<QuantStoreArguments<Element>>;
+  using Base::Base;
+  static constexpr int TileM = cute::size<0>(CtaTileShapeMNK{});
+  static constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
+  static constexpr int Span = Half ? 2 * Block : Block;        // tile columns of one run
+  static_assert(TileN % Span == 0, "coda quantised store: the CTA tile width must be a multiple of the run "
+                                   "(128 output columns: 256 tile columns for a half-width output)");
+  static constexpr int Runs = TileN / Span;
+
+  template <class Buf, class Amax, class RunOff, class CoordTensor, class Residue, int PerRun, int EpiM>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Buf buf, Amax amax, RunOff run_off, CoordTensor tCcD, Residue residue,
+                                          QuantStoreArguments<Element> const& p, int row0, int col0, int m_tile,
+                                          int n_tile, int lane_mask, bool writer)
+        : buf(buf), amax(amax), run_off(run_off), tCcD(tCcD), residue(residue), p(p), row0(row0), col0(col0),
+          m_tile(m_tile), n_tile(n_tile), lane_mask(lane_mask), writer(writer) {}
+    Buf buf;              // (CPY, CPY_M, CPY_N, EPI_M, PerRun): the values of the run being filled
+    Amax amax;            // (CPY, CPY_M, CPY_N, EPI_M, EPI_N), one register per (row, run)
+    RunOff run_off;       // the same shape: row + run * TileM of each element (decodes amax registers)
+    CoordTensor tCcD;     // coordinates relative to the thread's origin
+    Residue residue;
+    QuantStoreArguments<Element> p;
+    int row0, col0;       // the thread's origin in the output (rows; tile columns)
+    int m_tile, n_tile;
+    int lane_mask;        // lane bits that step along N within a row
+    bool writer;          // the lane that writes its rows' scales
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize>
+    visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
+          cutlass::Array<ElementInput, FragmentSize> const& frg) {
+      using namespace cute;
+      Tensor b = buf(_, _, _, epi_m, epi_n % PerRun);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) b(epi_v * FragmentSize + i) = float(frg[i]);
+      return frg;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor) {
+      using namespace cute;
+      if (epi_m != EpiM - 1 || (epi_n + 1) % PerRun != 0) return;   // the run is not complete yet
+      int const run = epi_n / PerRun;
+      // 1. |x| into the (row, run) registers: per thread, then across the lanes of a row
+      CUTLASS_PRAGMA_UNROLL
+      for (int em = 0; em < EpiM; ++em) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int en = 0; en < PerRun; ++en) {
+          Tensor b = buf(_, _, _, em, en);
+          Tensor a = amax(_, _, _, em, run * PerRun + en);
+          Tensor c = tCcD(_, _, _, em, run * PerRun + en);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(b); ++i) {
+            if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
+          }
+        }
+      }
+      Tensor ua = filter(amax);
+      Tensor uo = filter(run_off);
+      int const M = int(get<0>(residue)) + row0;
+      int const N = int(get<1>(residue)) + col0;
+      int const out_cols = Half ? N / 2 : N;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size(ua); ++j) {
+        if (uo(j) / TileM != run) continue;
+        float s, inv;
+        quant::scales<Element, Pow2>(quant::shuffle_max(ua(j), lane_mask), s, inv);
+        ua(j) = inv;                                       // the run's multiplier from here on
+        int m = m_tile * TileM + uo(j) % TileM;
+        int r = n_tile * Runs + run;                       // run index along the output's columns
+        if (writer && m < M && r * Block < out_cols) p.scale[int64_t(r) * p.scale_ld + m] = s;
+      }
+      // 2. the codes
+      CUTLASS_PRAGMA_UNROLL
+      for (int em = 0; em < EpiM; ++em) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int en = 0; en < PerRun; ++en) {
+          Tensor b = buf(_, _, _, em, en);
+          Tensor a = amax(_, _, _, em, run * PerRun + en);
+          Tensor c = tCcD(_, _, _, em, run * PerRun + en);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(b); ++i) {
+            auto crd = c(i);
+            if ((!Half || i % 2 == 0) && elem_less(crd, residue)) {
+              int m = row0 + int(get<0>(crd));
+              int n = col0 + int(get<1>(crd));
+              p.ptr[int64_t(m) * p.ld + (Half ? n / 2 : n)] = quant::convert<Element>(b(i) * a(i));
+            }
+          }
+        }
+      }
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto
+  get_consumer_store_callbacks(cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    if constexpr (Half) detail::check_pair_layout(args);
+    using EpiTileShape = decltype(shape(cute::remove_cvref_t<decltype(args.epi_tile)>{}));
+    using FlatThr = quant::FlatThreads<cute::remove_cvref_t<decltype(args.tiled_copy)>, EpiTileShape>;
+    constexpr int mask = detail::n_lane_bits<FlatThr>();
+    static_assert(mask >= 0, "coda quantised store: a lane index bit moves both row and column");
+    static_assert(detail::warps_keep_columns<FlatThr, decltype(size(FlatThr{}))::value>(),
+                  "coda quantised store: warps split the tile along N");
+    constexpr int EpiN = decltype(size<1>(EpiTileShape{}))::value;
+    static_assert(Span % EpiN == 0, "coda quantised store: the epilogue subtile must not straddle two runs");
+    constexpr int PerRun = Span / EpiN;
+
+    auto run_layout = make_layout(make_shape(Int<TileM>{}, make_shape(Int<Span>{}, Int<Runs>{})),
+                                  make_stride(_1{}, make_stride(_0{}, Int<TileM>{})));
+    Tensor tCoRun = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        make_tensor(counting_iterator<int>(0), run_layout), args.epi_tile, args.tiled_copy, args.thread_idx);
+    Tensor tCrAmax = make_tensor_like<float>(tCoRun);
+    fill(tCrAmax, 0.0f);
+    auto full = shape(args.tCcD);                                       // (CPY, CPY_M, CPY_N, EPI_M, EPI_N)
+    constexpr int EpiM = decltype(size<3>(decltype(full){}))::value;
+    Tensor tCrBuf = make_tensor<float>(make_shape(get<0>(full), get<1>(full), get<2>(full), get<3>(full), Int<PerRun>{}));
+
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    int row0 = int(M) - int(get<0>(args.residue_tCcD));
+    int col0 = int(N) - int(get<1>(args.residue_tCcD));
+    int lane = args.thread_idx % 32;
+    return ConsumerStoreCallbacks<decltype(tCrBuf), decltype(tCrAmax), decltype(tCoRun), decltype(args.tCcD),
+                                  decltype(args.residue_tCcD), PerRun, EpiM>(
+        tCrBuf, tCrAmax, tCoRun, args.tCcD, args.residue_tCcD, this->params, row0, col0, int(m), int(n), mask,
+        (lane & mask) == 0);
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// The transpose, [cols, rows]: Block == 0 stores the value as it comes (already scaled: per-tensor
+// quantisation, or any dtype); Block == TileM quantises each column's run over the tile's rows.
+// ------------------------------------------------------------------------------------------------
+template <class Element, class CtaTileShapeMNK, class EpilogueTile, int Threads, int Block, bool Half, bool Pow2>
+struct TransposedStore {
+  static constexpr int TileM = cute::size<0>(CtaTileShapeMNK{});
+  static constexpr int EpiN = cute::size<1>(EpilogueTile{});
+  static constexpr int Warps = Threads / 32;
+  static_assert(Block == 0 || Block == TileM,
+                "coda quantised transposed store: 128 x 1 runs need a CTA tile exactly 128 rows high");
+
+  struct SharedStorage {
+    float amax[Block ? Warps : 1][Block ? EpiN : 1];
+  };
+  using Arguments = QuantStoreArguments<Element>;
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.ptr != nullptr && (Block == 0 || args.scale != nullptr);
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE TransposedStore() {}
+  CUTLASS_HOST_DEVICE TransposedStore(Params const& params, SharedStorage const& smem)
+      : params(params), smem(const_cast<SharedStorage*>(&smem)) {}
+  Params params;
+  SharedStorage* smem = nullptr;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class Buf, class Amax, class ColOff, class CoordTensor, class Residue, int EpiM>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Buf buf, Amax amax, ColOff col_off, CoordTensor tCcD, Residue residue,
+                                          Arguments const& p, SharedStorage* smem, int row0, int col0, int m_tile,
+                                          int n_tile, int lane_mask, int lane, int warp)
+        : buf(buf), amax(amax), col_off(col_off), tCcD(tCcD), residue(residue), p(p), smem(smem), row0(row0),
+          col0(col0), m_tile(m_tile), n_tile(n_tile), lane_mask(lane_mask), lane(lane), warp(warp) {}
+    Buf buf;              // Block: (CPY, CPY_M, CPY_N, EPI_M): the subtile column being filled
+    Amax amax;            // Block: (CPY, CPY_M, CPY_N, EPI_M, EPI_N), one register per tile column
+    ColOff col_off;       // the same shape: the tile column of each element (decodes amax registers)
+    CoordTensor tCcD;
+    Residue residue;
+    Arguments p;
+    SharedStorage* smem;
+    int row0, col0;       // the thread's origin in the output (rows; tile columns)
+    int m_tile, n_tile;
+    int lane_mask;        // lane bits that step along M within a column
+    int lane, warp;
+
+    CUTLASS_DEVICE void store(int m, int n, float v) {
+      p.ptr[int64_t(Half ? n / 2 : n) * p.ld + m] = quant::convert<Element>(v);
+    }
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize>
+    visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
+          cutlass::Array<ElementInput, FragmentSize> const& frg) {
+      using namespace cute;
+      if constexpr (Block == 0) {
+        Tensor c = tCcD(_, _, _, epi_m, epi_n);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          int idx = epi_v * FragmentSize + i;
+          auto crd = c(idx);
+          if ((!Half || idx % 2 == 0) && elem_less(crd, residue)) {
+            store(row0 + int(get<0>(crd)), col0 + int(get<1>(crd)), float(frg[i]));
+          }
+        }
+      } else {
+        Tensor b = buf(_, _, _, epi_m);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) b(epi_v * FragmentSize + i) = float(frg[i]);
+      }
+      return frg;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const& synchronize, int epi_m, int epi_n, bool, VTensor) {
+      using namespace cute;
+      if constexpr (Block != 0) {
+        if (epi_m != EpiM - 1) return;       // the subtile's columns are complete after its last rows
+        Tensor ua = filter(amax(_, _, _, _, epi_n));      // one register per column of this subtile
+        Tensor uo = filter(col_off(_, _, _, _, epi_n));
+        fill(ua, 0.0f);
+        CUTLASS_PRAGMA_UNROLL
+        for (int em = 0; em < EpiM; ++em) {
+          Tensor b = buf(_, _, _, em);
+          Tensor a = amax(_, _, _, em, epi_n);
+          Tensor c = tCcD(_, _, _, em, epi_n);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(b); ++i) {
+            if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
+          }
+        }
+        // across the lanes of a column, then across the warps (each holds other rows) in shared memory
+        synchronize();                        // the previous subtile's readers are done
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size(ua); ++j) {
+          float v = quant::shuffle_max(ua(j), lane_mask);
+          if ((lane & lane_mask) == 0) smem->amax[warp][uo(j) % EpiN] = v;
+        }
+        synchronize();
+        int const N = int(get<1>(residue)) + col0;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size(ua); ++j) {
+          float a = 0.0f;
+          CUTLASS_PRAGMA_UNROLL
+          for (int w = 0; w < Warps; ++w) a = quant::nan_max(a, smem->amax[w][uo(j) % EpiN]);
+          float s, inv;
+          quant::scales<Element, Pow2>(a, s, inv);
+          ua(j) = inv;
+          int n = n_tile * cute::size<1>(CtaTileShapeMNK{}) + uo(j);
+          if (warp == 0 && (lane & lane_mask) == 0 && n < N && (!Half || n % 2 == 0)) {
+            p.scale[int64_t(m_tile) * p.scale_ld + (Half ? n / 2 : n)] = s;
+          }
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int em = 0; em < EpiM; ++em) {
+          Tensor b = buf(_, _, _, em);
+          Tensor a = amax(_, _, _, em, epi_n);
+          Tensor c = tCcD(_, _, _, em, epi_n);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(b); ++i) {
+            auto crd = c(i);
+            if ((!Half || i % 2 == 0) && elem_less(crd, residue)) {
+              store(row0 + int(get<0>(crd)), col0 + int(get<1>(crd)), b(i) * a(i));
+            }
+          }
+        }
+      }
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto
+  get_consumer_store_callbacks(cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args) {
+    using namespace cute;
+    if constexpr (Half) detail::check_pair_layout(args);
+    using EpiTileShape = decltype(shape(cute::remove_cvref_t<decltype(args.epi_tile)>{}));
+    using FlatThr = quant::FlatThreads<cute::remove_cvref_t<decltype(args.tiled_copy)>, EpiTileShape>;
+    constexpr int mask = quant::m_lane_bits<FlatThr>();
+    static_assert(mask >= 0, "coda transposed store: a lane index bit moves both row and column");
+    static_assert(detail::warps_keep_columns<FlatThr, decltype(size(FlatThr{}))::value>(),
+                  "coda transposed store: warps split the tile along N");
+    static_assert(decltype(size(FlatThr{}))::value == Threads, "coda transposed store: thread count mismatch");
+    constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
+    auto col_layout = make_layout(make_shape(Int<TileM>{}, Int<TileN>{}), make_stride(_0{}, _1{}));
+    Tensor tCoCol = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        make_tensor(counting_iterator<int>(0), col_layout), args.epi_tile, args.tiled_copy, args.thread_idx);
+    Tensor tCrAmax = make_tensor_like<float>(tCoCol);
+    auto full = shape(args.tCcD);                                       // (CPY, CPY_M, CPY_N, EPI_M, EPI_N)
+    constexpr int EpiM = decltype(size<3>(decltype(full){}))::value;
+    Tensor tCrBuf = make_tensor<float>(make_shape(get<0>(full), get<1>(full), get<2>(full), get<3>(full)));
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    int row0 = int(M) - int(get<0>(args.residue_tCcD));
+    int col0 = int(N) - int(get<1>(args.residue_tCcD));
+    return ConsumerStoreCallbacks<decltype(tCrBuf), decltype(tCrAmax), decltype(tCoCol), decltype(args.tCcD),
+                                  decltype(args.residue_tCcD), EpiM>(
+        tCrBuf, tCrAmax, tCoCol, args.tCcD, args.residue_tCcD, params, smem, row0, col0, int(m), int(n), mask,
+        args.thread_idx % 32, args.thread_idx / 32);
+  }
+};
+
+}  // namespace coda
