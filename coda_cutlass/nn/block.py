@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import CallError, ConfigError, DeviceError
 from ..partials import cached_tensor
-from .attention import Attention, rope_inv_freq
+from .attention import Attention
+from .checks import check_block_args, check_kernel_runner, check_stream, checked_inv_freq
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
 from .hf import block_from_hf, block_to_hf
 from .runner import KernelRunner, Runner, default_runner
+from .saved import flatten, unflatten
 from .tuning import tune_module
 
 
@@ -35,92 +36,10 @@ def column_frequencies(inv_freq: torch.Tensor, n_heads: int, n_kv_heads: int) ->
     return torch.cat((head.repeat(n_heads + n_kv_heads), torch.zeros(n_kv_heads * head.numel())))
 
 
-def _positive_int(name: str, value: Any, multiple: int = 1, why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % multiple:
-        what = "a positive int" if multiple == 1 else f"a positive multiple of {multiple}{why}"
-        raise ValueError(f"LlamaBlock: {name} must be {what}, got {value!r}")
-    return value
-
-
-def _positive_float(name: str, value: Any) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = float("nan")
-    if not (math.isfinite(v) and v > 0):
-        raise ValueError(f"LlamaBlock: {name} must be a positive finite number, got {value!r}")
-    return v
-
-
-def check_block_args(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int) -> None:
-    """Widths the kernels take, checked when the module is made (on the CPU too, so a CPU test
-    says what the GPU would): every GEMM's K and N and every map kernel's row a multiple of 8, and
-    RoPE pairs within a head of such a width."""
-    vec = " (the kernels move 8-element vectors: every GEMM's K and N)"
-    _positive_int("dim", dim, 8, vec)
-    _positive_int("n_heads", n_heads)
-    _positive_int("n_kv_heads", n_kv_heads)
-    if n_heads % n_kv_heads:
-        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
-    _positive_int("head_dim", head_dim, 8, " (RoPE rotates adjacent pairs; the RoPE backward reads each head "
-                                           "in 8-element vectors)")
-    _positive_int("ffn_dim", ffn_dim, 8, vec)
-
-
-def check_stream(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """The input's dtype and device are the weights' (the kernels' operands share one dtype; the
-    reference interpreter would take others, and say nothing)."""
-    if x.dtype != weight.dtype:
-        raise CallError(f"LlamaBlock: x is {x.dtype} but the weights are {weight.dtype}; cast x (or the module "
-                        f"with .to({x.dtype}))")
-    if x.device != weight.device:
-        raise CallError(f"LlamaBlock: x is on {x.device} but the weights are on {weight.device}")
-
-
-def check_kernel_runner(runner: KernelRunner, weight: torch.Tensor) -> None:
-    """A KernelRunner set on a module runs kernels of one dtype, on a GPU: say so when the module
-    was moved away from it (the default runner follows the module by itself)."""
-    if weight.device.type != "cuda":
-        raise DeviceError(f"the block's runner is a KernelRunner (compiled kernels, a Hopper GPU) but its weights "
-                          f"are on {weight.device}; move the module to the GPU or set block.runner = None (the "
-                          "reference interpreter)")
-    if runner.dtype != weight.dtype:
-        raise ConfigError(f"the block's runner is a KernelRunner for {runner.dtype} but its weights are "
-                          f"{weight.dtype} (moved with .to() / .half()?); set block.runner = KernelRunner("
-                          f"{weight.dtype}) or None (the default runner follows the weights)")
-
-
 def positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     """The position of every token of (batch, seq), fp32, cached."""
     return cached_tensor(("positions", batch, seq, device),
                          lambda: torch.arange(seq, dtype=torch.float32, device=device).repeat(batch))
-
-
-class _Kept:
-    """A leaf of the saved structure that is not a tensor: kept on the ctx as it is."""
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-
-def _flatten(obj: Any, tensors: list[Any]) -> Any:
-    """Nested tuples -> their tensor (or None) leaves appended to ``tensors``, and the structure
-    (None where a tensor was)."""
-    if isinstance(obj, tuple):
-        return tuple(_flatten(o, tensors) for o in obj)
-    if obj is None or isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return None
-    return _Kept(obj)
-
-
-def _unflatten(spec: Any, tensors: Any) -> Any:
-    if spec is None:
-        return next(tensors)
-    if isinstance(spec, _Kept):
-        return spec.value
-    return tuple(_unflatten(s, tensors) for s in spec)
 
 
 class BlockFunction(torch.autograd.Function):
@@ -134,7 +53,7 @@ class BlockFunction(torch.autograd.Function):
         w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
         x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
         tensors: list[Any] = []
-        ctx.layout = _flatten(saved, tensors)
+        ctx.layout = flatten(saved, tensors)
         ctx.save_for_backward(*tensors, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
         ctx.step = step
         if h2 is None:
@@ -145,7 +64,7 @@ class BlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
         *tensors, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp = ctx.saved_tensors
-        saved = _unflatten(ctx.layout, iter(tensors))
+        saved = unflatten(ctx.layout, iter(tensors))
         w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
         dx, g = block_backward(ctx.step, saved, w, dx2.contiguous())
         return dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, None, None
@@ -159,16 +78,8 @@ class LlamaBlock(nn.Module):
                  eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
                  attention: str = "sdpa", device: Any = None, dtype: Any = None):
         super().__init__()
-        _positive_int("n_heads", n_heads)
-        head_dim = dim // n_heads if head_dim is None else head_dim
-        check_block_args(dim, n_heads, n_kv_heads, head_dim, ffn_dim)
-        eps = _positive_float("eps", eps)
-        if inv_freq is None:
-            inv_freq = rope_inv_freq(head_dim, _positive_float("rope_theta", rope_theta))
-        elif not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (head_dim // 2,) \
-                or not bool(torch.isfinite(inv_freq).all()):
-            raise ValueError(f"LlamaBlock: inv_freq must be a tensor of head_dim / 2 = {head_dim // 2} finite "
-                             f"frequencies, got {getattr(inv_freq, 'shape', inv_freq)!r}")
+        head_dim, eps = check_block_args(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)
+        inv_freq = checked_inv_freq(head_dim, rope_theta, inv_freq)
         self.dims = BlockDims(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)
         kw = {"device": device, "dtype": dtype}
         d = self.dims

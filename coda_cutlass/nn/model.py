@@ -19,34 +19,9 @@ from torch import nn
 
 from .. import epilogues as E
 from .block import LlamaBlock
+from .checks import check_model_args, checked_targets
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward
 from .tuning import tune_module
-
-
-def checked_targets(targets: Any, tokens: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
-    """The targets as one int64 vector, refused as torch's cross_entropy refuses them: class indices
-    of an integer dtype, the tokens' shape and device, each in [0, vocab) or ``ignore_index``. On a
-    GPU the range check is asynchronous (``torch._assert_async``: no synchronisation, a few small
-    launches over M elements; a bad target is a device-side assert, as in torch's cross_entropy)."""
-    if not isinstance(targets, torch.Tensor):
-        raise TypeError(f"targets must be a tensor of class indices, got {type(targets).__name__}")
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError(f"targets must be integer class indices (int64 or int32), got {targets.dtype}; "
-                        "class probabilities are not supported")
-    if targets.shape != tokens.shape:
-        raise ValueError(f"targets must have the tokens' shape {tuple(tokens.shape)}, got {tuple(targets.shape)}")
-    if targets.device != tokens.device:
-        raise ValueError(f"targets are on {targets.device}, the tokens on {tokens.device}")
-    t = targets.reshape(-1).to(torch.int64)
-    bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
-    if t.is_cuda:
-        torch._assert_async(~bad.any(), f"a target is out of bounds: class indices are in [0, {vocab}) or "
-                                        f"ignore_index ({ignore_index})")
-    elif bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise IndexError(f"target {int(t[i])} (at flat position {i}) is out of bounds: class indices are in "
-                         f"[0, {vocab}) or ignore_index ({ignore_index})")
-    return t
 
 
 class LMHeadLoss(torch.autograd.Function):
@@ -79,12 +54,7 @@ class LlamaModel(nn.Module):
                  head_dim: int | None = None, eps: float = 1e-5, rope_theta: float = 500000.0,
                  attention: str = "sdpa", ce_chunk_bytes: int = 1 << 30, device: Any = None, dtype: Any = None):
         super().__init__()
-        for name, value, multiple in (("vocab_size", vocab_size, 8), ("n_layers", n_layers, 1),
-                                      ("ce_chunk_bytes", ce_chunk_bytes, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % multiple:
-                what = "a positive int" if multiple == 1 else \
-                    "a positive multiple of 8 (the LM head's N and its backward's K)"
-                raise ValueError(f"LlamaModel: {name} must be {what}, got {value!r}")
+        check_model_args(vocab_size, n_layers, ce_chunk_bytes)
         kw = {"device": device, "dtype": dtype}
         self.embed = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.blocks = nn.ModuleList(
