@@ -312,7 +312,7 @@ class Kernel(ReductionOutputs):
         if name in self._finish_plan and self.partial_reductions:
             return self._finish_plan[name][0].partial_stride(M, N, self._partials_tile)
         shape = self.output_spec(name, M, N)[0]
-        return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return tuple(math.prod(max(d, 1) for d in shape[i + 1:]) for i in range(len(shape)))
 
     # ------------------------------------------------------------------ torch.library
     @property

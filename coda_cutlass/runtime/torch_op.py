@@ -165,7 +165,7 @@ def _layout(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor,
     shape, dtype = k.output_spec(name, M, N)
     if transposed:
         shape = tuple(shape[::-1])
-        return shape, tuple(math.prod(shape[i + 1:]) for i in range(len(shape))), dtype
+        return shape, tuple(math.prod(max(d, 1) for d in shape[i + 1:]) for i in range(len(shape))), dtype
     return tuple(shape), tuple(k.output_stride(name, M, N)), dtype
 
 
