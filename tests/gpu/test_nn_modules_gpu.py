@@ -115,11 +115,12 @@ def test_copies_pickles_saves_and_ema_after_gpu_use():
     assert all(torch.isfinite(p.grad).all() for p in copies["deepcopy"].parameters())
 
 
-@pytest.mark.parametrize("dim,batch,seq", [(64, 2, 128), (256, 1, 64)])
+@pytest.mark.parametrize("dim,batch,seq", [(256, 1, 64), (1024, 2, 160)])
 def test_torch_compile_of_the_model_with_a_backward(dim, batch, seq):
     """Inductor checked the op's real partials against the fake's strides and refused them
-    ('expected size 2==2, stride 128==64'): dim 64 with 256 tokens pads the dgamma column partials
-    to the 128-wide tile (2 M-tiles), dim 256 with 64 tokens the row partials to 128 rows."""
+    ('expected size 2==2, stride 128==64'): the row partials of fewer tokens than a tile (or not a
+    multiple of it: 320 -> 384) are a view of a padded buffer (tests/test_compile_cpu.py has the
+    same on the CPU)."""
     torch.manual_seed(4)
     V = 512
     model = LlamaModel(V, dim, 2, 4, 2, 2 * dim, rope_theta=10000.0, device="cuda", dtype=torch.bfloat16)
