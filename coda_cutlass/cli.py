@@ -193,15 +193,15 @@ def writable_folder(out: str) -> Path:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from .build.cache import KernelCache, default_root
-    root = default_root()
-    entries = list((root / "kernels").glob("*/*")) if (root / "kernels").is_dir() else []
-    size = sum(f.stat().st_size for e in entries for f in e.rglob("*") if f.is_file())
-    print(f"cache: {root}\nkernels: {len(entries)}\nsize: {size / 1e6:.1f} MB")
+    from .build.cache import KernelCache
+    cache = KernelCache()
+    cache.check_root()                       # someone's folder, not a cache: an error naming it
+    keys = list(cache.keys())
+    size = sum(f.stat().st_size for k in keys for f in cache.entry_dir(k).rglob("*") if f.is_file())
+    print(f"cache: {cache.root}\nkernels: {len(keys)}\nsize: {size / 1e6:.1f} MB")
     if args.export:
         from .build.export import export_cache_entry
-        cache = KernelCache(root)
-        n = sum(export_cache_entry(cache, e.name, args.export) for e in entries)
+        n = sum(export_cache_entry(cache, k, args.export) for k in keys)
         print(f"exported {n} verified kernels as prebuilt kernels to {args.export}")
     return 0
 

@@ -34,8 +34,10 @@ def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
 def scales_from_amax(amax: torch.Tensor, dtype: DType | torch.dtype, pow2: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dequantisation scale, quantisation multiplier) per run, from its amax (fp32)."""
-    fmax = FP8_MAX[as_dtype(dtype)]
     amax = amax.float()
+    # IEEE divisions of two tensors, as the kernel divides: torch turns a division by (or of) a
+    # Python number into a multiplication by its reciprocal, which rounds differently
+    fmax = torch.full_like(amax, FP8_MAX[as_dtype(dtype)])
     if pow2:
         v = amax / fmax
         mant, exp = torch.frexp(v)

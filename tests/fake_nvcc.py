@@ -9,9 +9,14 @@ $FAKE_NVCC_LOG. On request it misbehaves:
 - $FAKE_NVCC_BAD_BYTES: non-UTF-8 bytes in its output;
 - $FAKE_NVCC_NOT_ELF: exit 0 but write a file that is not a shared library;
 - $FAKE_NVCC_PIDS=FILE: start a child (as nvcc starts cicc) that sleeps, and write
-  "<own pid> <child pid>" to FILE before sleeping.
+  "<own pid> <child pid>" to FILE before sleeping;
+- $FAKE_NVCC_ENV=FILE: write to FILE (JSON) the working folder, TMPDIR/TMP/TEMP and the owner and
+  mode of the temp folder it got, and leave an intermediate there as nvcc does
+  (tmpxft_<pid>_00000000-6_kernel.cudafe1.cpp).
 """
+import json
 import os
+import tempfile
 import subprocess
 import sys
 import time
@@ -44,6 +49,17 @@ if __name__ == "__main__":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         with open(pids, "w") as f:
             f.write(f"{os.getpid()} {child.pid}\n")
+    seen = os.environ.get("FAKE_NVCC_ENV")
+    if seen:
+        tmp = tempfile.gettempdir()
+        st = os.stat(tmp)
+        intermediate = os.path.join(tmp, f"tmpxft_{os.getpid():08x}_00000000-6_kernel.cudafe1.cpp")
+        with open(intermediate, "w") as f:
+            f.write("// host code nvcc would compile next\n")
+        with open(seen, "w") as f:
+            json.dump({"cwd": os.getcwd(), "gettempdir": tmp, "mode": st.st_mode & 0o7777, "uid": st.st_uid,
+                       "intermediate": intermediate,
+                       **{v: os.environ.get(v) for v in ("TMPDIR", "TMP", "TEMP")}}, f)
     time.sleep(float(os.environ.get("FAKE_NVCC_SLEEP", "0")))
     if bad:
         sys.stderr.buffer.write(b"warning: caf\xe9 \xff\xfe in a Latin-1 locale\n")

@@ -7,14 +7,9 @@ that is not possible."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
-import stat
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,31 +25,9 @@ from coda_cutlass.build.toolchain import find_cutlass, toolchain
 from coda_cutlass.runtime.library import load
 from coda_cutlass.tuning.store import CHOICE_FIELDS, TuningStore
 from fake_nvcc import ELF_HEADER, payload
+from shared_machine import OTHER_UID, as_other_user, mode, needs_other_user, shared_tmp  # noqa: F401 (fixture)
 
 SRC = "// kernel source (trust)\nint y;\n"
-OTHER_UID = 65534          # nobody
-
-
-def mode(p: Path) -> int:
-    return stat.S_IMODE(os.lstat(p).st_mode)
-
-
-def as_other_user(code: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
-                           sys.executable, "-I", "-S", "-c", code, *args], check=check, timeout=60,
-                          capture_output=not check)
-
-
-@functools.lru_cache(maxsize=1)
-def can_act_as_another_user() -> str | None:
-    if os.getuid() != 0:
-        return "acting as another user needs root (setpriv --reuid)"
-    if shutil.which("setpriv") is None:
-        return "setpriv is not installed"
-    probe = as_other_user("import os, sys; sys.exit(os.getuid() != %d)" % OTHER_UID, check=False)
-    if probe.returncode != 0:
-        return f"this Python cannot run as uid {OTHER_UID}: {probe.stderr.decode(errors='replace')[-200:]}"
-    return None
 
 
 PLANT = r"""
@@ -74,22 +47,7 @@ with open(os.path.join(entry, "meta.json"), "w") as f:
 """
 
 
-@pytest.fixture
-def shared_tmp(monkeypatch):
-    """A world-writable sticky folder reachable by other users (like /tmp), made the system temp
-    dir; the fallback cache lies in it. The main cache location is made unusable."""
-    base = Path(tempfile.mkdtemp(prefix="coda-shared-tmp-", dir="/tmp"))
-    os.chmod(base, 0o1777)
-    blocker = base / "a_file"
-    blocker.write_text("not a folder")
-    monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(blocker / "cache"))
-    monkeypatch.setattr(tempfile, "tempdir", str(base))
-    monkeypatch.setattr(cache_mod, "_PRIVATE_FALLBACK", [])
-    yield base
-    shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.mark.skipif(can_act_as_another_user() is not None, reason=str(can_act_as_another_user()))
+@needs_other_user
 def test_fallback_planted_by_another_user_is_refused(fake_nvcc, shared_tmp, monkeypatch):
     """Item 1: another uid pre-creates /tmp/coda-cutlass-<uid> (0777) with a kernel.so and a
     matching meta.json; the victim must neither load it nor build into it."""
@@ -108,28 +66,30 @@ def test_fallback_planted_by_another_user_is_refused(fake_nvcc, shared_tmp, monk
         load(planted / "kernels" / key[:2] / key / "kernel.so")
 
 
-@pytest.mark.skipif(can_act_as_another_user() is not None, reason=str(can_act_as_another_user()))
+@needs_other_user
 def test_entry_planted_in_own_open_cache_is_ignored(fake_nvcc, monkeypatch, shared_tmp):
     """Your own cache folder left world-writable: it is repaired, and what another uid put in it
-    (kernels/ and an entry owned by them) is never loaded or written into."""
+    (kernels/ and an entry owned by them) is never loaded, written into, moved or deleted."""
     root = shared_tmp / "mine"
-    root.mkdir()
-    os.chmod(root, 0o777)
+    assert KernelCache(root).claim() is None            # a cache of yours (marked) ...
+    shutil.rmtree(root / "kernels")
+    os.chmod(root, 0o777)                               # ... left open to everyone
     monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(root))
     key = build_key(SRC, toolchain())
     as_other_user(PLANT, str(root), key, ELF_HEADER.hex())
+    planted = root / "kernels" / key[:2] / key / "kernel.so"
     with pytest.warns(RuntimeWarning) as warned:
         r = build(SRC, "k")
     said = "\n".join(str(w.message) for w in warned)
     assert "made it private" in said and "kernels belongs to uid 65534" in said
-    assert "discarded cache entry" in said and "owned by uid 65534" in said
+    assert "discarded" not in said and planted.read_bytes().endswith(b"PLANTED")   # theirs: left alone
     assert mode(root) == 0o700 and payload(r.path) == SRC
     assert root not in r.path.parents               # kernels/ is theirs: built elsewhere
 
 
 def test_own_world_writable_fallback_is_repaired(fake_nvcc, shared_tmp):
     fb = cache_mod.fallback_root()
-    fb.mkdir()
+    assert KernelCache(fb).claim() is None              # made (and marked) by the cache
     os.chmod(fb, 0o777)
     with pytest.warns(RuntimeWarning) as warned:
         r = build(SRC, "k")
@@ -146,7 +106,7 @@ def test_cache_below_a_folder_others_can_write_is_not_used(fake_nvcc, shared_tmp
     monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(shared / "cache"))
     with pytest.warns(RuntimeWarning, match="team is writable by its group"):
         r = build(SRC, "k")
-    assert cache_mod.fallback_root() in r.path.parents
+    assert cache_mod.fallback_root() in r.path.parents and list(shared.iterdir()) == []   # nothing made there
 
 
 def test_fallback_is_created_private_under_umask_000(fake_nvcc, shared_tmp):

@@ -33,6 +33,15 @@ from .toolchain import Toolchain, nvcc_search_report, toolchain
 
 NVCC_TIMEOUT_S = 1800.0
 LOCK_MARGIN_S = 60.0
+# The script that rebuilds an entry by hand; nvcc gets a private temp folder there too (run.py says why).
+BUILD_SH = """#!/bin/sh
+# Rebuilds kernel.so from this directory.
+set -e
+cd "$(dirname "$0")"
+tmp=$(mktemp -d "$PWD/.tmp.XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+export TMPDIR="$tmp" TMP="$tmp" TEMP="$tmp"
+"""
 
 
 @dataclass(frozen=True)
@@ -120,8 +129,7 @@ def _compile_in(cache: KernelCache, d: Path, key: str, skey: str, source: str, n
         make_dirs((d / "include" / rel).parent)
         write_file(d / "include" / rel, text)
     cmd = tc.command("kernel.cu", "kernel.so", ("include",))
-    write_file(d / "build.sh", "#!/bin/sh\n# Rebuilds kernel.so from this directory.\nset -e\ncd \"$(dirname \"$0\")\"\n"
-               + shlex.join(cmd) + "\n", PRIVATE_EXEC)
+    write_file(d / "build.sh", BUILD_SH + shlex.join(cmd) + "\n", PRIVATE_EXEC)
     say(f"compiling {name} with nvcc [{key[:12]}] (about 45 s per kernel on 2 cores; cached afterwards)", verbose)
     say(f"  nvcc: {tc.nvcc} ({tc.nvcc_reason}; {tc.nvcc_version})", verbose)
     with Ticker(name, verbose) as ticker:

@@ -1,7 +1,11 @@
-"""Per-key build locks across processes (flock), with progress while waiting and a time limit.
+"""Locks across processes (flock), with progress while waiting and a time limit: the per-key
+build locks of the kernel cache and the tuning cache's lock.
 
 The holder writes its pid into the lock file, so a waiting process can say whom it waits for. A
-lock is released by the kernel when its holder dies, however it dies.
+lock is released by the kernel when its holder dies, however it dies. (The filelock package
+that torch brings is not used: the holder's pid must stay in the file, which filelock 3.x opens
+with O_TRUNC on every attempt; the sweep of killed builds asks whether a lock is held without
+waiting for it; and the behaviour must not change with the filelock version torch pulls in.)
 """
 
 from __future__ import annotations
@@ -21,12 +25,14 @@ _FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @contextlib.contextmanager
-def hold(path: Path, what: str, timeout: float | None, verbose: bool | None) -> Iterator[None]:
-    """Hold the lock at ``path``, waiting for another holder at most ``timeout`` seconds (None:
-    forever) with a progress line every 15 s; a BuildError when the time is up."""
+def hold(path: Path, what: str, timeout: float | None, verbose: bool | None,
+         doing: str = "building") -> Iterator[None]:
+    """Hold the lock at ``path``, waiting for another holder (``doing`` ``what``) at most
+    ``timeout`` seconds (None: forever) with a progress line every 15 s; a BuildError when the
+    time is up."""
     fd = os.open(path, _FLAGS | os.O_CREAT, PRIVATE_FILE)
     try:
-        _wait(fd, path, what, timeout, verbose)
+        _wait(fd, path, f"{doing} {what}", timeout, verbose)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
@@ -58,21 +64,21 @@ def _try(fd: int) -> bool:
         return False
 
 
-def _wait(fd: int, path: Path, what: str, timeout: float | None, verbose: bool | None,
+def _wait(fd: int, path: Path, task: str, timeout: float | None, verbose: bool | None,
           every: float = 15.0) -> None:
     if _try(fd):
         return
     holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
     start = time.monotonic()
     limit = f", for at most {timeout:.0f} s" if timeout is not None else ""
-    say(f"waiting for another process (pid {holder}) building {what}{limit} (lock {path})...", verbose)
+    say(f"waiting for another process (pid {holder}) {task}{limit} (lock {path})...", verbose)
     next_note = start + every
     while not _try(fd):
         time.sleep(0.2)
         now = time.monotonic()
         if timeout is not None and now - start >= timeout:
             raise BuildError(f"gave up after {now - start:.0f} s waiting for another process (pid {holder}) "
-                             f"building {what} (lock {path}); set CODA_CUTLASS_LOCK_TIMEOUT to wait longer")
+                             f"{task} (lock {path}); set CODA_CUTLASS_LOCK_TIMEOUT to wait longer")
         if now >= next_note:
-            say(f"  ... still waiting for pid {holder} building {what} ({now - start:.0f} s)", verbose)
+            say(f"  ... still waiting for pid {holder} {task} ({now - start:.0f} s)", verbose)
             next_note += every

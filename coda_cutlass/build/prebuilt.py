@@ -10,9 +10,9 @@ foreign, corrupt or mismatching one is skipped with a warning.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
+from .progress import warn
 from .verify import Rejected, verify
 
 PACKAGE_PREBUILT = Path(__file__).resolve().parent.parent / "prebuilt"
@@ -44,5 +44,5 @@ def find_prebuilt(source_key: str) -> Path | None:
             verify(so, meta)
             return so
         except Rejected as e:
-            warnings.warn(f"coda-cutlass: skipping prebuilt kernel {so}: {e}", RuntimeWarning, stacklevel=3)
+            warn(f"skipping prebuilt kernel {so}: {e}", stacklevel=3)
     return None

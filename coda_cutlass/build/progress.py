@@ -1,12 +1,23 @@
-"""Progress output for long builds (stderr; silence with verbose=False or CODA_CUTLASS_QUIET=1)."""
+"""Progress output and warnings of long work, on stderr and on the ``coda_cutlass`` logger.
+
+Progress lines go to stderr unless verbose=False or CODA_CUTLASS_QUIET=1, and always to the
+logger at INFO; warnings are Python warnings (RuntimeWarning, "coda-cutlass: ..."), and go to the
+logger at WARNING too. The logger has only a NullHandler of its own: nothing is printed twice
+unless you attach a handler (then set CODA_CUTLASS_QUIET=1 to have the progress lines only there).
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
+import warnings
 
 from ..env import env_flag
+
+LOGGER = logging.getLogger("coda_cutlass")
+LOGGER.addHandler(logging.NullHandler())
 
 
 def enabled(verbose: bool | None) -> bool:
@@ -19,12 +30,20 @@ _SAY = threading.Lock()
 
 
 def say(message: str, verbose: bool | None = None) -> None:
+    LOGGER.info(message)
     if enabled(verbose):
         # one write per line under a lock: parallel build threads printed "...prebuiltcoda-cutlass: ..."
         # when print()'s separate writes of the text and the newline interleaved
         with _SAY:
             sys.stderr.write(f"coda-cutlass: {message}\n")
             sys.stderr.flush()
+
+
+def warn(message: str, stacklevel: int = 2) -> None:
+    """A RuntimeWarning "coda-cutlass: <message>" (``stacklevel`` as for warnings.warn, counted
+    from the caller), also logged at WARNING."""
+    LOGGER.warning(message)
+    warnings.warn(f"coda-cutlass: {message}", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 class Ticker:

@@ -3,21 +3,30 @@ process group (cicc, ptxas, the host compiler) when nvcc exits, times out, is in
 when this process dies, however it dies. Output is captured as bytes and decoded with
 replacement characters (a log in another encoding must not turn a build error into a
 UnicodeDecodeError).
+
+nvcc writes its intermediates (tmpxft_<pid>_*.cudafe1.cpp, .ptx, .cubin) under $TMPDIR with
+predictable names and reads them back: in a shared /tmp another user can pre-create them or
+append to them mid-build. So nvcc and everything it starts get TMPDIR, TMP and TEMP pointing at a
+folder of their own, 0700, inside the build folder (itself private), removed when the command
+is over.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import PRIVATE_FILE
+from .files import PRIVATE_DIR, PRIVATE_FILE
 
 SUPERVISOR = Path(__file__).resolve().parent / "supervise.py"
 EXIT_NOT_FOUND = 127
+PRIVATE_TMP = ".tmp"         # the compiler's temp folder, inside the build folder
+TEMP_VARS = ("TMPDIR", "TMP", "TEMP")
 
 
 @dataclass(frozen=True)
@@ -28,12 +37,23 @@ class Ran:
 
 
 def run(cmd: list[str], cwd: Path, timeout: float | None) -> Ran:
+    """Run ``cmd`` in ``cwd`` (a private folder of the build) with its own temp folder there."""
+    tmp = cwd / PRIVATE_TMP
+    os.mkdir(tmp, PRIVATE_DIR)      # fails if anything is already there: never one made by someone else
+    os.chmod(tmp, PRIVATE_DIR)
+    try:
+        return _run(cmd, cwd, timeout, {**os.environ, **{var: str(tmp) for var in TEMP_VARS}})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float | None, env: dict[str, str]) -> Ran:
     out_path = cwd / ".output"
     fd = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
     with os.fdopen(fd, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-I", "-S", str(SUPERVISOR), str(os.getpid()), "--", *cmd],
                                 cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     timed_out = False
     try:
         proc.wait(timeout)

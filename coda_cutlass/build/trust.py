@@ -8,18 +8,19 @@ folder such as /tmp: others can write there but cannot rename or delete what the
 This is the rule ssh applies to ~/.ssh; it closes the hole of a shared /tmp cache that another
 user pre-creates and fills with a kernel.so and a matching meta.json (keys are deterministic).
 
-A cache folder is claimed before anything is written into it: created private, repaired if it is
-yours but others can write to it, refused if someone else owns it.
+A cache's folders are claimed before anything is written into them: created private, repaired if
+they are yours but others can write to them, refused if someone else owns them or they are links.
+Which root folder may be a cache at all is layout.py's and cache.py's business.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-import warnings
 from pathlib import Path
 
-from .files import PRIVATE_DIR, make_dirs
+from .files import PRIVATE_DIR
+from .progress import warn
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -37,8 +38,9 @@ def describe_mode(st: os.stat_result) -> str:
     return f"mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}"
 
 
-def untrusted_reason(path: Path) -> str | None:
-    """Why loading ``path`` could run code another user controls, or None if it cannot."""
+def untrusted_reason(path: Path, parent: bool = False) -> str | None:
+    """Why loading ``path`` could run code another user controls, or None if it cannot.
+    ``parent``: ``path`` is the folder something will be created in (so it may be sticky, /tmp)."""
     real = Path(os.path.realpath(path))
     trusted = trusted_uids()
     parts = real.parts
@@ -50,7 +52,7 @@ def untrusted_reason(path: Path) -> str | None:
             return f"cannot check {p}: {e.strerror}"
         if stat.S_ISLNK(st.st_mode):
             return f"{p} was replaced by a symbolic link while being checked"
-        sticky_dir = i < len(parts) and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+        sticky_dir = (i < len(parts) or parent) and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
         reason = stat_problem(st, p, trusted, sticky_ok=bool(sticky_dir))
         if reason:
             return reason
@@ -63,18 +65,19 @@ def stat_problem(st: os.stat_result, what: object, trusted: frozenset[int] | Non
     if st.st_uid not in (trusted or trusted_uids()):
         return f"{what} is owned by uid {st.st_uid}, not by you, root or the owner of the coda_cutlass install"
     if st.st_mode & 0o022 and not sticky_ok:
-        return f"{what} is writable by {'group and others' if st.st_mode & 0o002 else 'its group'} ({describe_mode(st)})"
+        return f"{what} is writable by {others_can_write(st)} ({describe_mode(st)})"
     return None
 
 
 def claim_dir(path: Path) -> str | None:
-    """Make ``path`` a folder only you control, creating it (0700) if missing. An existing folder
-    of yours that others can write to is repaired (made 0700); one owned by someone else, or a
-    link to a folder not yours, is refused. Returns why it was refused, or None."""
+    """Make ``path``, a folder of a cache root you own (so one the cache creates), a folder only
+    you control: created 0700 if missing, made 0700 again (with a warning) if others can write to
+    it. A link, or a folder owned by someone else, is refused and left as it is. Returns why it
+    was refused, or None."""
     try:
-        make_dirs(path.parent)
         os.mkdir(path, PRIVATE_DIR)
         os.chmod(path, PRIVATE_DIR)
+        return None
     except FileExistsError:
         pass
     except OSError as e:
@@ -84,23 +87,27 @@ def claim_dir(path: Path) -> str | None:
     except OSError as e:
         return f"cannot check {path}: {e.strerror}"
     if stat.S_ISLNK(st.st_mode):
-        target = Path(os.path.realpath(path))
-        try:
-            owner = os.lstat(target).st_uid
-        except OSError as e:
-            return f"{path} is a link to {target}, which cannot be used: {e.strerror}"
-        if owner != os.getuid():
-            return f"{path} is a link to {target}, which belongs to uid {owner}, not to you"
-        return claim_dir(target)
+        return f"{path} is a symbolic link (made by uid {st.st_uid}), not a folder the cache created"
     if not stat.S_ISDIR(st.st_mode):
         return f"{path} is not a folder"
     if st.st_uid != os.getuid():
         return f"{path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()})"
-    if st.st_mode & 0o022:
-        try:
-            os.chmod(path, PRIVATE_DIR)
-        except OSError as e:
-            return f"{path} is writable by others ({describe_mode(st)}) and cannot be repaired: {e.strerror}"
-        warnings.warn(f"coda-cutlass: {path} was writable by others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                      "made it private (0700). Anything others put there is ignored", RuntimeWarning, stacklevel=2)
+    return repair(path, st)
+
+
+def repair(path: Path, st: os.stat_result) -> str | None:
+    """Make a folder the cache created, found writable by others, private again (with a warning);
+    why that failed, or None."""
+    if not st.st_mode & 0o022:
+        return None
+    try:
+        os.chmod(path, PRIVATE_DIR)
+    except OSError as e:
+        return f"{path} is writable by others ({describe_mode(st)}) and cannot be repaired: {e.strerror}"
+    warn(f"{path} was writable by others (mode {stat.S_IMODE(st.st_mode):04o}); made it private (0700). "
+         "Anything others put there is ignored", stacklevel=3)
     return None
+
+
+def others_can_write(st: os.stat_result) -> str:
+    return "group and others" if st.st_mode & 0o002 else "its group"

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..dtypes import DType
 from ..ir.nodes import Kind, Program, layout_columns, layout_shape, scale_shape
 from ..partials import PartialLayout
@@ -47,9 +49,17 @@ class TensorSlot:
 
     def storage(self, M: int, N: int) -> tuple[int, int]:
         """The row-major buffer behind it: block scales are stored run-major ("MN-major": scale[run,
-        row], the layout the blockwise-scaled GEMMs read); ``shape`` is then its transpose."""
+        row], with the row count rounded up to 4 so each run's column of scales is 16-byte aligned:
+        the layout the blockwise-scaled GEMMs read with TMA); ``shape`` is the transpose of its
+        first ``rows`` columns."""
         rows, cols = self.shape(M, N)
-        return (cols, rows) if self.layout == "scale" else (rows, cols)
+        return (cols, -(-rows // 4) * 4) if self.layout == "scale" else (rows, cols)
+
+    def view(self, buffer: torch.Tensor, M: int, N: int) -> torch.Tensor:
+        """The tensor a call returns from this slot's ``storage`` buffer."""
+        if self.layout == "scale":
+            return buffer[:, :self.shape(M, N)[0]].t()
+        return buffer
 
     def describe(self, tile_n: int) -> dict[str, Any]:
         d = {"index": self.index, "name": self.name, "role": self.role, "kind": self.kind.value,

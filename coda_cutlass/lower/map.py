@@ -12,10 +12,11 @@ them) are computed once per thread before the row loop; per-row and per-element 
 A value that varies along N is an 8-element array, one that does not is a single float.
 
 Supported: every elementwise op and cast, the pair ops (pairs, interleave, pair_map, rotate_pairs),
-row/col indices, tile / per-row / per-column / scalar operands, tile outputs (full or half width),
-accumulated outputs, and row reductions (sum, max, min, gather) and total sums as per-(row,
-256-column tile) partials. Refused with an error naming the node: packed pairs, log-sum-exp,
-segment sums and column reductions.
+row/col indices, tile / per-row / per-column / scalar / device-scalar operands, tile outputs (full
+or half width, FP8 included), FP8 outputs quantised per tensor or per 1 x 128 run (the 16 lanes of
+a run reduce its amax with shuffles), accumulated outputs, and row reductions (sum, max, min,
+gather) and total sums as per-(row, 256-column tile) partials. Refused with an error naming the
+node: packed pairs, log-sum-exp, segment sums, column reductions and transposed outputs.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ class MapSlot:
     role: str          # "acc" (the input X), "input", "output", "inout", "partials"
     kind: Kind         # TILE, ROW (length M), COL (length N); partials: ROW
     dtype: DType
-    layout: str = "tile"          # tile outputs: "tile" (M x N) or "half" (M x N/2)
+    layout: str = "tile"          # tile outputs: "tile" (M x N), "half" (M x N/2) or "scale" (block scales)
     partials: PartialLayout | None = None   # role "partials" (with PARTIALS_TILE)
+    scale_of: str | None = None   # layout "scale": the layout of the quantised output it scales
 
     def describe(self) -> dict[str, Any]:
         d = {"index": self.index, "name": self.name, "role": self.role, "kind": self.kind.value,
@@ -118,6 +120,10 @@ def lower_map(program: Program, dtype: DType) -> MapGraph:
                 continue
             slot_of[name] = len(slots)
             slots.append(MapSlot(len(slots), name, "output", Kind.TILE, n.dtype, layout=n.attr("layout", "tile")))
+        elif n.op == "block_scale":
+            slot_of[name] = len(slots)
+            slots.append(MapSlot(len(slots), name, "output", Kind.TILE, F32, layout="scale",
+                                 scale_of=n.attr("layout")))
         else:
             slot_of[name] = len(slots)
             out = as_dtype(n.attr("out_dtype", "f32"))   # partials are fp32; the finished result is this
@@ -138,6 +144,8 @@ def lower_map(program: Program, dtype: DType) -> MapGraph:
         header = _MAP_HEADERS.get(n.op) or (OPS[n.op].header if n.op in OPS else None)
         if header:
             headers.add(header)
+        if n.op == "store" and n.dtype is not None and n.dtype.bits == 8:
+            headers.add("coda/fp8_scale.hpp")     # FP8 conversion (and the scales of quantised outputs)
         if n.is_sink:
             hoisted = False
         nodes.append(MapNode(n.id, op, vec, hoisted, ins, node_text(n), params))
@@ -149,7 +157,7 @@ def _node(program: Program, n: Node, slot_of: dict[str, int], scalars: tuple[str
         return "tile_load", {"slot": 0}
     if n.op == "load":
         slot = slot_of[n.attr("operand")]
-        kind = {Kind.TILE: "tile_load", Kind.ROW: "row_load", Kind.COL: "col_load"}[n.kind]
+        kind = {Kind.TILE: "tile_load", Kind.ROW: "row_load", Kind.COL: "col_load", Kind.SCALAR: "device_scalar"}[n.kind]
         return kind, {"slot": slot, "element": _cpp(n.dtype)}
     if n.op == "scalar":
         return "scalar", {"index": scalars.index(n.attr("operand"))}
@@ -166,10 +174,17 @@ def _node(program: Program, n: Node, slot_of: dict[str, int], scalars: tuple[str
     if n.op in OPS:
         return "fn", {"functor": f"coda::scalar::{OPS[n.op].functor}"}
     if n.op == "store":
-        if n.attr("layout", "tile") not in ("tile", "half"):
-            raise _refuse(program, n, f"'{n.attr('layout')}' outputs")
-        op = "half_store" if n.attr("layout") == "half" else "store"
+        layout = n.attr("layout", "tile")
+        if layout not in ("tile", "half"):
+            raise _refuse(program, n, f"transposed ('{layout}') outputs (cc.quantize(..., transpose=True))")
+        if n.attr("quant") == "block":
+            return "quant_store", {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype),
+                                   "scale": slot_of[f"{n.attr('name')}_scale"], "half": layout == "half",
+                                   "pow2": "true" if n.attr("pow2") else "false"}
+        op = "half_store" if layout == "half" else "store"
         return op, {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype)}
+    if n.op == "block_scale":
+        return "none", {}        # written by the quantising store
     if n.op == "reduce":
         fn, axis = n.attr("fn"), n.attr("axis")
         if fn == "lse":

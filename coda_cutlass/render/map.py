@@ -17,15 +17,20 @@ def map_slot_doc(s: MapSlot) -> str:
         return f"fp32 partials of {what}, [ceil(N / 256), M]"
     if s.role == "acc":
         return f"X, the program's acc: {s.dtype.name} [M, N] (strided view)"
+    if s.kind == Kind.SCALAR:
+        return "input f32 [] (one value, on the device)"
     if s.kind != Kind.TILE:
         return f"input {s.dtype.name} " + ("[M]" if s.kind == Kind.ROW else "[N]")
+    if s.layout == "scale":
+        return ("output f32 block scales of a quantised output, stored [runs, M] (run-major: views.stride_m "
+                "= ld): one per 1 x 128 run of each row")
     role = {"input": "input", "output": "output", "inout": "accumulated output (read, then written)"}[s.role]
     width = "[M, N/2] (half width: column i from the pair 2i, 2i+1)" if s.layout == "half" else "[M, N]"
     return f"{role} {s.dtype.name} {width} (strided view)"
 
 
 def render_map_kernel(graph: MapGraph) -> str:
-    tile_slots = [s for s in graph.slots if s.kind == Kind.TILE and s.role != "partials"]
+    tile_slots = [s for s in graph.slots if s.kind == Kind.TILE and s.role != "partials" and s.layout != "scale"]
     return environment().get_template("map.cu.j2").render(
         name=graph.program.name,
         version=__version__,

@@ -238,7 +238,7 @@ class Kernel(ReductionOutputs):
                     t = new_buffer((rows, cols), s.dtype.torch, device, poison)
                     lds[i] = cols
                 lds[i] = _kernel_ld(s.layout, lds[i])
-                results[name] = t.t() if s.layout == "scale" else t
+                results[name] = s.view(t, M, N)
             elif role == "partials":
                 t = new_buffer(s.partials.buffer_shape(M, N, self.config.tile), torch.float32, device, poison)
                 partials.append((name, t))

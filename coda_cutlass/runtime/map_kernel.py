@@ -190,6 +190,14 @@ class CompiledMap(ReductionOutputs):
             elif s.role == "partials":
                 t = new_buffer(s.partials.partial_shape(M, N, PARTIALS_TILE), torch.float32, device, poison)
                 partials.append((s.name, t))
+            elif s.role == "output" and s.layout == "scale":
+                if out and s.name in out:
+                    raise CallError(f"{self.name}: out['{s.name}']: block scales are allocated by the kernel call")
+                cols = N // 2 if s.scale_of == "half" else N
+                ld = -(-M // 4) * 4                   # run-major, 16-byte aligned runs (TensorSlot.storage)
+                t = new_buffer((-(-cols // 128), ld), torch.float32, device, poison)
+                view = (0, ld, max(M, 1), 0, 1)
+                results[s.name] = t[:, :M].t()
             elif s.role == "output":
                 cols = N // 2 if s.layout == "half" else N
                 t = out.get(s.name) if out else None
@@ -224,7 +232,9 @@ class CompiledMap(ReductionOutputs):
 
     @staticmethod
     def _check_vector_or_tile(name: str, kind: Kind, t: Any, dtype: Any, M: int, N: int, device: torch.device) -> None:
-        if kind == Kind.TILE:
+        if kind == Kind.SCALAR:
+            checks.check_device_scalar(name, t, device)
+        elif kind == Kind.TILE:
             tile_view(name, t, M, N, dtype.torch, device)
         else:
             checks.check_vector(name, t, M if kind == Kind.ROW else N,

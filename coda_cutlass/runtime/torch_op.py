@@ -130,9 +130,9 @@ def register(k: OpKernel) -> Any:
         def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
                  swizzle: int | None = None) -> Any:
             out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
-            # block scales are the transposed view of a run-major buffer: the op returns the buffer
-            vals = tuple(as_returned(k, n, out[n].t() if n in transposed else out[n], A, W, n in transposed)
-                         for n in returned)
+            # block scales are a view of a run-major buffer: the op returns the buffer (call_op views it)
+            vals = tuple(as_returned(k, n, _scale_buffer(k, n, out[n], A, W) if n in transposed else out[n], A, W,
+                                     n in transposed) for n in returned)
             if not vals:
                 return None
             return vals[0] if len(vals) == 1 else vals
@@ -156,15 +156,30 @@ def transposed_returns(k: OpKernel) -> frozenset[str]:
     return frozenset(getattr(k, "scale_outputs", ()))
 
 
+def _mn(k: OpKernel, A: torch.Tensor, W: torch.Tensor) -> tuple[int, int]:
+    return A.shape[0], (W.shape[0] if k.weight_layout == "nk" else W.shape[1])
+
+
+def _storage(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> tuple[int, int]:
+    """The run-major buffer behind block scales (TensorSlot.storage)."""
+    return k._slots_by_name[name].storage(*_mn(k, A, W))
+
+
+def _scale_buffer(k: OpKernel, name: str, v: torch.Tensor, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """The whole run-major buffer behind the block-scale view ``v``."""
+    storage = _storage(k, name, A, W)
+    return v.t().as_strided(storage, (storage[1], 1))
+
+
 def _layout(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor,
             transposed: bool) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype]:
     """(shape, strides, dtype) of what the op returns for an output, as the eager call returns it
-    (partials are views of a padded buffer: their row stride is the padded length); a transposed
-    output is its contiguous run-major buffer."""
-    M, N = A.shape[0], W.shape[0] if k.weight_layout == "nk" else W.shape[1]
+    (partials are views of a padded buffer: their row stride is the padded length); block scales
+    are their contiguous run-major buffer."""
+    M, N = _mn(k, A, W)
     shape, dtype = k.output_spec(name, M, N)
     if transposed:
-        shape = tuple(shape[::-1])
+        shape = tuple(_storage(k, name, A, W))
         return shape, tuple(math.prod(max(d, 1) for d in shape[i + 1:]) for i in range(len(shape))), dtype
     return tuple(shape), tuple(k.output_stride(name, M, N)), dtype
 
@@ -199,7 +214,7 @@ def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, A
         out = (out,)
     result = dict(zip(returned, out or ()))
     for n in transposed_returns(k):
-        result[n] = result[n].t()
+        result[n] = k._slots_by_name[n].view(result[n], *_mn(k, A, W))
     for n in k.inout:
         result[n] = operands[n]
     return {n: result[n] for n in k.outputs}

@@ -4,23 +4,29 @@ layout, N, K and a power-of-two M bucket.
 
 A file that is not a JSON object, a record that is not one, or (when the reader names the fields it
 reads) a record without them is corrupt: it is ignored with a warning (the shape is tuned again)
-and replaced by the next write.
+and replaced by the next write. A choice is written only into a cache you can claim (a teammate's
+is read-only for you) and under the build lock's implementation (build/locks.py), waiting at most
+$CODA_CUTLASS_LOCK_TIMEOUT (default 60 s); otherwise it is kept in memory only, saying why.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import uuid
-import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
-from ..build.cache import resolve_root
-from ..build.files import PRIVATE_FILE, make_dirs, read_json_object, write_file
+from ..env import env_seconds
+from ..errors import BuildError
+from ..build.cache import KernelCache, resolve_root
+from ..build.files import read_json_object, write_file
+from ..build.locks import hold
+from ..build.progress import warn
+
+LOCK_TIMEOUT_S = 60.0
 
 # field -> type of a stored per-kernel choice (what TunedEpilogue reads back).
 CHOICE_FIELDS: Mapping[str, type] = {"config": dict, "raster": str, "swizzle": int}
@@ -49,8 +55,8 @@ class TuningStore:
         data = read_json_object(self.path)
         if data is None:
             if self.path.exists():
-                warnings.warn(f"coda-cutlass: ignoring tuning cache {self.path}: not a JSON object; "
-                              "it is rewritten on the next tuning", RuntimeWarning, stacklevel=3)
+                warn(f"ignoring tuning cache {self.path}: not a JSON object; it is rewritten on the next tuning",
+                     stacklevel=3)
             return {}
         return data
 
@@ -60,25 +66,20 @@ class TuningStore:
         if rec is None:
             return None
         if not isinstance(rec, dict) or not all(isinstance(rec.get(f), t) for f, t in (fields or {}).items()):
-            warnings.warn(f"coda-cutlass: ignoring corrupt tuning record {key!r} in {self.path}; the shape is "
-                          "tuned again", RuntimeWarning, stacklevel=2)
+            warn(f"ignoring corrupt tuning record {key!r} in {self.path}; the shape is tuned again")
             return None
         return rec
 
     def put(self, key: str, record: dict[str, Any]) -> None:
+        if KernelCache(self.root).refusal() is not None:
+            return   # a cache you cannot write (or a teammate's): the choice is kept in memory only
         try:
-            make_dirs(self.root)
-            lock = os.open(self.root / "tuning.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                           PRIVATE_FILE)
-        except OSError:
-            return   # read-only cache: the choice is kept in memory only
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            data = read_json_object(self.path) or {}
-            data[key] = record
-            tmp = self.path.with_name(f".tuning-{uuid.uuid4().hex}.json")
-            write_file(tmp, json.dumps(data, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            os.close(lock)
+            with hold(self.root / "tuning.lock", "the tuning cache", env_seconds("CODA_CUTLASS_LOCK_TIMEOUT",
+                      LOCK_TIMEOUT_S), None, doing="writing"):
+                data = read_json_object(self.path) or {}
+                data[key] = record
+                tmp = self.path.with_name(f".tuning-{uuid.uuid4().hex}.json")
+                write_file(tmp, json.dumps(data, indent=1, sort_keys=True))
+                os.replace(tmp, self.path)
+        except (BuildError, OSError) as e:
+            warn(f"tuning choice {key!r} not saved in {self.path} ({e}); it is kept in memory only", stacklevel=3)

@@ -64,7 +64,13 @@ CUTLASS_DEVICE void load8(void const* base, int64_t offset, float (&out)[kVec]) 
 template <class T>
 CUTLASS_DEVICE void store8(void* base, int64_t offset, float const (&in)[kVec]) {
   T* p = static_cast<T*>(base) + offset;
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(T) == 1) {                 // FP8: one 8-byte store (conversion saturates)
+    uint2 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVec; ++i) e[i] = from_float<T>(in[i]);
+    *reinterpret_cast<uint2*>(p) = raw;
+  } else if constexpr (sizeof(T) == 2) {
     uint4 raw;
     T* e = reinterpret_cast<T*>(&raw);
     CUTLASS_PRAGMA_UNROLL
@@ -80,7 +86,13 @@ CUTLASS_DEVICE void store8(void* base, int64_t offset, float const (&in)[kVec]) 
 template <class T>
 CUTLASS_DEVICE void store_even4(void* base, int64_t offset, float const (&in)[kVec]) {
   T* p = static_cast<T*>(base) + offset;
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (sizeof(T) == 1) {
+    uint32_t raw;
+    T* e = reinterpret_cast<T*>(&raw);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVec / 2; ++i) e[i] = from_float<T>(in[2 * i]);
+    *reinterpret_cast<uint32_t*>(p) = raw;
+  } else if constexpr (sizeof(T) == 2) {
     uint2 raw;
     T* e = reinterpret_cast<T*>(&raw);
     CUTLASS_PRAGMA_UNROLL

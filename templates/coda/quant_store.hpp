@@ -25,10 +25,9 @@
 #include "cute/tensor.hpp"
 #include "cutlass/array.h"
 #include "cutlass/cutlass.h"
-#include "cutlass/float8.h"
-#include "cutlass/numeric_conversion.h"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 
+#include "coda/fp8_scale.hpp"
 #include "coda/pairwise.hpp"
 #include "coda/pointer_node.hpp"
 #include "coda/segments.hpp"
@@ -36,44 +35,6 @@
 namespace coda {
 
 namespace quant {
-
-template <class Element> struct Fp8Max;
-template <> struct Fp8Max<cutlass::float_e4m3_t> { static constexpr float value = 448.0f; };
-template <> struct Fp8Max<cutlass::float_e5m2_t> { static constexpr float value = 57344.0f; };
-
-// max(a, b) where a NaN wins (torch's amax semantics).
-CUTLASS_DEVICE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
-
-// The dequantisation scale and the quantisation multiplier of a run with this amax.
-template <class Element, bool Pow2>
-CUTLASS_DEVICE void scales(float amax, float& scale, float& inv) {
-  constexpr float fmax = Fp8Max<Element>::value;
-  if (!(amax <= 3.402823466e38f)) {                       // inf or NaN
-    scale = inv = __int_as_float(0x7fc00000);
-    return;
-  }
-  if (amax == 0.0f) {
-    scale = inv = 1.0f;
-    return;
-  }
-  if constexpr (Pow2) {
-    float v = amax / fmax;
-    int e = 0;
-    float m = frexpf(v, &e);
-    float s = (m == 0.5f) ? v : ldexpf(1.0f, e);
-    s = fmaxf(s, 1.17549435e-38f);                        // 2^-126: keeps 1 / s finite
-    scale = s;
-    inv = 1.0f / s;
-  } else {
-    scale = amax / fmax;
-    inv = fmax / amax;
-  }
-}
-
-template <class Element>
-CUTLASS_DEVICE Element convert(float x) {
-  return cutlass::NumericConverter<Element, float, cutlass::FloatRoundStyle::round_to_nearest>{}(x);
-}
 
 // The collective's register -> smem thread layout over one epilogue subtile, flattened: which
 // (row, column) each thread-index bit steps to.
@@ -92,14 +53,6 @@ CUTE_HOST_DEVICE constexpr int m_lane_bits() {
     else if (dm != 0 && dn != 0) return -1;
   }
   return mask;
-}
-
-CUTLASS_DEVICE float shuffle_max(float v, int mask) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int b = 0; b < 5; ++b) {
-    if (mask & (1 << b)) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, 1 << b));
-  }
-  return v;
 }
 
 }  // namespace quant

@@ -40,8 +40,10 @@ def run():
     if how == "backward_dy":
         y.backward(g)
     elif how == "autograd_grad":
-        (gx,) = torch.autograd.grad(y, x, g)
-        x.grad = gx
+        params = list(block.parameters())
+        grads = torch.autograd.grad(y, [x, *params], g)
+        for t, gt in zip([x, *params], grads):
+            t.grad = gt
     elif how == "sum_backward":
         (y.float() * g.float()).sum().backward()
     elif how == "thread_backward_dy":
