@@ -117,7 +117,7 @@ setup(
     package_data={"coda_cutlass": ["**/*"]},
     exclude_package_data={"coda_cutlass": ["*.pyc", "*.pyo"]},
     install_requires=["torch>=2.4", "jinja2>=3.0"],
-    extras_require={"jit": [CUTLASS], "test": ["pytest>=7", CUTLASS, "transformers>=4.45"]},
+    extras_require={"jit": [CUTLASS], "test": ["pytest>=7", CUTLASS, "transformers>=4.45", "accelerate>=1.1"]},
     entry_points={"console_scripts": ["coda-cutlass=coda_cutlass.cli:main"]},
     cmdclass={"build_py": BuildPy, "bdist_wheel": BdistWheel},
     distclass=KernelDistribution,

@@ -14,7 +14,7 @@ import torch
 
 from .compiler import CompiledEpilogue, checked_reference, compile_generated, compile_parallel, parallel_jobs
 from .config import KernelConfig
-from .dtypes import BF16, as_dtype, as_operand_dtype
+from .dtypes import BF16
 from .errors import CallError, ConfigError
 from .interpret import check_mode
 from .pipeline import Lowered, Options, generate, lower_program, typed_ir
@@ -24,11 +24,13 @@ from .tuning.tuner import TunedEpilogue
 
 
 def _options(dtype: Any, weight_layout: str, config: KernelConfig | None, input_dtypes: Mapping[str, Any] | None,
-             output_dtypes: Mapping[str, Any] | None, constants: Mapping[str, float] | None) -> Options:
-    return Options.make(dtype, weight_layout, config, input_dtypes, output_dtypes, constants)
+             output_dtypes: Mapping[str, Any] | None, constants: Mapping[str, float] | None,
+             scaling: str | None = None, fast_accum: bool = False) -> Options:
+    return Options.make(dtype, weight_layout, config, input_dtypes, output_dtypes, constants, scaling, fast_accum)
 
 
-GENERATION_OPTIONS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants")
+GENERATION_OPTIONS = ("dtype", "weight_layout", "config", "input_dtypes", "output_dtypes", "constants", "scaling",
+                      "fast_accum")
 BUILD_OPTIONS = ("partial_reductions", "cache_dir", "force_rebuild", "build_timeout")
 
 
@@ -66,10 +68,11 @@ def with_candidate_configs(items: Sequence[tuple[Any, Mapping[str, Any]]]) -> li
 
 def emit(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
          config: KernelConfig | None = None, input_dtypes: Mapping[str, Any] | None = None,
-         output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None) -> str:
+         output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
+         scaling: str | None = None, fast_accum: bool = False) -> str:
     """The generated `.cu` for a program, as text. Traces, validates and renders; runs no compiler."""
     return generate(lower_program(program, _options(dtype, weight_layout, config, input_dtypes, output_dtypes,
-                                                    constants))).source
+                                                    constants, scaling, fast_accum))).source
 
 
 def emit_many(items: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[str]:
@@ -85,6 +88,7 @@ def emit_many(items: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[str]:
 def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
                      config: KernelConfig | str | None = None, input_dtypes: Mapping[str, Any] | None = None,
                      output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
+                     scaling: str | None = None, fast_accum: bool = False,
                      partial_reductions: bool = False, cache_dir: str | Path | None = None,
                      verbose: bool | None = None, force_rebuild: bool = False,
                      build_timeout: float | None = None) -> Any:
@@ -92,7 +96,10 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
 
     Args:
         program: a function decorated with ``@cc.epilogue``.
-        dtype: GEMM operand dtype, ``torch.bfloat16`` or ``torch.float16``; accumulation is fp32.
+        dtype: GEMM operand dtype, ``torch.bfloat16`` or ``torch.float16``; accumulation is fp32. FP8:
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``, or an (A, W) pair of them (mixed); the call
+            then takes ``scale_a=`` / ``scale_b=`` and ``acc`` is the scaled product (coda_cutlass/fp8;
+            tile inputs and outputs default to bf16).
         weight_layout: ``"nk"``: W is (N, K) as in ``nn.Linear`` (acc = A @ W.T); ``"kn"``: W is (K, N).
         config: a ``KernelConfig`` to pin (tile, cluster, schedule, raster, swizzle); None for the
             heuristic default (128x128x64, cluster 1x2, ping-pong); ``"tune"`` for a ``TunedEpilogue``
@@ -100,6 +107,11 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
         input_dtypes: dtype per operand name (default: ``dtype``; scalars are fp32).
         output_dtypes: dtype per output name (default: ``dtype`` for tiles, fp32 for reductions).
         constants: values for the program's constant parameters.
+        scaling: FP8 only: ``"tensor"`` (default: one fp32 scale per operand), ``"row"`` (per row of A
+            and of W), ``"block"`` (1x128 blocks of A, 128x128 of W) or ``"block_1x128"`` (1x128 blocks
+            of both); the scale layouts: ``coda_cutlass.fp8.scales``.
+        fast_accum: FP8 tensor/row scaling only: CUTLASS's fast-accumulation schedules (faster, the
+            wgmma accumulators are not promoted to fp32 every 128 of K).
         partial_reductions: return reductions as raw per-tile fp32 partials (rows: (ceil(N/tile_n), M);
             columns: (ceil(M/tile_m), N)) for a consumer to finish, instead of finished vectors.
         cache_dir: kernel cache directory (default ``$CODA_CUTLASS_CACHE_DIR`` or ~/.cache/coda-cutlass).
@@ -113,9 +125,10 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
     if isinstance(config, str):
         if config != "tune":
             raise TypeError(f"config must be a KernelConfig, None (the heuristic default) or 'tune', got {config!r}")
-        return TunedEpilogue(program, _options(dtype, weight_layout, None, input_dtypes, output_dtypes, constants),
+        return TunedEpilogue(program, _options(dtype, weight_layout, None, input_dtypes, output_dtypes, constants,
+                                               scaling, fast_accum),
                              partial_reductions=partial_reductions, cache_dir=cache_dir, verbose=verbose)
-    opts = _options(dtype, weight_layout, config, input_dtypes, output_dtypes, constants)
+    opts = _options(dtype, weight_layout, config, input_dtypes, output_dtypes, constants, scaling, fast_accum)
     return compile_generated(generate(lower_program(program, opts)), partial_reductions=partial_reductions,
                              cache_dir=cache_dir, verbose=verbose, force_rebuild=force_rebuild,
                              build_timeout=build_timeout)
@@ -152,7 +165,7 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
 def reference(program: Any, A: torch.Tensor, W: torch.Tensor, /, *, dtype: Any = None, weight_layout: str = "nk",
               precision: str = "kernel", input_dtypes: Mapping[str, Any] | None = None,
               output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
-              **operands: Any) -> dict[str, torch.Tensor]:
+              scaling: str | None = None, **operands: Any) -> dict[str, torch.Tensor]:
     """Evaluate a program with the torch reference interpreter (CPU or GPU), returning the same dict
     the kernel compiled with these options returns for this call.
 
@@ -165,19 +178,32 @@ def reference(program: Any, A: torch.Tensor, W: torch.Tensor, /, *, dtype: Any =
     to A's when A is bf16 or fp16; with a float32 A it must be given, except at ``precision="fp32"``,
     whose results do not depend on it. As the kernel, accumulated outputs are updated in place in
     the tensors passed, A may have leading batch dimensions, and reductions over an empty M or N
-    give their identity."""
+    give their identity.
+
+    FP8 operands (A and W in float8, or float32 copies with ``dtype`` given): pass ``scale_a`` and
+    ``scale_b`` (and ``scaling`` unless "tensor") as to the kernel. The reference dequantises A and
+    W with the scales of each block and runs the fp32 program; ``"lowp"`` rounds the product and
+    every op to bf16, like ``torch._scaled_mm(..., out_dtype=torch.bfloat16)`` and eager ops after it."""
     check_mode(precision)
     if dtype is None:
-        a_dtype = getattr(A, "dtype", None)
-        if a_dtype in (torch.bfloat16, torch.float16):
-            dtype = a_dtype
-        elif precision == "fp32" or not isinstance(A, torch.Tensor):
-            dtype = BF16      # fp32 precision rounds nothing the GEMM dtype decides; a non-tensor A is reported below
-        else:
-            raise CallError(f"cc.reference: A is {a_dtype} and no dtype was given. Precision '{precision}' "
-                            "models the kernel's operand dtype: pass dtype=torch.bfloat16 or torch.float16 (with "
-                            "A and W in it), or use precision='fp32' for the unrounded reference")
-    opts = _options(as_operand_dtype(as_dtype(dtype)), weight_layout, None, input_dtypes, output_dtypes, constants)
+        dtype = _reference_dtype(A, W, precision)
+    opts = _options(dtype, weight_layout, None, input_dtypes, output_dtypes, constants, scaling)
     ir = typed_ir(program, opts)
     return checked_reference(ir, CallSpec.of(ir), A, W, operands, dtype=opts.dtype, weight_layout=weight_layout,
                              precision=precision)
+
+
+def _reference_dtype(A: Any, W: Any, precision: str) -> Any:
+    """cc.reference's default GEMM dtype: A's (with W's, for FP8 operands)."""
+    a_dtype = getattr(A, "dtype", None)
+    if a_dtype in (torch.bfloat16, torch.float16):
+        return a_dtype
+    if a_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        w_dtype = getattr(W, "dtype", a_dtype)
+        return a_dtype if w_dtype == a_dtype or w_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) \
+            else (a_dtype, w_dtype)
+    if precision == "fp32" or not isinstance(A, torch.Tensor):
+        return BF16      # fp32 precision rounds nothing the GEMM dtype decides; a non-tensor A is reported below
+    raise CallError(f"cc.reference: A is {a_dtype} and no dtype was given. Precision '{precision}' "
+                    "models the kernel's operand dtype: pass dtype=torch.bfloat16 or torch.float16 (with "
+                    "A and W in it), or use precision='fp32' for the unrounded reference")

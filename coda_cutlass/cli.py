@@ -154,7 +154,8 @@ def cmd_emit(args: argparse.Namespace) -> int:
         close = difflib.get_close_matches(name, progs, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         raise UserError(f"no program '{name}' in {file}{hint} (programs: {', '.join(sorted(progs)) or 'none'})")
-    print(emit(progs[name], getattr(torch, args.dtype), weight_layout=args.weight_layout), end="")
+    print(emit(progs[name], getattr(torch, args.dtype), weight_layout=args.weight_layout, scaling=args.scaling,
+               fast_accum=args.fast_accum), end="")
     return 0
 
 
@@ -222,8 +223,11 @@ def parser() -> Parser:
     s.set_defaults(fn=cmd_demo)
     s = sub.add_parser("emit", parents=[common], help="print the generated CUDA of FILE:PROGRAM")
     s.add_argument("target", metavar="FILE:PROGRAM")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
     s.add_argument("--weight-layout", default="nk", choices=["nk", "kn"])
+    s.add_argument("--scaling", default=None, choices=["tensor", "row", "block", "block_1x128"],
+                   help="FP8 operands: how A and W are scaled (default: tensor)")
+    s.add_argument("--fast-accum", action="store_true", help="FP8 operands: fast-accumulation mainloop")
     s.set_defaults(fn=cmd_emit)
     s = sub.add_parser("prebuild", parents=[common], help="compile and export prebuilt kernels")
     s.add_argument("file")

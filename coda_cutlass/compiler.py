@@ -17,10 +17,12 @@ from .build.builder import build
 from .build.progress import say
 from .dtypes import DType
 from .errors import BuildError, ConfigError
+from .fp8.gemm import Fp8Gemm
+from .fp8.scales import check_fp8_shapes, check_scales, split_scales
 from .frontend.trace import REFERENCE_KEYWORDS
 from .interpret import check_mode, interpret
 from .ir.nodes import Program
-from .pipeline import Generated
+from .pipeline import Generated, check_fp8_layout
 from .runtime.arguments import CallSpec, flatten_batch
 from .runtime.kernel import Kernel
 
@@ -29,15 +31,29 @@ def checked_reference(ir: Program, spec: CallSpec, A: Any, W: Any, operands: dic
                       partial_tile: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
     """The interpreter behind a call checked as the kernel checks it (``runtime/arguments.py``; at
     ``precision="fp32"`` float32 tensors are accepted for every tensor argument), with leading batch
-    dimensions flattened and restored as the kernel does. Accumulated outputs are updated in place."""
+    dimensions flattened and restored as the kernel does. Accumulated outputs are updated in place.
+    An FP8 program (``ir.meta["fp8"]``) takes A and W in its FP8 dtypes and scale_a / scale_b,
+    checked as the kernel checks them (fp8/scales.py)."""
     check_mode(precision, weight_layout)
+    fp8 = Fp8Gemm.from_meta(ir.meta.get("fp8"))
+    operands = dict(operands)
+    scales = split_scales(operands, fp8, ir.name)
+    if fp8 is not None:
+        check_fp8_layout(weight_layout)
     batch = None
     if isinstance(A, torch.Tensor) and A.dim() > 2:
         A, flat, _, batch = flatten_batch(spec, A, W, operands, weight_layout)
         given = {o.name: operands[o.name] for o in spec.operands if o.inout and o.name in operands}
         operands = flat
-    spec.check_reference(A, W, operands, dtype, weight_layout, fp32_ok=precision == "fp32",
-                         keywords=REFERENCE_KEYWORDS)
+    fp32_ok = precision == "fp32"
+    if fp8 is None:
+        spec.check_reference(A, W, operands, dtype, weight_layout, fp32_ok=fp32_ok, keywords=REFERENCE_KEYWORDS)
+    else:
+        M, N, K = spec.check_reference(A, W, operands, fp8.a, weight_layout, fp32_ok=fp32_ok,
+                                       keywords=REFERENCE_KEYWORDS, w_dtype=fp8.w)
+        check_fp8_shapes(fp8, M, N, K, ir.name)
+        check_scales(fp8, scales, M, N, K, A.device, tma=False)
+        operands.update(scales)
     out = interpret(ir, A, W, operands, weight_layout=weight_layout, precision=precision, partial_tile=partial_tile)
     return batch.restore(spec, out, given, partial_tile is not None) if batch else out
 

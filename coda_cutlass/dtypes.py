@@ -11,7 +11,7 @@ from .errors import ConfigError
 
 @dataclass(frozen=True)
 class DType:
-    name: str          # short name used in the IR: "bf16", "f16", "f32"
+    name: str          # short name used in the IR: "bf16", "f16", "f32", "e4m3", ...
     torch: torch.dtype
     cpp: str           # CUTLASS element type
     bits: int
@@ -26,8 +26,9 @@ F32 = DType("f32", torch.float32, "float", 32)
 # Integer index vectors (per-row targets of a gather); the kernel reads them as exact fp32 (< 2^24).
 I32 = DType("i32", torch.int32, "int32_t", 32)
 I64 = DType("i64", torch.int64, "int64_t", 64)
-# FP8 (Hopper's two formats). Tile outputs convert to them saturating to the largest finite value
-# (CUTLASS's cvt.rn.satfinite): +-inf becomes +-max, NaN stays NaN.
+# FP8 (Hopper's two formats): scaled GEMM operands (coda_cutlass/fp8), and tile outputs, which convert
+# to them saturating to the largest finite value (CUTLASS's cvt.rn.satfinite): +-inf becomes +-max,
+# NaN stays NaN.
 E4M3 = DType("e4m3", torch.float8_e4m3fn, "cutlass::float_e4m3_t", 8)
 E5M2 = DType("e5m2", torch.float8_e5m2, "cutlass::float_e5m2_t", 8)
 
@@ -36,7 +37,7 @@ FLOAT_DTYPES: tuple[DType, ...] = (BF16, F16, F32)
 FP8_DTYPES: tuple[DType, ...] = (E4M3, E5M2)
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}    # the largest finite value of each format
 INDEX_DTYPES: tuple[DType, ...] = (I32, I64)
-OPERAND_DTYPES: tuple[DType, ...] = (BF16, F16)   # GEMM A/W operands
+OPERAND_DTYPES: tuple[DType, ...] = (BF16, F16)   # GEMM A/W operands without scales
 
 _BY_NAME = {d.name: d for d in ALL}
 _BY_TORCH = {d.torch: d for d in ALL}
@@ -74,5 +75,6 @@ def as_dtype(value: object, *, what: str = "dtype") -> DType:
 def as_operand_dtype(value: object) -> DType:
     d = as_dtype(value, what="GEMM operand dtype")
     if d not in OPERAND_DTYPES:
-        raise ConfigError(f"GEMM operand dtype {d.torch} is not supported; use torch.bfloat16 or torch.float16")
+        raise ConfigError(f"GEMM operand dtype {d.torch} is not supported; use torch.bfloat16, torch.float16, or "
+                          "torch.float8_e4m3fn / torch.float8_e5m2 (scaled FP8 operands, coda_cutlass.fp8)")
     return d

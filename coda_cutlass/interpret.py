@@ -10,6 +10,11 @@ Three precisions:
 - ``"lowp"``: what eager torch does at the operand precision: the GEMM result and every op result
   rounded to the GEMM dtype. The error of this against ``"fp32"`` sets the test tolerance.
 
+An FP8 program (``program.meta["fp8"]``) reads A and W in FP8 (or fp32 copies of the FP8 values)
+and ``operands["scale_a"]`` / ``["scale_b"]``: ``acc`` is the fp32 product of A and W dequantised
+with the scale of each element's block (``fp8/quantize.py``); at ``"lowp"`` it is rounded to bf16
+(the epilogue dtype), as ``torch._scaled_mm(..., out_dtype=torch.bfloat16)`` returns it.
+
 As the kernel does, an accumulated output (``cc.accumulate``) is written into the tensor passed for
 it (rounded to that tensor's dtype) and returned as that tensor, and a reduction over an empty M or
 N gives its identity (0 for sums, -inf for max, +inf for min). The interpreter checks nothing about
@@ -26,10 +31,12 @@ import torch
 from .config import WEIGHT_LAYOUTS
 from .dtypes import F32, DType, as_dtype, round_to
 from .errors import CallError
+from .fp8.gemm import Fp8Gemm
+from .fp8.quantize import dequantize
 from .ir.nodes import HALF_LAYOUTS, OPERAND_OPS, TRANSPOSED_LAYOUTS, Kind, Node, Program
 from .ir.ops import OPS, PAIR_OPS
 from .partials import PartialLayout
-from .quantization import block_amax, quantize_blocks, scales_from_amax
+from .quantization import block_amax, quantize_blocks, run_major, scales_from_amax
 
 PRECISIONS = ("kernel", "fp32", "lowp")
 
@@ -46,6 +53,18 @@ def gemm_lowp(A: torch.Tensor, W: torch.Tensor, weight_layout: str, dtype: DType
     if a.device.type == "cpu":   # CPU matmul in bf16 is slow and not what a GPU does; round fp32 instead
         return (a.float() @ wt.float()).to(dtype.torch).float()
     return (a @ wt).float()
+
+
+def gemm_fp8(A: torch.Tensor, W: torch.Tensor, operands: Mapping[str, Any], fp8: Fp8Gemm, precision: str,
+             lowp_dtype: DType) -> torch.Tensor:
+    """The scaled product of FP8 operands: dequantise A and W per block, then one fp32 GEMM."""
+    for name in ("scale_a", "scale_b"):
+        if name not in operands:
+            raise CallError(f"reference: missing {name} (the program has FP8 operands, {fp8.describe()})")
+    a = dequantize(A, operands["scale_a"], fp8.scaling, "A")
+    w = dequantize(W, operands["scale_b"], fp8.scaling, "W")
+    acc = a @ w.t()
+    return acc.to(lowp_dtype.torch).float() if precision == "lowp" else acc
 
 
 def _reduce(x: torch.Tensor, fn: str, dim: int | None) -> torch.Tensor:
@@ -80,6 +99,7 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
     """
     check_mode(precision, weight_layout)
     gemm_dtype = as_dtype(program.meta.get("gemm_dtype", "bf16"))
+    fp8 = Fp8Gemm.from_meta(program.meta.get("fp8"))
     if acc is not None:
         M, N = acc.shape
         dev = acc.device
@@ -112,6 +132,8 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
     for n in program.nodes:
         if n.op == "acc" and acc is not None:
             vals[n.id] = acc.float()
+        elif n.op == "acc" and fp8 is not None:
+            vals[n.id] = gemm_fp8(A, W, operands, fp8, precision, gemm_dtype)
         elif n.op == "acc":
             vals[n.id] = gemm_lowp(A, W, weight_layout, gemm_dtype) if precision == "lowp" \
                 else gemm_fp32(A, W, weight_layout)
@@ -152,7 +174,8 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
         elif n.op == "block_scale":
             v = _stored(vals[n.inputs[0]].expand(M, N), n.attr("layout"))
             fp8 = as_dtype(n.attr("qdtype"))
-            outs[n.attr("name")] = scales_from_amax(block_amax(v, n.attr("block")), fp8, n.attr("pow2"))[0]
+            scale = scales_from_amax(block_amax(v, n.attr("block")), fp8, n.attr("pow2"))[0]
+            outs[n.attr("name")] = run_major(scale)        # the kernel's layout (the next GEMM's scale_a)
         elif n.op == "reduce":
             outs[n.attr("name")] = _reduction(n, vals[n.inputs[0]].expand(M, N), precision, partial_tile,
                                               gemm_dtype)

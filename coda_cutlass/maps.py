@@ -22,6 +22,7 @@ import torch
 
 from .build.builder import build
 from .dtypes import as_dtype, as_operand_dtype
+from .errors import ConfigError
 from .interpret import check_mode, interpret
 from .lower.map import PARTIALS_TILE, lower_map
 from .pipeline import Options, typed_ir
@@ -29,10 +30,19 @@ from .render.map import render_map_kernel
 from .runtime.map_kernel import CompiledMap, logical_shape
 
 
+def _map_options(dtype: Any, input_dtypes: Mapping[str, Any] | None, output_dtypes: Mapping[str, Any] | None,
+                 constants: Mapping[str, float] | None) -> Options:
+    opts = Options.make(dtype, input_dtypes=input_dtypes, output_dtypes=output_dtypes, constants=constants)
+    if opts.fp8 is not None:
+        raise ConfigError(f"map kernels have no GEMM: X is bf16 or fp16, not {opts.fp8.describe()} (FP8 operands "
+                          "are for cc.compile_epilogue)")
+    return opts
+
+
 def emit_map(program: Any, dtype: Any = torch.bfloat16, *, input_dtypes: Mapping[str, Any] | None = None,
              output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None) -> str:
     """The generated `.cu` of a map kernel, as text (no compiler runs)."""
-    opts = Options.make(dtype, input_dtypes=input_dtypes, output_dtypes=output_dtypes, constants=constants)
+    opts = _map_options(dtype, input_dtypes, output_dtypes, constants)
     return render_map_kernel(lower_map(typed_ir(program, opts), opts.dtype))
 
 
@@ -44,7 +54,7 @@ def compile_map(program: Any, dtype: Any = torch.bfloat16, *, input_dtypes: Mapp
     ``acc``), with no GEMM. ``dtype`` is X's dtype and the default of tile operands and outputs.
     Row reductions are finished after the kernel (``partial_reductions=True``: raw (ceil(N/256), M)
     partials). A few seconds of nvcc; cached like GEMM kernels."""
-    opts = Options.make(dtype, input_dtypes=input_dtypes, output_dtypes=output_dtypes, constants=constants)
+    opts = _map_options(dtype, input_dtypes, output_dtypes, constants)
     graph = lower_map(typed_ir(program, opts), opts.dtype)
     source = render_map_kernel(graph)
     result = build(source, graph.program.name, cache_dir=cache_dir, verbose=verbose, force=force_rebuild,

@@ -10,6 +10,8 @@ from typing import Any
 
 from .config import KernelConfig
 from .dtypes import DType, as_dtype, as_operand_dtype
+from .errors import ConfigError
+from .fp8.gemm import EPILOGUE_DTYPE, Fp8Gemm, fp8_gemm
 from .frontend.trace import EpilogueProgram, as_program, constant_value
 from .ir.nodes import Program
 from .lower.evt import lower
@@ -21,25 +23,34 @@ from .render.cuda import render_kernel
 
 @dataclass(frozen=True)
 class Options:
-    """Everything besides the program that decides the generated kernel."""
+    """Everything besides the program that decides the generated kernel.
+
+    ``dtype`` is the GEMM operand dtype of a 16-bit GEMM, which is also the default dtype of tile
+    inputs and outputs. An FP8 GEMM has ``fp8`` (A's and W's dtypes, the scaling, the accumulation)
+    and ``dtype`` bf16, the default of its tile inputs and outputs."""
     dtype: DType
     weight_layout: str = "nk"
     config: KernelConfig | None = None      # None: the heuristic default for the program
     input_dtypes: tuple[tuple[str, str], ...] = ()
     output_dtypes: tuple[tuple[str, str], ...] = ()
     constants: tuple[tuple[str, float], ...] = ()
+    fp8: Fp8Gemm | None = None              # FP8 operands (coda_cutlass/fp8); None: 16-bit operands
 
     @classmethod
     def make(cls, dtype: Any, weight_layout: str = "nk", config: KernelConfig | None = None,
              input_dtypes: Mapping[str, Any] | None = None, output_dtypes: Mapping[str, Any] | None = None,
-             constants: Mapping[str, float] | None = None) -> "Options":
+             constants: Mapping[str, float] | None = None, scaling: str | None = None,
+             fast_accum: bool = False) -> "Options":
         if config is not None and not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a KernelConfig or None (the heuristic default), got {config!r}"
                             + (" (config='tune' is for cc.compile_epilogue)" if config == "tune" else ""))
         if not isinstance(weight_layout, str):
             raise TypeError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
+        fp8 = fp8_gemm(dtype, scaling, fast_accum)
+        if fp8 is not None:
+            check_fp8_layout(weight_layout)
         return cls(
-            dtype=as_operand_dtype(dtype),
+            dtype=EPILOGUE_DTYPE if fp8 is not None else as_operand_dtype(dtype),
             weight_layout=weight_layout,
             config=config,
             input_dtypes=tuple(sorted((k, as_dtype(v, what=f"dtype of operand '{k}'").name)
@@ -48,7 +59,22 @@ class Options:
                                        for k, v in _mapping(output_dtypes, "output_dtypes"))),
             constants=tuple(sorted((k, constant_value(v, f"constants['{k}']"))
                                    for k, v in _mapping(constants, "constants"))),
+            fp8=fp8,
         )
+
+    @property
+    def operand_text(self) -> str:
+        """The GEMM operands in words, for messages: 'torch.bfloat16' or 'e4m3 x e4m3, tensor scaling'."""
+        return self.fp8.describe() if self.fp8 is not None else str(self.dtype.torch)
+
+
+def check_fp8_layout(weight_layout: str) -> None:
+    """Hopper's FP8 wgmma reads K-major operands only: A (M, K) and W (N, K) row-major."""
+    if weight_layout == "kn":
+        raise ConfigError("W: FP8 operands must be K-major: W as (N, K) with K contiguous (weight_layout='nk', "
+                          "as nn.Linear stores it). Hopper's FP8 tensor-core instructions read K-major tiles only, "
+                          "and CUTLASS's FP8 fast-accumulation and blockwise-scaled mainloops accept no other "
+                          "layout; a (K, N) weight needs a transposed FP8 copy (W8.t().contiguous())")
 
 
 def _mapping(m: Mapping[str, Any] | None, what: str) -> list[tuple[str, Any]]:
@@ -102,9 +128,14 @@ class Generated:
 
 
 def typed_ir(program: Any, options: Options) -> Program:
+    """The program traced and typed; an FP8 GEMM's operands are recorded in its metadata ("fp8"),
+    where lowering and the interpreter find them."""
     prog = as_program(program)
-    return run_passes(prog.trace(dict(options.constants)), options.dtype, dict(options.input_dtypes),
-                      dict(options.output_dtypes))
+    ir = run_passes(prog.trace(dict(options.constants)), options.dtype, dict(options.input_dtypes),
+                    dict(options.output_dtypes))
+    if options.fp8 is None:
+        return ir
+    return replace(ir, meta={**ir.meta, "fp8": options.fp8.to_meta()})
 
 
 def lower_program(program: Any, options: Options) -> Lowered:

@@ -55,6 +55,17 @@ def scales_from_amax(amax: torch.Tensor, dtype: DType | torch.dtype, pow2: bool 
     return s, inv
 
 
+def run_major(scale: torch.Tensor) -> torch.Tensor:
+    """(rows, runs) scales laid out as the kernels store them: a run-major buffer with the row count
+    rounded up to 4 (16-byte aligned runs, the layout blockwise FP8 GEMMs read), returned as the
+    (rows, runs) view."""
+    rows, runs = scale.shape
+    buf = torch.empty(runs, -(-rows // 4) * 4, dtype=torch.float32, device=scale.device)
+    view = buf[:, :rows].t()
+    view.copy_(scale)
+    return view
+
+
 def quantize_blocks(x: torch.Tensor, dtype: DType | torch.dtype, block: int = 128, pow2: bool = True,
                     round_codes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(R, C) -> (codes (R, C) in ``dtype``, scales (R, ceil(C / block)) fp32): 1 x block runs.
@@ -94,5 +105,5 @@ def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int = 128
     return codes.float() * scale.float().repeat_interleave(block, dim=1)[:, :C]
 
 
-__all__ = ["block_amax", "scales_from_amax", "quantize_blocks", "quantize_tiles", "quantize_tensor",
+__all__ = ["block_amax", "run_major", "scales_from_amax", "quantize_blocks", "quantize_tiles", "quantize_tensor",
            "dequantize_blocks", "MIN_POW2_SCALE"]

@@ -8,6 +8,13 @@ Forward:  residual_norm_stats (out-proj / down-proj), rowscale (the consumer of 
 Backward: rmsnorm_backward (the norm-backward dX GEMM epilogue), swiglu_backward (down-proj dX).
 Training a Llama block (coda_cutlass.nn; block.py): swiglu_backward_scaled, norm_backward(_first),
           cross_entropy_backward; norm_stats and rope_backward are map kernels (no GEMM).
+Model families (coda_cutlass.nn.hf; gated.py): geglu_only, reglu_only, geglu_backward_scaled,
+          reglu_backward_scaled, rope_bias (q/k/v biases), rope_backward_bias; per-head q/k norms
+          (qk_norm.py): qk_norm_rope, qk_norm_rope_backward, qk_norm_backward (map kernels); sandwich
+          norms (sandwich.py): out_sumsq, post_norm_residual(_last), post_norm_c, post_norm_backward;
+          soft-capped logits (softcap.py): the LM head's programs with a cap.
+FP8 blocks (coda_cutlass.nn.fp8; fp8_block.py): norm_stats_fp8, quantize_rows (map kernels),
+          residual_norm_stats_fp8, swiglu_fp8, norm_backward_fp8: outputs quantised by cc.quantize.
 Helpers:  rstd_from_sumsq (finishes RMSNorm statistics: r = rsqrt(mean x^2 + eps)).
 """
 
@@ -16,11 +23,23 @@ from .basic import identity, residual_add, rowscale
 from .norms import qk_norm_stats, residual_norm_stats, rmsnorm_backward, rstd_from_sumsq
 from .pairwise import geglu, reglu, rope, rope_generic, swiglu, swiglu_backward, swiglu_only
 from .loss import lm_head_lse, lm_head_lse_logits
-from .block import (cross_entropy_backward, norm_backward, norm_backward_first, norm_stats, rope_backward,
+from .block import (cross_entropy_backward, cross_entropy_grad, norm_backward, norm_backward_first, norm_stats, rope_backward,
                     swiglu_backward_scaled)
+from .qk_norm import qk_norm_backward, qk_norm_rope, qk_norm_rope_backward
+from .fp8_block import norm_backward_fp8, norm_stats_fp8, quantize_rows, residual_norm_stats_fp8, swiglu_fp8
+from .softcap import (cross_entropy_backward_softcap, cross_entropy_grad_softcap, lm_head_lse_logits_softcap,
+                      lm_head_lse_softcap, rowscale_softcap)
+from .sandwich import out_sumsq, post_norm_backward, post_norm_c, post_norm_residual, post_norm_residual_last
+from .gated import (geglu_backward_scaled, geglu_only, reglu_backward_scaled, reglu_only, rope_backward_bias,
+                    rope_bias)
 
 __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "rowscale_silu",
            "residual_norm_stats", "rmsnorm_backward", "rstd_from_sumsq", "qk_norm_stats",
            "swiglu", "swiglu_only", "geglu", "reglu", "swiglu_backward", "rope", "rope_generic", "lm_head_lse",
            "lm_head_lse_logits", "swiglu_backward_scaled", "norm_backward", "norm_backward_first", "norm_stats",
-           "rope_backward", "cross_entropy_backward"]
+           "rope_backward", "cross_entropy_backward", "cross_entropy_grad", "geglu_only", "reglu_only", "geglu_backward_scaled",
+           "reglu_backward_scaled", "rope_bias", "rope_backward_bias", "qk_norm_rope", "qk_norm_rope_backward",
+           "qk_norm_backward", "out_sumsq", "post_norm_residual", "post_norm_residual_last", "post_norm_c",
+           "post_norm_backward", "rowscale_softcap", "lm_head_lse_softcap", "lm_head_lse_logits_softcap",
+           "cross_entropy_backward_softcap", "cross_entropy_grad_softcap", "norm_stats_fp8", "quantize_rows",
+           "residual_norm_stats_fp8", "swiglu_fp8", "norm_backward_fp8"]

@@ -75,3 +75,14 @@ def cross_entropy_backward(acc, r: cc.PerRow(F32), lse: cc.PerRow(F32), target: 
     onehot = cc.where(cc.col_index() == target, 1.0, 0.0)
     dl = (cc.exp(logits - lse) - onehot) * scale
     return {"D": dl * r, "zdz": cc.row_sum(logits * dl)}
+
+
+@cc.epilogue
+def cross_entropy_grad(acc, r: cc.PerRow(F32), lse: cc.PerRow(F32), target: cc.PerRow(torch.int64),
+                       scale: cc.PerRow(F32)):
+    """Map kernel over a chunk of written logits (acc; ``lm_head_lse_logits``' D): dlogits =
+    (softmax - onehot(target)) * scale[m]; writes dz' = r * dlogits (D) and the per-row partials of
+    logits . dlogits (the final norm's c). The LM head's backward without recomputing the logits."""
+    onehot = cc.where(cc.col_index() == target, 1.0, 0.0)
+    dl = (cc.exp(acc - lse) - onehot) * scale
+    return {"D": dl * r, "zdz": cc.row_sum(acc * dl)}

@@ -21,3 +21,37 @@ def test_byte_bound_reads_block_results_without_a_gpu():
     assert nb["hidden"] < 0         # it lost more (47 us) than its bytes take at copy bandwidth (~32 us)
     assert rows["qkv"]["hidden"] is None and rows["gate_up.infer"]["extra_mib"] < 0
     assert "| 8b | 8192 | qkv.dgrad |" in byte_bound.markdown(list(rows.values()))
+
+
+def test_model_bench_builds_its_variants_and_writes_its_report_without_a_gpu(tmp_path):
+    """bench/model.py on the CPU: the eager and coda variants of its tiny config build from the same
+    weights, take a training step and agree on the first loss; the table and plot are written."""
+    import argparse
+
+    import pytest
+    import torch
+    pytest.importorskip("transformers")
+    import model as bench_model
+    fields = dict(bench_model.QUICK, hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=256)
+    args = argparse.Namespace(seq=16, compile_mode=None, device="cpu")
+    variants = bench_model.build_variants(fields, ["eager", "coda"], args)
+    tokens = torch.randint(0, 256, (1, 16))
+    losses = {n: float(v.step(tokens)) for n, v in variants.items()}
+    assert abs(losses["eager"] - losses["coda"]) < 0.05 * losses["eager"]
+    assert all(v.resident_bytes() > 0 for v in variants.values())
+    row = {"ms": 10.0, "ms_all": [10.0], "tokens_per_s": 1600.0, "peak_gib": 1.0, "first_loss": 5.5}
+    results = [{"config": "quick", "layers": 2, "hidden": 64, "batch": 1, "seq": 16,
+                "variants": {"eager": row, "coda": dict(row, tokens_per_s=1760.0)}}]
+    bench_model.markdown(results, {"gpu": "cpu", "driver": "-", "torch": torch.__version__, "cuda": None,
+                                   "transformers": "5"}, tmp_path / "results.md")
+    text = (tmp_path / "results.md").read_text()
+    assert "eager 1.100x" in text and "| quick (2 layers, 1 x 16) |" in text
+
+
+def test_model_bench_plot(tmp_path):
+    import pytest
+    pytest.importorskip("matplotlib")
+    import model as bench_model
+    row = {"ms": 10.0, "ms_all": [10.0], "tokens_per_s": 1600.0, "peak_gib": 1.0, "first_loss": 5.5}
+    bench_model.plot([{"config": "quick", "variants": {"eager": row, "coda": row}}], tmp_path / "results.png")
+    assert (tmp_path / "results.png").stat().st_size > 0

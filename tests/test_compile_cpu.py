@@ -89,7 +89,7 @@ def test_torch_compile_of_the_model_with_a_backward(cpu_ops, monkeypatch):
     """The whole model through Dynamo and AOT autograd (the blocks' autograd.Function traced with
     the kernels' ops inside); loss and gradients as in eager."""
     monkeypatch.setattr(runner_module, "compile_map", OpaqueMap)
-    monkeypatch.setattr(block_module, "check_kernel_runner", lambda runner, weight: None)   # CPU weights
+    monkeypatch.setattr(block_module, "check_kernel_runner", lambda *args: None)            # CPU weights
     monkeypatch.setattr(KernelRunner, "prepare", lambda self, *a, **k: None)                # no GPU plans
     torch.manual_seed(0)
     V = 64
@@ -110,7 +110,7 @@ def test_torch_compile_of_the_model_with_a_backward(cpu_ops, monkeypatch):
     got.backward()
     ops = {m.group(1) for gm in graphs for n in gm.graph.nodes
            if (m := re.search(r"coda_cutlass\.(\w+?)_[0-9a-f]{24}", str(n.target)))}
-    assert {"rope", "residual_norm_stats", "swiglu", "lm_head_lse"} <= ops, ops     # traced, not run eagerly
+    assert {"rope", "residual_norm_stats", "swiglu"} <= ops and any(o.startswith("lm_head") for o in ops), ops
     torch.testing.assert_close(got, loss, rtol=1e-6, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, eager[n], rtol=1e-2, atol=1e-3, msg=n)

@@ -4,8 +4,11 @@ Markdown file the code, the scripts or the docs cite exists where the citation s
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,6 +43,35 @@ def test_guide_examples_run():
         # Compiled with the guide's line numbers, so a failure points into the Markdown file.
         exec(compile("\n" * (line - 1) + code, str(GUIDE), "exec"), namespace)
     assert namespace["on_hopper"] in (True, False)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/NN.md"])
+def test_readme_and_nn_examples_run(doc, tmp_path, monkeypatch):
+    """Every python block of the README and the other docs runs (in order, one namespace per file;
+    the GPU-only lines are skipped by the snippets' own checks). What a snippet changes in the
+    process (environment variables, warning filters, the coda_cutlass logger) is put back."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    logger = logging.getLogger("coda_cutlass")
+    handlers, level = list(logger.handlers), logger.level
+    path = REPO / doc
+    blocks = python_blocks(path)
+    assert blocks
+    namespace: dict = {"__name__": "doc_example"}
+    try:
+        with warnings.catch_warnings():
+            for line, code in blocks:
+                exec(compile("\n" * (line - 1) + textwrap.dedent(code), str(path), "exec"), namespace)
+    finally:
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
+
+
+def test_every_doc_with_python_blocks_is_run():
+    run = {GUIDE, REPO / "README.md", REPO / "docs" / "NN.md"}
+    with_code = {p for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")] if python_blocks(p)}
+    assert with_code <= run, f"python blocks that no test runs: {sorted(str(p) for p in with_code - run)}"
 
 
 def repo_files():

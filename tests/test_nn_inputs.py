@@ -69,24 +69,25 @@ def test_targets_of_another_shape_are_refused(shape):
 
 # ---------------------------------------------------------------- the CPU refuses what the GPU would
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
-def test_an_input_of_another_dtype_than_the_weights_is_refused(dtype):
-    """A bf16 block refuses fp32/fp16 input on the CPU as its kernels do on the GPU (the reference
-    interpreter used to take it); fp32 modules take fp32 only."""
-    import coda_cutlass as cc
+def test_an_input_of_another_float_dtype_is_cast_as_on_the_gpu(dtype):
+    """The block computes in its compute dtype (nn.precision) and casts the input to it, on the CPU
+    as on the GPU: a bf16 block given fp32 / fp16 input computes what it computes for bf16 input."""
+    torch.manual_seed(0)
     block = LlamaBlock(64, 4, 2, 96, dtype=torch.bfloat16)
-    with pytest.raises(cc.CallError, match=f"x is {dtype} but the weights are torch.bfloat16"):
-        block(torch.randn(1, 8, 64, dtype=dtype))
-    fp32 = LlamaBlock(64, 4, 2, 96, dtype=torch.float32)
-    with pytest.raises(cc.CallError, match="x is torch.bfloat16 but the weights are torch.float32"):
-        fp32(torch.randn(1, 8, 64, dtype=torch.bfloat16))
+    x = torch.randn(1, 8, 64, dtype=dtype)
+    y = block(x)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, block(x.bfloat16()))
     with pytest.raises(ValueError, match="expects \\(batch, seq, 64\\) input, got \\(1, 8\\)"):
-        fp32(torch.randn(1, 8))
+        block(torch.randn(1, 8))
 
 
-def test_integer_input_is_refused():
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_input_is_refused(dtype):
+    """It used to be cast to the compute dtype silently."""
     import coda_cutlass as cc
-    with pytest.raises(cc.CallError, match="x is torch.int64"):
-        LlamaBlock(64, 4, 2, 96, dtype=torch.float32)(torch.zeros(1, 8, 64, dtype=torch.int64))
+    with pytest.raises(cc.CallError, match=f"x must be a floating-point tensor, got {dtype}"):
+        LlamaBlock(64, 4, 2, 96, dtype=torch.float32)(torch.zeros(1, 8, 64, dtype=dtype))
 
 
 @pytest.mark.parametrize("args,kw,match", [
@@ -103,8 +104,9 @@ def test_integer_input_is_refused():
     ((64, 4, 2, 96), {"rope_theta": 0.0}, "rope_theta must be a positive finite number"),
     ((64, 4, 2, 96), {"rope_theta": float("nan")}, "rope_theta must be a positive finite number"),
     ((64, 4, 2, 96), {"rope_theta": float("inf")}, "rope_theta must be a positive finite number"),
-    ((64, 4, 2, 96), {"inv_freq": torch.ones(3)}, "inv_freq must be a tensor of head_dim / 2 = 8"),
-    ((64, 4, 2, 96), {"inv_freq": torch.full((8,), float("nan"))}, "inv_freq must be .* finite"),
+    ((64, 4, 2, 96), {"inv_freq": torch.ones(3)}, "RoPE settings are for head_dim 6, the block.s is 16"),
+    ((64, 4, 2, 96), {"inv_freq": torch.full((8,), float("nan"))}, "inv_freq must be a tensor of finite frequencies"),
+    ((64, 4, 2, 96), {"inv_freq": [1.0] * 8}, "inv_freq must be a tensor of finite frequencies, got list"),
 ])
 def test_hyper_parameters_the_kernels_cannot_take_are_refused_when_the_block_is_made(args, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import coda_cutlass as cc
+from coda_cutlass import epilogues as E
 from catalog import BUILD_KEYS, CASES, compile_options
 from coda_cutlass.runtime.library import load
 
@@ -53,6 +54,35 @@ def test_calling_without_gpu_raises_device_error(built):
     A = torch.zeros(128, 64, dtype=torch.bfloat16)
     with pytest.raises(cc.DeviceError, match="no CUDA GPU"):
         k(A, A, resid=None, g=None)
+
+
+# One FP8 kernel per kind of mainloop: the FP8 mainloop with tensor scales applied by a visitor node,
+# and the blockwise-scaled mainloop with mixed e4m3 x e5m2 operands (CUTLASS's static_asserts accept
+# both configurations only if these build).
+FP8_CI = {
+    "fp8_tensor_norm_stats": (E.residual_norm_stats, {"dtype": torch.float8_e4m3fn}),
+    "fp8_block_swiglu_mixed": (E.swiglu, {"dtype": (torch.float8_e4m3fn, torch.float8_e5m2), "scaling": "block"}),
+}
+
+
+@pytest.fixture(scope="module")
+def built_fp8():
+    return dict(zip(FP8_CI, cc.compile_many(list(FP8_CI.values()), jobs=2)))
+
+
+@pytest.mark.parametrize("name", list(FP8_CI))
+def test_fp8_kernel_builds_and_describes_itself(built_fp8, name):
+    k = built_fp8[name]
+    lib = load(k.path)
+    assert lib.description == k.plan.describe()
+    assert lib.description["fp8"]["scaling"] == FP8_CI[name][1].get("scaling", "tensor")
+    assert [t["name"] for t in lib.description["tensors"] if t["role"] == "gemm_scale"] == ["scale_a", "scale_b"]
+    assert lib.workspace_size(1024, 512, 512) >= 0
+    assert "FP8" in k.source[:1500] and k.config.tile_k == 128
+    if not torch.cuda.is_available():
+        A = torch.zeros(128, 128, dtype=torch.float8_e4m3fn)
+        with pytest.raises(cc.DeviceError, match="no CUDA GPU"):
+            k(A, A, scale_a=torch.ones(()), scale_b=torch.ones(()))
 
 
 LAYOUT_CHECKS = r"""

@@ -31,14 +31,17 @@ _MISSING = inspect.Parameter.empty
 # positional-only in those calls, so operands may have those names.)
 CALL_KEYWORDS = frozenset({"raster", "swizzle", "out"})
 REFERENCE_KEYWORDS = frozenset({"dtype", "weight_layout", "precision", "input_dtypes", "output_dtypes",
-                                "constants"})
-RESERVED_NAMES = frozenset({"A", "W"}) | CALL_KEYWORDS | REFERENCE_KEYWORDS
+                                "constants", "scaling"})
+SCALE_KEYWORDS = frozenset({"scale_a", "scale_b"})     # an FP8 GEMM's scales (coda_cutlass/fp8)
+RESERVED_NAMES = frozenset({"A", "W"}) | CALL_KEYWORDS | REFERENCE_KEYWORDS | SCALE_KEYWORDS
 
 
 def _reserved(name: str) -> str:
     """Why an operand name is reserved (for errors)."""
     if name in REFERENCE_KEYWORDS:
         why = f"a keyword option of cc.reference(program, A, W, {name}=..., **operands)"
+    elif name in SCALE_KEYWORDS:
+        why = "the scales of an FP8 kernel call k(A, W, scale_a=..., scale_b=..., **operands)"
     else:
         why = "taken by the kernel call k(A, W, raster=..., swizzle=..., out=..., **operands)"
     return f"'{name}' is reserved ({why}; reserved names: {', '.join(sorted(RESERVED_NAMES))})"

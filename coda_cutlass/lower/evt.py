@@ -7,13 +7,18 @@ matches it, except:
   first tile output) becomes the visitor's last node, an identity Compute whose element type is D's
   (the collective stores it); with no tile output at all, D is void;
 - the first tile input is read through the collective's C load (``Sm90SrcFetch``), the others through
-  ``Sm90AuxLoad``.
+  ``Sm90AuxLoad``;
+- an FP8 GEMM's scales get the last two slots (``scale_a``, ``scale_b``); with tensor or row scaling
+  the accumulator node multiplies the accumulator by them (``kinds/fp8.py``), so the program's
+  ``acc`` is the scaled product; block scales are the mainloop's (``lower/mainloop.py``).
 """
 
 from __future__ import annotations
 
 from ..dtypes import F32, DType, as_dtype
 from ..errors import EpilogueError
+from ..fp8.gemm import Fp8Gemm
+from ..fp8.scales import scale_layouts
 from ..ir.nodes import Kind, Node, Program
 from ..ir.printer import node_text
 from ..partials import PartialLayout
@@ -72,7 +77,12 @@ def host_slots(program: Program) -> LowerContext:
                     if o.host_scalar and any(n.op == "scalar" and n.attr("operand") == o.name
                                                      for n in program.nodes))
     c_operand = next((t.name for t in tensors if t.role in ("input", "inout") and t.kind == Kind.TILE), None)
-    return LowerContext(tuple(tensors), slot_of, scalars, c_operand)
+    fp8 = Fp8Gemm.from_meta(program.meta.get("fp8"))
+    if fp8 is not None:
+        for layout in scale_layouts(fp8.scaling):
+            slot_of[layout.name] = len(tensors)
+            tensors.append(TensorSlot(len(tensors), layout.name, "gemm_scale", Kind.SCALAR, F32, layout=layout.kind))
+    return LowerContext(tuple(tensors), slot_of, scalars, c_operand, fp8)
 
 
 def gemm_dtype(program: Program) -> DType:
@@ -120,4 +130,4 @@ def lower(program: Program) -> EvtGraph:
     return EvtGraph(program=program, dtype=gemm_dtype(program), nodes=tuple(vnodes), tensors=ctx.tensors,
                     scalars=ctx.scalars, element_c=element_c,
                     c_slot=ctx.slot_of[ctx.c_operand] if ctx.c_operand else None,
-                    element_d=element_d, d_slot=d_slot)
+                    element_d=element_d, d_slot=d_slot, fp8=ctx.fp8)

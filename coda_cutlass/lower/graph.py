@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..dtypes import DType
+from ..fp8.gemm import Fp8Gemm
 from ..ir.nodes import Kind, Program, layout_columns, layout_shape, scale_shape
 from ..partials import PartialLayout
 
@@ -27,11 +28,14 @@ class TensorSlot:
     """One device pointer of the host ABI."""
     index: int
     name: str         # the operand or output it carries (documentation only)
-    role: str         # "input", "output", "inout" (accumulated output) or "partials"
-    kind: Kind        # TILE, ROW (length M), COL (length N); partials: ROW for row/total, COL for col
+    role: str         # "input", "output", "inout" (accumulated output), "partials" or "gemm_scale" (an FP8
+                      # GEMM's scale_a / scale_b)
+    kind: Kind        # TILE, ROW (length M), COL (length N); partials: ROW for row/total, COL for col;
+                      # scales: SCALAR (their shape is the layout's, fp8/scales.py)
     dtype: DType
     layout: str = "tile"   # tile slots: "tile" (M x N), "packed" (M x 2N 16-bit pairs, passed to the
-                           # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2)
+                           # kernel as M x N 32-bit elements: ld in 32-bit units), "half" (M x N/2);
+                           # gemm_scale slots: the ScaleLayout kind ("tensor", "row", "block_1x128", ...)
     partials: PartialLayout | None = None   # role "partials": how the reduction's buffer is laid out
     scale_of: str | None = None   # layout "scale": the block scales of a quantised output of this layout
     block: int = 0                # layout "scale": elements per run (1 x block along its stored rows)
@@ -88,7 +92,7 @@ class VisitorNode:
 @dataclass(frozen=True)
 class EvtGraph:
     program: Program
-    dtype: DType                   # GEMM operand dtype
+    dtype: DType                   # GEMM operand dtype (FP8 GEMMs: bf16, their epilogue's default)
     nodes: tuple[VisitorNode, ...]
     tensors: tuple[TensorSlot, ...]
     scalars: tuple[str, ...]       # runtime scalar operands, in slot order
@@ -96,6 +100,7 @@ class EvtGraph:
     c_slot: int | None
     element_d: DType | None
     d_slot: int | None
+    fp8: Fp8Gemm | None = None     # FP8 operands (A/W dtypes, scaling, accumulation); None: 16-bit
 
     def slot(self, name: str) -> TensorSlot:
         return next(t for t in self.tensors if t.name == name)

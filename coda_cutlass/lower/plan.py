@@ -17,6 +17,7 @@ from ..dtypes import DType
 from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Program
 from .graph import ABI_VERSION, EvtGraph, TensorSlot
+from .mainloop import FP8_DEFAULTS, FP8_HEADER, Mainloop, mainloop_of
 from .smem import check_fits, epilogue_smem_bytes, estimate_stages, fits
 
 # Smaller tiles for programs that do not fit DEFAULT (shared memory, segment widths), in order.
@@ -43,6 +44,11 @@ class KernelPlan:
     def dtype(self) -> DType:
         return self.graph.dtype
 
+    @property
+    def mainloop(self) -> Mainloop | None:
+        """The FP8 mainloop (schedule, element types, scale layouts); None for 16-bit GEMMs."""
+        return mainloop_of(self.graph, self.config)
+
     def segments(self, slot: int) -> int:
         """Rows of partials per N-tile of a slot (segments per tile for segment sums, else 1)."""
         partials = self.graph.tensors[slot].partials
@@ -50,14 +56,18 @@ class KernelPlan:
 
     def headers(self) -> tuple[str, ...]:
         """The coda headers beyond the base set that the nodes need (kernels that use none of them
-        include exactly the base headers, so their content keys do not change)."""
-        return tuple(sorted({h for v in self.graph.nodes for h in v.kind.headers(v, self)}))
+        include exactly the base headers, so their content keys do not change). FP8 kernels add
+        coda/fp8.hpp (their host checks and block-scale layouts)."""
+        headers = {h for v in self.graph.nodes for h in v.kind.headers(v, self)}
+        if self.graph.fp8 is not None:
+            headers.add(FP8_HEADER)
+        return tuple(sorted(headers))
 
     def describe(self) -> dict[str, Any]:
         """What the kernel's coda_describe() returns (JSON types: the comparison after loading a
         library is with this, so tuples such as an epilogue tile appear as lists)."""
         g = self.graph
-        return json.loads(json.dumps({
+        d = {
             "abi": ABI_VERSION,
             "program": g.program.name,
             "dtype": g.dtype.name,
@@ -68,7 +78,10 @@ class KernelPlan:
             "outputs": list(g.program.outputs),
             "c_slot": g.c_slot,
             "d_slot": g.d_slot,
-        }))
+        }
+        if g.fp8 is not None:
+            d["fp8"] = g.fp8.to_meta()
+        return json.loads(json.dumps(d))
 
 
 def plan(graph: EvtGraph, config: KernelConfig | None = None, weight_layout: str = "nk") -> KernelPlan:
@@ -78,6 +91,9 @@ def plan(graph: EvtGraph, config: KernelConfig | None = None, weight_layout: str
                             f"{weight_layout!r}", program=graph.program.name)
     if config is None:
         config = default_config(graph)
+    mainloop_of(graph, config)        # an FP8 mainloop checks the configuration
+    if graph.fp8 is not None and weight_layout != "nk":
+        raise ConfigError(f"{graph.program.name}: W: FP8 operands must be K-major (weight_layout='nk', W as (N, K))")
     for t in graph.tensors:
         why = t.partials.check(config.tile_n) if t.partials else None
         if why:
@@ -100,7 +116,10 @@ def segments_fit(config: KernelConfig, graph: EvtGraph) -> bool:
 
 def default_config(graph: EvtGraph) -> KernelConfig:
     """The heuristic without tuning: DEFAULT while it keeps 3 mainloop stages (and segment widths
-    and its tile width divide one another); else the first fallback that keeps 2."""
+    and its tile width divide one another); else the first fallback that keeps 2. FP8 GEMMs start
+    from their own defaults (``mainloop.FP8_DEFAULTS``)."""
+    if graph.fp8 is not None:
+        return _fp8_default(graph)
     if estimate_stages(DEFAULT, graph) >= 3 and segments_fit(DEFAULT, graph):
         return DEFAULT
     for c in FALLBACKS:
@@ -121,6 +140,19 @@ def default_config(graph: EvtGraph) -> KernelConfig:
     kib = min(epilogue_smem_bytes(c, graph) for c in FALLBACKS) // 1024
     raise EpilogueError(f"its tile inputs and outputs need {kib} KiB of shared memory for staging even with "
                         "the smallest tile; use fewer or 16-bit tile inputs and outputs", program=graph.program.name)
+
+
+def _fp8_default(graph: EvtGraph) -> KernelConfig:
+    assert graph.fp8 is not None
+    first, *rest = FP8_DEFAULTS[graph.fp8.mode]
+    if estimate_stages(first, graph) >= 3 and segments_fit(first, graph):
+        return first
+    for c in (first, *rest):
+        if fits(c, graph) and segments_fit(c, graph):
+            return c
+    kib = epilogue_smem_bytes(rest[-1], graph) // 1024
+    raise EpilogueError(f"its tile inputs and outputs need {kib} KiB of shared memory for staging (or segment "
+                        "widths that no default FP8 tile width divides); pass a config", program=graph.program.name)
 
 
 def _misfit_segments(graph: EvtGraph) -> TensorSlot:

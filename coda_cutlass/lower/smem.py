@@ -13,6 +13,7 @@ from ..config import KernelConfig
 from ..errors import ConfigError
 from .graph import EvtGraph
 from .kinds import Staging
+from .mainloop import stage_bytes
 
 SMEM_BYTES = 227 * 1024
 MIN_MAINLOOP_STAGES = 2
@@ -50,7 +51,7 @@ def epilogue_smem_bytes(c: KernelConfig, graph: EvtGraph) -> int:
 def estimate_stages(c: KernelConfig, graph: EvtGraph, margin: int = 0) -> int:
     """Mainloop stages left after the epilogue's shared memory. ``margin`` covers what the formulas
     leave out (alignment padding, pipeline barriers)."""
-    stage = (c.tile_m + c.tile_n) * c.tile_k * graph.dtype.bits // 8 + 64
+    stage = stage_bytes(c, graph)
     return (SMEM_BYTES - epilogue_smem_bytes(c, graph) - 1024 - margin) // stage
 
 

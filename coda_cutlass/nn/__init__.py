@@ -4,5 +4,6 @@ non-attention op, forward and backward, runs in a GEMM epilogue or a map kernel.
 from .block import LlamaBlock
 from .model import LlamaModel
 from .runner import Choice, KernelRunner, Recorder, ReferenceRunner
+from .hf.causal_lm import from_hf, patch_hf
 
-__all__ = ["LlamaBlock", "LlamaModel", "Choice", "KernelRunner", "Recorder", "ReferenceRunner"]
+__all__ = ["LlamaBlock", "LlamaModel", "Choice", "KernelRunner", "Recorder", "ReferenceRunner", "from_hf", "patch_hf"]

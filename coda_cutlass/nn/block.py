@@ -13,27 +13,24 @@ Weights are kept in the kernels' layout (RoPE pairs adjacent in W_qkv, gate/up r
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from ..partials import cached_tensor
+from .activations import activation as find_activation
 from .attention import Attention
-from .checks import check_block_args, check_kernel_runner, check_stream, checked_inv_freq
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
-from .hf import block_from_hf, block_to_hf
-from .runner import KernelRunner, Runner, default_runner
+from .hf.layer import block_from_hf, block_to_hf
+from .checks import check_block_args, check_kernel_runner, check_rope_args, check_stream
+from .precision import cast, check_compute_dtype, compute_dtype, no_autocast, runner_for
+from .rope import Rope, column_frequencies
+from .runner import KernelRunner, Runner
 from .saved import flatten, unflatten
 from .tuning import tune_module
-
-
-def column_frequencies(inv_freq: torch.Tensor, n_heads: int, n_kv_heads: int) -> torch.Tensor:
-    """RoPE frequency of every column of the fused (pair-adjacent) QKV output: each pair's frequency
-    on both of its columns, for the q and k heads; 0 on v (not rotated)."""
-    head = inv_freq.to(torch.float32).repeat_interleave(2)
-    return torch.cat((head.repeat(n_heads + n_kv_heads), torch.zeros(n_kv_heads * head.numel())))
 
 
 def positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -49,13 +46,15 @@ class BlockFunction(torch.autograd.Function):
     saved-tensor hooks (``torch.autograd.graph.save_on_cpu``)."""
 
     @staticmethod
-    def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, g_next, step: Step):  # type: ignore[override]
-        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
-        x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
+    def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k, g_pa, g_pm,  # type: ignore[override]
+                g_next, step: Step):
+        weights = (w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k, g_pa, g_pm)
+        with no_autocast(x.device):
+            x2, h2, r2, saved = block_forward(step, x, h, r, BlockWeights(*weights), g_next)
         tensors: list[Any] = []
         ctx.layout = flatten(saved, tensors)
-        ctx.save_for_backward(*tensors, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
-        ctx.step = step
+        ctx.save_for_backward(*tensors, *weights)
+        ctx.step, ctx.n_weights = step, len(weights)
         if h2 is None:
             return x2
         ctx.mark_non_differentiable(h2, r2)
@@ -63,11 +62,12 @@ class BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
-        *tensors, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp = ctx.saved_tensors
-        saved = unflatten(ctx.layout, iter(tensors))
-        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
-        dx, g = block_backward(ctx.step, saved, w, dx2.contiguous())
-        return dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, None, None
+        tensors = ctx.saved_tensors
+        saved = unflatten(ctx.layout, iter(tensors[:-ctx.n_weights]))
+        with no_autocast(dx2.device):
+            dx, g = block_backward(ctx.step, saved, BlockWeights(*tensors[-ctx.n_weights:]), dx2.contiguous())
+        return (dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, g.qkv_bias, g.q_norm, g.k_norm,
+                g.post_attn_norm, g.post_mlp_norm, None, None)
 
 
 class LlamaBlock(nn.Module):
@@ -76,10 +76,18 @@ class LlamaBlock(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *, head_dim: int | None = None,
                  eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
-                 attention: str = "sdpa", device: Any = None, dtype: Any = None):
+                 rope: Rope | None = None, attention_scale: float | None = None, sliding_window: int | None = None,
+                 attention_dropout: float = 0.0, activation: str = "silu", qkv_bias: bool = False,
+                 qk_norm: bool = False, sandwich_norms: bool = False, norm_offset: float = 0.0,
+                 attention_softcap: float | None = None, attention: str = "sdpa",
+                 compute_dtype: torch.dtype | None = None, device: Any = None, dtype: Any = None):
         super().__init__()
         head_dim, eps = check_block_args(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)
-        inv_freq = checked_inv_freq(head_dim, rope_theta, inv_freq)
+        check_rope_args(rope_theta, inv_freq, rope)
+        if sum(x is not None for x in (inv_freq, rope)) > 1:
+            raise ValueError("pass at most one of inv_freq and rope")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
         self.dims = BlockDims(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)
         kw = {"device": device, "dtype": dtype}
         d = self.dims
@@ -89,22 +97,80 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(dim, **kw))
         self.gate_up = nn.Parameter(torch.empty(2 * ffn_dim, dim, **kw))
         self.down = nn.Parameter(torch.empty(dim, ffn_dim, **kw))
-        self._inv_freq64 = inv_freq.double().cpu()
+        # q/k/v biases (Qwen 2), in the kernels' column order (RoPE pairs adjacent, as W_qkv's rows)
+        self.qkv_bias = nn.Parameter(torch.zeros(d.qkv_width, **kw)) if qkv_bias else None
+        # per-head RMSNorm gains of q and k before RoPE (Qwen 3), in the heads' pair order
+        self.q_norm = nn.Parameter(torch.ones(head_dim, **kw)) if qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(head_dim, **kw)) if qk_norm else None
+        if qk_norm and qkv_bias:
+            raise ValueError("qk_norm with qkv_bias is not implemented")
+        # RMSNorms on the out-proj and down-proj outputs before the residual adds (Gemma 2 / 3)
+        self.post_attn_norm = nn.Parameter(torch.ones(dim, **kw)) if sandwich_norms else None
+        self.post_mlp_norm = nn.Parameter(torch.ones(dim, **kw)) if sandwich_norms else None
+        self.mlp = find_activation(activation)
+        self.norm_offset = float(norm_offset)      # the norms scale by (offset + weight): 1 for Gemma
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)     # per RoPE pair, fp32
         self.register_buffer("rope_freq", torch.empty(0), persistent=False)    # per QKV column, fp32
-        self._set_rope_buffers(torch.device(device) if device is not None else torch.device("cpu"))
-        self.attention = Attention(attention)
-        self.runner: Runner | None = None     # a runner set here replaces the default (get_runner)
-        self._default: tuple[tuple[torch.device, torch.dtype], Runner] | None = None
+        self.attention_dropout = float(attention_dropout)
+        self._attention_args = (attention, attention_scale, sliding_window)
+        self._softcap = attention_softcap
+        self._set_rope(rope if rope is not None else Rope.explicit(inv_freq) if inv_freq is not None
+                       else Rope.default(head_dim, rope_theta),
+                       torch.device(device) if device is not None else torch.device("cpu"))
+        self.compute_dtype = check_compute_dtype(compute_dtype)
+        self.runner: Runner | None = None          # set to pin one (a tuned KernelRunner); else one per dtype
+        self._runners: dict[tuple[str, torch.dtype], Runner] = {}
         self.reset_parameters()
+
+    # ------------------------------------------------------------------ RoPE and attention settings
+    def _set_rope(self, rope: Rope, device: torch.device) -> None:
+        if rope.head_dim != self.dims.head_dim:
+            raise ValueError(f"the RoPE settings are for head_dim {rope.head_dim}, the block's is {self.dims.head_dim}")
+        self.rope = rope
+        self._freq_cache: dict[int, torch.Tensor] = {}
+        self._set_rope_buffers(device)
+        backend, scale, window = self._attention_args
+        base = self.dims.head_dim ** -0.5 if scale is None else scale
+        # yarn / longrope scale cos and sin: q . k grows by the square (folded into the softmax scale)
+        factor = rope.attention_scaling ** 2
+        self.attention = Attention(backend, scale=None if scale is None and factor == 1.0 else base * factor,
+                                   window=window, softcap=self._softcap)
 
     def _set_rope_buffers(self, device: torch.device) -> None:
         d = self.dims
-        self.inv_freq = self._inv_freq64.to(device, torch.float32)
-        self.rope_freq = column_frequencies(self._inv_freq64, d.n_heads, d.n_kv_heads).to(device)
+        inv = self.rope.inv_freq()
+        self.inv_freq = inv.to(device, torch.float32)
+        self.rope_freq = column_frequencies(inv, d.n_heads, d.n_kv_heads).to(device)
+        self._freq_cache = {}
+
+    def column_freq(self, seq: int) -> torch.Tensor:
+        """The per-column RoPE frequencies for a call whose largest position is seq - 1 (they depend
+        on it for the dynamic and longrope types)."""
+        if not self.rope.depends_on_length:
+            return self.rope_freq
+        key = self.rope.length_key(seq)
+        f = self._freq_cache.get(key)
+        if f is None:
+            d = self.dims
+            f = self._freq_cache[key] = column_frequencies(self.rope.inv_freq(seq), d.n_heads,
+                                                           d.n_kv_heads).to(self.rope_freq.device)
+        return f
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The settings a state_dict keeps besides the tensors: RoPE, softmax scale, sliding window."""
+        backend, scale, window = self._attention_args
+        return {"rope": self.rope.to_dict(), "attention_scale": scale, "sliding_window": window,
+                "attention_softcap": self._softcap}
+
+    def set_extra_state(self, state: Any) -> None:
+        if not isinstance(state, dict) or "rope" not in state:
+            raise ValueError(f"LlamaBlock extra state must be a dict with the RoPE settings, got {type(state).__name__}")
+        self._attention_args = (self._attention_args[0], state.get("attention_scale"), state.get("sliding_window"))
+        self._softcap = state.get("attention_softcap")
+        self._set_rope(Rope.from_dict(state["rope"]), self.rope_freq.device)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LlamaBlock":
-        # module.to(dtype) would round the RoPE frequencies to bf16: keep them fp32, from the fp64 source
+        # module.to(dtype) would round the RoPE frequencies to bf16: keep them fp32, from their source
         super()._apply(fn, recurse)
         self._set_rope_buffers(self.qkv.device)
         return self
@@ -117,54 +183,114 @@ class LlamaBlock(nn.Module):
 
     def extra_repr(self) -> str:
         d = self.dims
+        extra = "" if self.rope.rope_type == "default" else f", rope={self.rope.rope_type}"
+        if self.attention.window is not None:
+            extra += f", sliding_window={self.attention.window}"
+        if self.attention.softcap is not None:
+            extra += f", attention_softcap={self.attention.softcap}"
+        if self.mlp.name != "silu":
+            extra += f", activation={self.mlp.name}"
+        if self.qkv_bias is not None:
+            extra += ", qkv_bias=True"
+        if self.q_norm is not None:
+            extra += ", qk_norm=True"
+        if self.post_attn_norm is not None:
+            extra += ", sandwich_norms=True"
+        if self.norm_offset:
+            extra += f", norm_offset={self.norm_offset}"
         return (f"dim={d.dim}, heads={d.n_heads}, kv_heads={d.n_kv_heads}, head_dim={d.head_dim}, "
-                f"ffn={d.ffn_dim}, eps={d.eps}, attention={self.attention.backend}")
+                f"ffn={d.ffn_dim}, eps={d.eps}, attention={self.attention.backend}{extra}")
 
     # ------------------------------------------------------------------ running
+    def call_dtype(self) -> torch.dtype:
+        """The dtype this call computes in (nn.precision): compute_dtype, else autocast's for fp32
+        parameters, else the parameters'."""
+        return compute_dtype(self.qkv.dtype, self.qkv.device, self.compute_dtype)
+
     def __getstate__(self) -> dict[str, Any]:
-        # The default runner is a cache (compiled kernels hold ctypes handles): made again on first
+        # The default runners are caches (compiled kernels hold ctypes handles): made again on first
         # use, so copies, pickles and torch.save work after GPU use. A runner set on the block is
         # kept (runners drop their own caches when pickled).
         state = super().__getstate__()
-        state["_default"] = None
+        state["_runners"] = {}
         return state
 
-    def get_runner(self) -> Runner:
-        """``block.runner`` when set, else the default for the weights' device and dtype (kernels
-        on a Hopper GPU in bf16 / fp16, the reference interpreter elsewhere), made again whenever the
-        module has moved (``.to()``, ``.cuda()``, ``.half()``)."""
+    def get_runner(self, dtype: torch.dtype | None = None) -> Runner:
+        """The pinned ``runner``, else this block's runner for the device and compute dtype (kernels
+        on a Hopper GPU in bf16 / fp16, the reference interpreter elsewhere: nn.precision.runner_for)."""
         if self.runner is not None:
             return self.runner
-        key = (self.qkv.device, self.qkv.dtype)
-        if self._default is None or self._default[0] != key:
-            self._default = (key, default_runner(*key))
-        return self._default[1]
+        key = (str(self.qkv.device), dtype or self.call_dtype())
+        r = self._runners.get(key)
+        if r is None:
+            r = self._runners[key] = runner_for(self.qkv.device, key[1])
+        return r
 
     def context(self) -> str:
         """The model widths that decide kernel shapes (the key of in-sequence tuning plans)."""
         d = self.dims
-        return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}"
+        extra = ("" if self.mlp.name == "silu" else f":{self.mlp.name}") + ("" if self.qkv_bias is None else ":bias") \
+            + ("" if self.q_norm is None else ":qknorm") + ("" if self.post_attn_norm is None else ":sandwich")
+        return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}{extra}"
 
-    def step(self, batch: int, seq: int, runner: Runner | None = None) -> Step:
-        runner = runner or self.get_runner()
+    def step(self, batch: int, seq: int, runner: Runner | None = None, dtype: torch.dtype | None = None, *,
+             position_ids: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> Step:
+        """What one call needs besides tensors. ``position_ids`` (B, S): each token's RoPE position
+        (default 0..S-1 per row); ``mask``: nn.masks.attention_mask (padding, packed documents)."""
+        dtype = dtype or self.call_dtype()
+        runner = runner or self.get_runner(dtype)
         if isinstance(runner, KernelRunner):
-            check_kernel_runner(runner, self.qkv)
+            check_kernel_runner(runner, self.qkv.device, dtype)
             runner.prepare(self.context(), batch * seq)
-        return Step(self.dims, runner, self.attention, batch, seq, positions(batch, seq, self.qkv.device),
-                    self.rope_freq)
+        if position_ids is None:
+            pos, length = positions(batch, seq, self.qkv.device), seq
+        else:
+            if tuple(position_ids.shape[-1:]) != (seq,):
+                raise ValueError(f"position_ids must be (batch, {seq}), got {tuple(position_ids.shape)}")
+            pos = position_ids.to(self.qkv.device).expand(batch, seq).reshape(-1).to(torch.float32)
+            length = int(position_ids.max().item()) + 1
+        return Step(self.dims, runner, self.attention, batch, seq, pos, self.column_freq(length), self._dropout(),
+                    dtype, self.mlp, mask, length)
 
-    def weights(self) -> tuple[torch.Tensor, ...]:
-        return (self.qkv, self.o, self.gate_up, self.down, self.attn_norm, self.mlp_norm)
+    def _dropout(self) -> float:
+        return self.attention_dropout if self.training else 0.0
+
+    def local_step(self, step: Step) -> Step:
+        """A stack's step with this block's own attention settings and RoPE frequencies (layers of
+        one model may differ in both)."""
+        freq = self.column_freq(step.length or step.seq)
+        if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout() \
+                and step.mlp is self.mlp:
+            return step
+        return dataclasses.replace(step, attention=self.attention, freq=freq, dropout=self._dropout(), mlp=self.mlp)
+
+    def gain(self, norm: torch.Tensor) -> torch.Tensor:
+        """A norm's effective gain: its weight, plus norm_offset (Gemma's (1 + w))."""
+        return norm if self.norm_offset == 0.0 else norm + self.norm_offset
+
+    def attn_gain(self) -> torch.Tensor:
+        """The attention norm's gain (the previous block's down-proj epilogue applies it)."""
+        return self.gain(self.attn_norm)
+
+    def weights(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down, self.gain(self.attn_norm), self.gain(self.mlp_norm),
+                self.qkv_bias, *(None if p is None else self.gain(p)
+                                 for p in (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm)))
 
     def run(self, step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
             g_next: torch.Tensor | None) -> Any:
         """The block on an (M, D) stream with its normed copy h and rstd r (as a stack calls it).
         Without autograd (no_grad, or nothing requires a gradient) it runs the forward alone, which
         saves nothing and writes less (``block_forward(train=False)``)."""
-        weights = self.weights()
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
+        step = self.local_step(step)
+        dtype = step.dtype or self.qkv.dtype
+        weights = tuple(None if w is None else cast(w, dtype) for w in self.weights())  # once per call
+        if g_next is not None:
+            g_next = cast(g_next.detach(), dtype)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):
             return BlockFunction.apply(x, h, r, *weights, g_next, step)
-        x2, h2, r2, _ = block_forward(step, x, h, r, BlockWeights(*weights), g_next, train=False)
+        with no_autocast(x.device):
+            x2, h2, r2, _ = block_forward(step, x, h, r, BlockWeights(*weights), g_next, train=False)
         return x2 if h2 is None else (x2, h2, r2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,9 +301,9 @@ class LlamaBlock(nn.Module):
         check_stream(x, self.qkv)
         B, S, D = x.shape
         step = self.step(B, S)
-        x2d = x.reshape(B * S, D).contiguous()
-        with torch.no_grad():
-            h, r = first_norm(step, x2d.detach(), self.attn_norm)
+        x2d = cast(x.reshape(B * S, D), step.dtype).contiguous()
+        with torch.no_grad(), no_autocast(x.device):
+            h, r = first_norm(step, x2d.detach(), cast(self.attn_gain().detach(), step.dtype))
         return self.run(step, x2d, h, r, None).view(B, S, D)
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:
@@ -191,12 +317,17 @@ class LlamaBlock(nn.Module):
 
     # ------------------------------------------------------------------ Hugging Face
     @classmethod
-    def from_hf(cls, layer: Any, config: Any = None, *, attention: str = "sdpa") -> "LlamaBlock":
-        """A block with the weights of a transformers ``LlamaDecoderLayer`` (q/k rows permuted to
-        adjacent RoPE pairs, q/k/v fused, gate/up interleaved). RoPE frequencies come from the
-        layer's config (``rope_theta``, and ``rope_scaling`` through transformers when set)."""
-        return block_from_hf(cls, layer, config, attention)
+    def from_hf(cls, layer: Any, config: Any = None, *, attention: str = "sdpa",
+                ignore_fields: Iterable[str] = ()) -> "LlamaBlock":
+        """A block with the weights and settings of a transformers decoder layer (Llama, Mistral,
+        Phi-3; q/k rows permuted to adjacent RoPE pairs, q/k/v fused, gate/up interleaved). The
+        settings come from the layer's config (``self_attn.config``, or ``config``), in the style of
+        transformers 5 (``rope_parameters``) or 4 (``rope_theta``, ``rope_scaling``); a field whose
+        effect is not implemented is refused by name (``ignore_fields``: fields known to be inert)."""
+        return block_from_hf(cls, layer, config, attention=attention, ignore_fields=ignore_fields)
 
-    def to_hf(self, layer: Any) -> Any:
-        """Copy this block's weights into a transformers ``LlamaDecoderLayer`` (inverse of from_hf)."""
-        return block_to_hf(self, layer)
+    def to_hf(self, layer: Any, config: Any = None) -> Any:
+        """Copy this block's weights into a transformers decoder layer (inverse of from_hf), after
+        checking that the layer computes what the block computes (widths, RoPE, window) and has its
+        shapes; on a mismatch nothing is written."""
+        return block_to_hf(self, layer, config)

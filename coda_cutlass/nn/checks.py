@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from ..errors import CallError, ConfigError, DeviceError
-from .attention import rope_inv_freq
 from .runner import KernelRunner
 
 
@@ -49,16 +48,14 @@ def check_block_args(dim: int, n_heads: int, n_kv_heads: int, head_dim: int | No
     return head_dim, _positive_float("eps", eps)
 
 
-def checked_inv_freq(head_dim: int, rope_theta: Any, inv_freq: Any) -> torch.Tensor:
-    """The RoPE frequencies per pair: the standard ones for a positive finite rope_theta, or the
-    given ones (head_dim / 2 finite values)."""
-    if inv_freq is None:
-        return rope_inv_freq(head_dim, _positive_float("rope_theta", rope_theta))
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != (head_dim // 2,) \
-            or not bool(torch.isfinite(inv_freq).all()):
-        raise ValueError(f"LlamaBlock: inv_freq must be a tensor of head_dim / 2 = {head_dim // 2} finite "
-                         f"frequencies, got {getattr(inv_freq, 'shape', inv_freq)!r}")
-    return inv_freq
+def check_rope_args(rope_theta: Any, inv_freq: Any, rope: Any) -> None:
+    """The standard frequencies need a positive finite rope_theta (0 or NaN gave NaN silently); a
+    given table, finite frequencies (its length is the Rope's to check)."""
+    if rope is None and inv_freq is None:
+        _positive_float("rope_theta", rope_theta)
+    elif inv_freq is not None and (not isinstance(inv_freq, torch.Tensor) or not bool(torch.isfinite(inv_freq).all())):
+        raise ValueError(f"LlamaBlock: inv_freq must be a tensor of finite frequencies, got "
+                         f"{type(inv_freq).__name__ if not isinstance(inv_freq, torch.Tensor) else 'non-finite values'}")
 
 
 def check_model_args(vocab_size: Any, n_layers: Any, ce_chunk_bytes: Any) -> None:
@@ -70,26 +67,25 @@ def check_model_args(vocab_size: Any, n_layers: Any, ce_chunk_bytes: Any) -> Non
 
 
 def check_stream(x: torch.Tensor, weight: torch.Tensor) -> None:
-    """The input's dtype and device are the weights' (the kernels' operands share one dtype; the
-    reference interpreter would take others, and say nothing)."""
-    if x.dtype != weight.dtype:
-        raise CallError(f"LlamaBlock: x is {x.dtype} but the weights are {weight.dtype}; cast x (or the module "
-                        f"with .to({x.dtype}))")
+    """The input is a floating tensor on the weights' device (it is then cast to the compute dtype,
+    nn.precision). An integer input would be cast silently, on the CPU as on the GPU."""
+    if not x.is_floating_point():
+        raise CallError(f"LlamaBlock: x must be a floating-point tensor, got {x.dtype}")
     if x.device != weight.device:
         raise CallError(f"LlamaBlock: x is on {x.device} but the weights are on {weight.device}")
 
 
-def check_kernel_runner(runner: KernelRunner, weight: torch.Tensor) -> None:
-    """A KernelRunner set on a module runs kernels of one dtype, on a GPU: say so when the module
-    was moved away from it (the default runner follows the module by itself)."""
-    if weight.device.type != "cuda":
+def check_kernel_runner(runner: KernelRunner, device: torch.device, dtype: torch.dtype) -> None:
+    """A KernelRunner set on a module runs kernels of one dtype, on a GPU: say so when the module was
+    moved away from it (the default runners follow the module's device and compute dtype)."""
+    if device.type != "cuda":
         raise DeviceError(f"the block's runner is a KernelRunner (compiled kernels, a Hopper GPU) but its weights "
-                          f"are on {weight.device}; move the module to the GPU or set block.runner = None (the "
-                          "reference interpreter)")
-    if runner.dtype != weight.dtype:
-        raise ConfigError(f"the block's runner is a KernelRunner for {runner.dtype} but its weights are "
-                          f"{weight.dtype} (moved with .to() / .half()?); set block.runner = KernelRunner("
-                          f"{weight.dtype}) or None (the default runner follows the weights)")
+                          f"are on {device}; move the module to the GPU or set block.runner = None "
+                          "(model.set_runner(None)) for the default")
+    if runner.dtype != dtype:
+        raise ConfigError(f"the block's runner is a KernelRunner for {runner.dtype} but this call computes in "
+                          f"{dtype} (moved with .to() / .half()?); set block.runner = KernelRunner({dtype}) or None "
+                          "(the default runners follow the module)")
 
 
 def checked_targets(targets: Any, tokens: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:

@@ -12,30 +12,17 @@ block's down-proj epilogue (or, for the first block, by one map kernel over the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .. import epilogues as E
-from ..partials import const_vector
+from .activations import ACTIVATIONS, Activation
+from . import qk_norm, sandwich
+from .stats import row_mean, rstd
 from .attention import Attention
 from .kernels import FORWARD_ONLY
 from .runner import Runner
-
-def row_mean(partials: torch.Tensor, d: int, add: float = 0.0) -> torch.Tensor:
-    """Per-tile row partials [tiles, M] -> (sum over tiles) / d + add, in one addmv."""
-    tiles, M = partials.shape
-    ones = const_vector(tiles, 1.0 / d, partials.device)
-    if add == 0.0:
-        return torch.mv(partials.t(), ones)
-    return torch.addmv(const_vector(M, add, partials.device), partials.t(), ones)
-
-
-def rstd(partials: torch.Tensor, d: int, eps: float) -> torch.Tensor:
-    """RMSNorm's r = rsqrt(mean x^2 + eps) from per-tile partial sums of x^2 (two launches). Not in
-    place: r is saved for the backward, and Dynamo cannot save an in-place result from a traced
-    autograd.Function (the block's forward under torch.compile)."""
-    return row_mean(partials, d, eps).rsqrt()
-
 
 @dataclass(frozen=True)
 class BlockDims:
@@ -69,6 +56,11 @@ class BlockWeights:
     down: torch.Tensor
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
+    qkv_bias: torch.Tensor | None = None     # per QKV column, kernel layout (Qwen 2)
+    q_norm: torch.Tensor | None = None       # per-head RMSNorm gains of q and k (Qwen 3), pair order
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None   # sandwich norms on the out-proj / down-proj outputs (Gemma 2/3)
+    post_mlp_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -81,6 +73,11 @@ class Step:
     seq: int
     pos: torch.Tensor        # (M,) fp32 position of each token
     freq: torch.Tensor       # (qkv_width,) fp32 RoPE frequency of each column (0 on V)
+    dropout: float = 0.0     # attention dropout probability (training only)
+    dtype: torch.dtype | None = None   # the compute dtype (weights are cast to it: nn.precision)
+    mlp: Activation = ACTIVATIONS["silu"]   # the gated MLP's programs (nn.activations)
+    mask: torch.Tensor | None = None         # (B, 1, S, S) bool beyond causal: padding, documents (nn.masks)
+    length: int | None = None                # largest position + 1 (RoPE types that follow it); None: seq
 
 
 def first_norm(step: Step, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,86 +96,169 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     (a forward-only sequence is all GEMMs at the power limit: other tiles can win there)."""
     d, run = step.dims, step.runner
     sfx = "" if train else FORWARD_ONLY
-    qkv = run.gemm("qkv" + sfx, E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]     # F4
-    o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d)
-    f1 = run.gemm("o" + sfx, E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)  # F1
-    x1, h1 = f1["D"], f1["h"]
-    r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                       # R1
-    if not train:                                                                              # F2
-        z, y = None, run.gemm("gate_up.infer", E.swiglu_only, h1, w.gate_up, r=r1)["y"]
+    qk_ctx = None
+    if w.q_norm is not None:                                                                   # F4
+        qkv, qk_ctx = qk_norm.forward(step, h, r, w, "qkv" + sfx)
+    elif w.qkv_bias is None:
+        qkv = run.gemm("qkv" + sfx, E.rope, h, w.qkv, r=r, pos=step.pos, freq=step.freq)["D"]
     else:
-        f2 = run.gemm("gate_up", E.swiglu, h1, w.gate_up, r=r1)
+        qkv = run.gemm("qkv" + sfx, E.rope_bias, h, w.qkv, r=r, bias=w.qkv_bias, pos=step.pos, freq=step.freq)["D"]
+    o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
+    post1 = post2 = None
+    if w.post_attn_norm is None:                                                               # F1
+        f1 = run.gemm("o" + sfx, E.residual_norm_stats, o, w.o, partial=True, resid=x, g=w.mlp_norm)
+        x1, h1 = f1["D"], f1["h"]
+        r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                   # R1
+    else:
+        x1, h1, r1, post1 = sandwich.forward(step, "o" + sfx, o, w.o, x, w.post_attn_norm, w.mlp_norm)
+    if not train:                                                                              # F2
+        z, y = None, run.gemm("gate_up.infer", step.mlp.infer, h1, w.gate_up, r=r1)["y"]
+    else:
+        f2 = run.gemm("gate_up", step.mlp.train, h1, w.gate_up, r=r1)
         z, y = f2["z"], f2["y"]
-    if g_next is not None:                                                                     # F3
+    if w.post_mlp_norm is not None:                                                            # F3
+        x2, h2, r2, post2 = sandwich.forward(step, ("down" if g_next is not None else "down.last") + sfx, y,
+                                             w.down, x1, w.post_mlp_norm, g_next)
+    elif g_next is not None:
         f3 = run.gemm("down" + sfx, E.residual_norm_stats, y, w.down, partial=True, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)                         # R2
     else:
         x2, h2, r2 = run.gemm("down.last" + sfx, E.residual_add, y, w.down, resid=x1)["D"], None, None
-    return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx) if train else None
+    return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx, post1, post2) if train else None
 
 
 def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor) -> tuple[torch.Tensor, BlockWeights]:
     """dL/dx of the block's input stream and the weight gradients (as a BlockWeights)."""
     d, run = step.dims, step.runner
-    x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx = saved
+    x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx, post1, post2 = saved
     # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
-    b4 = run.gemm("down.dgrad", E.swiglu_backward_scaled, dx2, w.down, layout="kn", partial=True, z=z, r=r1)  # B4
+    dm, d_pm = dx2, None
+    if post2 is not None:       # the down-proj output's own norm first (two map kernels)
+        dm, d_pm = sandwich.backward(step, "down", post2, w.post_mlp_norm, dx2)
+    b4 = run.gemm("down.dgrad", step.mlp.backward, dm, w.down, layout="kn", partial=True, z=z, r=r1)  # B4
     dz = b4["dz"]
-    d_down = run.timed("down.wgrad", lambda: dx2.t() @ y)                                      # B5
+    d_down = run.timed("down.wgrad", lambda: dm.t() @ y)                                       # B5
     c1 = row_mean(b4["zdz"], d.dim)
     b6 = run.gemm("gate_up.dgrad", E.norm_backward, dz, w.gate_up, layout="kn", partial=True,  # B6
                   x=x1, r=r1, c=c1, g=w.mlp_norm, dres=dx2)
     dx1 = b6["dx"]
     d_gate_up = run.timed("gate_up.wgrad", lambda: dz.t() @ h1)                                # B7
     # ---- attention: out-proj dX and dW are plain GEMMs; the RoPE backward is a map kernel
-    d_attn = run.timed("o.dgrad", lambda: dx1 @ w.o)                                           # B8
-    d_o = run.timed("o.wgrad", lambda: dx1.t() @ o)                                            # B9
+    do, d_pa = dx1, None
+    if post1 is not None:
+        do, d_pa = sandwich.backward(step, "o", post1, w.post_attn_norm, dx1)
+    d_attn = run.timed("o.dgrad", lambda: do @ w.o)                                            # B8
+    d_o = run.timed("o.wgrad", lambda: do.t() @ o)                                             # B9
     grads = run.timed("attention.bwd", lambda: step.attention.backward(attn_ctx, d_attn))
     dqkv = torch.empty_like(qkv)
     zdz = []
     start = 0
+    d_qn = d_kn = None
+    if qk_ctx is not None:      # q and k through their per-head norms, v as below
+        zdz, d_qn, d_kn = qk_norm.backward(step, qk_ctx, w, r, grads[:2], dqkv)
+        start, grads = d.q_width + d.kv_width, grads[2:]
     for g4 in grads:            # (B, S, heads, head_dim) views                                # B1
         width = g4.shape[2] * g4.shape[3]
         cols = slice(start, start + width)
-        res = run.map("rope.dgrad", E.rope_backward, g4, partial=True, out={"dz": dqkv[:, cols]},
-                      y=qkv[:, cols], r=r, pos=step.pos, freq=step.freq[cols])
+        if w.qkv_bias is None:
+            res = run.map("rope.dgrad", E.rope_backward, g4, partial=True, out={"dz": dqkv[:, cols]},
+                          y=qkv[:, cols], r=r, pos=step.pos, freq=step.freq[cols])
+        else:
+            res = run.map("rope.dgrad", E.rope_backward_bias, g4, partial=True, out={"dz": dqkv[:, cols]},
+                          y=qkv[:, cols], r=r, bias=w.qkv_bias[cols], pos=step.pos, freq=step.freq[cols])
         zdz.append(res["zdz"])
         start += width
     c = row_mean(torch.cat(zdz), d.dim)
     b2 = run.gemm("qkv.dgrad", E.norm_backward, dqkv, w.qkv, layout="kn", partial=True,       # B2
                   x=x, r=r, c=c, g=w.attn_norm, dres=dx1)
     d_qkv = run.timed("qkv.wgrad", lambda: dqkv.t() @ h)                                      # B3
+    d_bias = None
+    if w.qkv_bias is not None:      # dbias = column sums of dz = dz'^T (1 / r)
+        d_bias = run.timed("qkv.bgrad", lambda: torch.mv(dqkv.t(), r.reciprocal().to(dqkv.dtype)))
     grads_w = BlockWeights(qkv=d_qkv, o=d_o, gate_up=d_gate_up, down=d_down,
                            attn_norm=b2["dgamma"].sum(0).to(w.attn_norm.dtype),
-                           mlp_norm=b6["dgamma"].sum(0).to(w.mlp_norm.dtype))
+                           mlp_norm=b6["dgamma"].sum(0).to(w.mlp_norm.dtype), qkv_bias=d_bias,
+                           q_norm=d_qn, k_norm=d_kn, post_attn_norm=d_pa, post_mlp_norm=d_pm)
     return b2["dx"], grads_w
 
 
+@dataclass(frozen=True)
+class LMHeadPrograms:
+    """The LM head's programs, plain or with soft-capped logits (operands: ``extra``)."""
+    logits: Any
+    lse: Any
+    lse_logits: Any
+    recompute: Any
+    grad: Any
+    extra: dict
+
+
+def lm_head_programs(softcap: float | None) -> LMHeadPrograms:
+    if softcap is None:
+        return LMHeadPrograms(E.rowscale, E.lm_head_lse, E.lm_head_lse_logits, E.cross_entropy_backward,
+                              E.cross_entropy_grad, {})
+    return LMHeadPrograms(E.rowscale_softcap, E.lm_head_lse_softcap, E.lm_head_lse_logits_softcap,
+                          E.cross_entropy_backward_softcap, E.cross_entropy_grad_softcap, {"cap": float(softcap)})
+
+
 def lm_head_forward(step: Step, h: torch.Tensor, r: torch.Tensor, w_lm: torch.Tensor,
-                    target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    target: torch.Tensor, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row log-sum-exp and target logit of logits = r * (h @ W_lm^T); logits are not written."""
-    out = step.runner.gemm("lm_head", E.lm_head_lse, h, w_lm, r=r, target=target)
+    P = lm_head_programs(softcap)
+    out = step.runner.gemm("lm_head", P.lse, h, w_lm, r=r, target=target, **P.extra)
     return out["lse"], out["target_logit"]
 
 
 def lm_head_backward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor, w_lm: torch.Tensor,
                      g: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
-                     chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     chunk_rows: int, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cross-entropy + final-norm backward, in row chunks (dlogits exist for one chunk at a time):
     the LM head is recomputed with the softmax gradient in its epilogue, then the final norm's
     backward rides the dX GEMM. Returns (dx, dW_lm, dgamma)."""
     d, run = step.dims, step.runner
+    P = lm_head_programs(softcap)
     M = x.shape[0]
     dx = torch.empty_like(x)
     dw = torch.zeros_like(w_lm)
     dgamma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
     for a in range(0, M, chunk_rows):
         b = min(M, a + chunk_rows)
-        ce = run.gemm("lm_head.recompute", E.cross_entropy_backward, h[a:b], w_lm, partial=True,
-                      r=r[a:b], lse=lse[a:b], target=target[a:b], scale=scale[a:b])
+        ce = run.gemm("lm_head.recompute", P.recompute, h[a:b], w_lm, partial=True,
+                      r=r[a:b], lse=lse[a:b], target=target[a:b], scale=scale[a:b], **P.extra)
         dl = ce["D"]
         nb = run.gemm("lm_head.dgrad", E.norm_backward_first, dl, w_lm, layout="kn", partial=True,
                       out={"dx": dx[a:b]}, x=x[a:b], r=r[a:b], c=row_mean(ce["zdz"], d.dim), g=g)
         dgamma += nb["dgamma"].sum(0)
         run.timed("lm_head.wgrad", lambda: dw.addmm_(dl.t(), h[a:b]))
     return dx, dw, dgamma.to(g.dtype)
+
+
+def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor, w_lm: torch.Tensor,
+                  g: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, chunk_rows: int,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The LM head, cross-entropy and final norm, forward and backward in one pass over row chunks
+    (for dloss = 1: the caller scales the gradients by dloss), without recomputing the logits: per
+    chunk the logits GEMM writes them with the log-sum-exp and target logit (``lm_head_lse_logits``),
+    a map kernel turns them into dz' = r * dlogits (``cross_entropy_grad``), then the norm-backward
+    dX GEMM and the weight-gradient GEMM consume the chunk: three vocab-sized GEMMs, not four.
+    Returns (lse, target_logit, dx, dW_lm, dgamma)."""
+    d, run = step.dims, step.runner
+    P = lm_head_programs(softcap)
+    M = x.shape[0]
+    lse = torch.empty(M, dtype=torch.float32, device=x.device)
+    tlogit = torch.empty(M, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(x)
+    dw = torch.zeros_like(w_lm)
+    dgamma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
+    for a in range(0, M, chunk_rows):
+        b = min(M, a + chunk_rows)
+        f = run.gemm("lm_head.fused", P.lse_logits, h[a:b], w_lm, r=r[a:b], target=target[a:b], **P.extra)
+        lse[a:b], tlogit[a:b] = f["lse"], f["target_logit"]
+        ce = run.map("lm_head.ce_grad", P.grad, f["D"], partial=True, r=r[a:b], lse=f["lse"],
+                     target=target[a:b], scale=scale[a:b], **P.extra)
+        dl = ce["D"]
+        nb = run.gemm("lm_head.dgrad", E.norm_backward_first, dl, w_lm, layout="kn", partial=True,
+                      out={"dx": dx[a:b]}, x=x[a:b], r=r[a:b], c=row_mean(ce["zdz"], d.dim), g=g)
+        dgamma += nb["dgamma"].sum(0)
+        run.timed("lm_head.wgrad", lambda: dw.addmm_(dl.t(), h[a:b]))
+    return lse, tlogit, dx, dw, dgamma.to(g.dtype)

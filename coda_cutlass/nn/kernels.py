@@ -30,6 +30,7 @@ SITES: dict[str, tuple[Any, str]] = {
     "lm_head.logits": (E.rowscale, "nk"),
     "lm_head.recompute": (E.cross_entropy_backward, "nk"),
     "lm_head.dgrad": (E.norm_backward_first, "kn"),
+    "lm_head.fused": (E.lm_head_lse_logits, "nk"),      # the forward that also computes the gradients
     # the forward without autograd (inference, evaluation): its own sites, tuned apart
     "qkv.infer": (E.rope, "nk"),
     "o.infer": (E.residual_norm_stats, "nk"),

@@ -17,32 +17,56 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import epilogues as E
+from . import masks
 from .block import LlamaBlock
 from .checks import check_model_args, checked_targets
-from .functional import Step, first_norm, lm_head_backward, lm_head_forward
+from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
+from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
 
 
 class LMHeadLoss(torch.autograd.Function):
-    """(x, h, r) of the final norm -> mean cross-entropy over the rows whose target is valid."""
+    """(x, h, r) of the final norm -> mean cross-entropy over the rows whose target is valid.
+
+    With ``fused`` and a gradient to compute, the forward also computes the gradients for dloss = 1
+    (``lm_head_fused``: the logits are written once per row chunk, never recomputed) and the
+    backward only scales them; else the backward recomputes the logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx: Any, x, h, r, w_lm, g, target, step: Step, ignore_index: int, chunk_rows: int):  # type: ignore[override]
-        lse, target_logit = lm_head_forward(step, h, r, w_lm, target)
+    def forward(ctx: Any, x, h, r, w_lm, g, target, step: Step, ignore_index: int, chunk_rows: int,  # type: ignore[override]
+                fused: bool = False, softcap: float | None = None):
         valid = (target != ignore_index) & (target >= 0) & (target < w_lm.shape[0])
         count = valid.sum().clamp_min(1).to(torch.float32)
-        loss = torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum() / count
-        ctx.save_for_backward(x, h, r, w_lm, g, target, lse, valid, count)
-        ctx.step, ctx.chunk_rows = step, chunk_rows
-        return loss
+        ctx.step, ctx.chunk_rows, ctx.softcap = step, chunk_rows, softcap
+        ctx.fused = fused and any(ctx.needs_input_grad[:5])
+        with no_autocast(x.device):
+            if ctx.fused:
+                scale = valid.to(torch.float32) / count
+                lse, target_logit, dx, dw, dg = lm_head_fused(step, x, h, r, w_lm, g, target, scale, chunk_rows,
+                                                              softcap)
+                ctx.save_for_backward(dx, dw, dg)
+            else:
+                lse, target_logit = lm_head_forward(step, h, r, w_lm, target, softcap)
+                ctx.save_for_backward(x, h, r, w_lm, g, target, lse, valid, count)
+        return torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum() / count
 
     @staticmethod
     def backward(ctx: Any, dloss: torch.Tensor):  # type: ignore[override]
+        if ctx.fused:
+            if getattr(ctx, "handed_out", False):
+                raise RuntimeError("the fused LM head's gradients were handed out by an earlier backward; set "
+                                   "model.fused_lm_head = False to run the backward more than once")
+            ctx.handed_out = True
+            dx, dw, dg = ctx.saved_tensors
+            s = dloss.to(torch.float32)
+            return (dx.mul_(s.to(dx.dtype)), None, None, dw.mul_(s.to(dw.dtype)), dg.mul_(s.to(dg.dtype)),
+                    None, None, None, None, None, None)
         x, h, r, w_lm, g, target, lse, valid, count = ctx.saved_tensors
         scale = valid.to(torch.float32) * (dloss.to(torch.float32) / count)
-        dx, dw, dg = lm_head_backward(ctx.step, x, h, r, w_lm, g, lse, target, scale, ctx.chunk_rows)
-        return dx, None, None, dw, dg, None, None, None, None
+        with no_autocast(x.device):
+            dx, dw, dg = lm_head_backward(ctx.step, x, h, r, w_lm, g, lse, target, scale, ctx.chunk_rows,
+                                          ctx.softcap)
+        return dx, None, None, dw, dg, None, None, None, None, None, None
 
 
 class LlamaModel(nn.Module):
@@ -52,9 +76,11 @@ class LlamaModel(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *,
                  head_dim: int | None = None, eps: float = 1e-5, rope_theta: float = 500000.0,
-                 attention: str = "sdpa", ce_chunk_bytes: int = 1 << 30, device: Any = None, dtype: Any = None):
+                 attention: str = "sdpa", ce_chunk_bytes: int = 1 << 30, compute_dtype: torch.dtype | None = None,
+                 device: Any = None, dtype: Any = None):
         super().__init__()
         check_model_args(vocab_size, n_layers, ce_chunk_bytes)
+        self.compute_dtype = check_compute_dtype(compute_dtype)
         kw = {"device": device, "dtype": dtype}
         self.embed = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.blocks = nn.ModuleList(
@@ -63,12 +89,28 @@ class LlamaModel(nn.Module):
         self.norm = nn.Parameter(torch.ones(dim, **kw))
         self.lm_head = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.ce_chunk_bytes = ce_chunk_bytes
+        # the LM head's gradients computed in the forward from logits written once per chunk (three
+        # vocab GEMMs); False: recomputed in the backward (four GEMMs, no logits chunk in memory)
+        self.fused_lm_head = True
+        self.padding_idx: int | None = None     # a token whose embedding gets no gradient (nn.Embedding's)
+        self.embed_scale: float | None = None   # the embedding output times this (Gemma: sqrt(dim))
+        self.norm_offset = 0.0                  # the final norm scales by (offset + weight): 1 for Gemma
+        self.logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
         nn.init.normal_(self.embed, std=1.0)
         nn.init.normal_(self.lm_head, std=1.0 / math.sqrt(dim))
 
     @property
     def dims(self) -> Any:
         return self.blocks[0].dims
+
+    def final_gain(self) -> torch.Tensor:
+        """The final norm's gain: its weight plus norm_offset."""
+        return self.norm if self.norm_offset == 0.0 else self.norm + self.norm_offset
+
+    def call_dtype(self) -> torch.dtype:
+        """The dtype this call computes in (nn.precision): compute_dtype, else autocast's for fp32
+        parameters, else the parameters'."""
+        return compute_dtype(self.embed.dtype, self.embed.device, self.compute_dtype)
 
     def set_runner(self, runner: Any) -> None:
         """Run every block (and the LM head) through this runner (e.g. a tuned KernelRunner)."""
@@ -87,27 +129,36 @@ class LlamaModel(nn.Module):
         return tune_module(self, first.get_runner(), lambda: self(tokens, targets), None, context=first.context(),
                            M=tokens.numel(), forward_only=forward_only, **options)
 
-    def hidden(self, tokens: torch.Tensor) -> tuple[Step, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The final norm's inputs: (step, x, h = x * g_final, r = rstd(x)), all (B * S, D)."""
+    def hidden(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+               attention_mask: torch.Tensor | None = None) -> tuple[Step, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The final norm's inputs: (step, x, h = x * g_final, r = rstd(x)), all (B * S, D).
+        ``position_ids`` and ``attention_mask`` as transformers takes them (nn.masks)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
         B, S = tokens.shape
         first = self.blocks[0]
-        step = first.step(B, S)
-        x = nn.functional.embedding(tokens.reshape(-1), self.embed)
-        with torch.no_grad():
-            h, r = first_norm(step, x.detach(), first.attn_norm)
+        mask = masks.attention_mask(B, S, tokens.device, attention_mask, position_ids)
+        step = first.step(B, S, dtype=self.call_dtype(), position_ids=position_ids, mask=mask)
+        x = cast(nn.functional.embedding(tokens.reshape(-1), self.embed, padding_idx=self.padding_idx), step.dtype)
+        if self.embed_scale is not None:        # in the compute dtype, as transformers' Gemma scales it
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        with torch.no_grad(), no_autocast(x.device):
+            h, r = first_norm(step, x.detach(), cast(first.attn_gain().detach(), step.dtype))
         for i, block in enumerate(self.blocks):
-            g_next = self.blocks[i + 1].attn_norm if i + 1 < len(self.blocks) else self.norm
+            g_next = self.blocks[i + 1].attn_gain() if i + 1 < len(self.blocks) else self.final_gain()
             x, h, r = block.run(step, x, h, r, g_next)
         return step, x, h, r
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *,
-                ignore_index: int = -100) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, ignore_index: int = -100,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         target = None if targets is None else checked_targets(targets, tokens, self.lm_head.shape[0], ignore_index)
-        step, x, h, r = self.hidden(tokens)
+        step, x, h, r = self.hidden(tokens, position_ids=position_ids, attention_mask=attention_mask)
+        w_lm = cast(self.lm_head, step.dtype)
         if target is None:
-            logits = step.runner.gemm("lm_head.logits", E.rowscale, h, self.lm_head, r=r)["D"]
+            with no_autocast(x.device):
+                P = lm_head_programs(self.logit_softcap)
+                logits = step.runner.gemm("lm_head.logits", P.logits, h, w_lm, r=r, **P.extra)["D"]
             return logits.view(*tokens.shape, -1)
-        chunk = max(1, self.ce_chunk_bytes // (self.lm_head.shape[0] * self.lm_head.element_size()))
-        return LMHeadLoss.apply(x, h, r, self.lm_head, self.norm, target, step, ignore_index, chunk)
+        chunk = max(1, self.ce_chunk_bytes // (w_lm.shape[0] * w_lm.element_size()))
+        return LMHeadLoss.apply(x, h, r, w_lm, cast(self.final_gain(), step.dtype), target, step, ignore_index, chunk,
+                                self.fused_lm_head, self.logit_softcap)

@@ -15,12 +15,14 @@ from functools import lru_cache
 import jinja2
 
 from .. import __version__
-from ..config import EPILOGUE_SCHEDULE, KERNEL_SCHEDULE, TILE_SCHEDULER
+from ..config import EPILOGUE_SCHEDULE, TILE_SCHEDULER
 from ..ir.nodes import Kind
 from ..ir.printer import node_line
 from ..lower.graph import ABI_VERSION, TensorSlot, VisitorNode
 from ..lower.kinds import AUX_STORE
+from ..lower.mainloop import kernel_schedule
 from ..lower.plan import KernelPlan
+from ..fp8.scales import ScaleLayout
 from ..paths import templates_dir
 
 _UNSAFE_COMMENT = re.compile(r"[^\x20-\x7e]|\*/|\\")
@@ -51,6 +53,8 @@ def environment() -> jinja2.Environment:
 
 
 def slot_doc(t: TensorSlot, tile_n: int) -> str:
+    if t.role == "gemm_scale":
+        return ScaleLayout(t.name, "A" if t.name == "scale_a" else "W", t.layout).describe().split(": ", 1)[1]
     shape = {Kind.TILE: "[M, N]", Kind.ROW: "[M]", Kind.COL: "[N]", Kind.SCALAR: "[] (one value, on the device)"}[t.kind]
     if t.partials is not None:
         return t.partials.doc(tile_n)
@@ -70,6 +74,8 @@ def slot_doc(t: TensorSlot, tile_n: int) -> str:
 
 
 def slot_check(t: TensorSlot) -> str:
+    if t.role == "gemm_scale":      # fp32 scales; alignment and strides are checked in Python (fp8/scales.py)
+        return "coda::SlotKind::Vector, 4"
     if t.role == "partials":
         return "coda::SlotKind::Partials, 4"
     if t.layout == "packed":
@@ -107,8 +113,11 @@ def render_kernel(plan: KernelPlan) -> str:
     smem_element = aux_stores[0].params["element"].cpp if aux_stores else graph.dtype.cpp
     align_c = 128 // (graph.element_c.bits if graph.element_c else graph.dtype.bits)
     align_d = 128 // (graph.element_d.bits if graph.element_d else graph.dtype.bits)
+    mainloop = plan.mainloop
     template = environment().get_template("kernel.cu.j2")
     return template.render(
+        mainloop=mainloop,
+        scale_slots={t.name: t.index for t in graph.tensors if t.role == "gemm_scale"},
         name=graph.program.name,
         version=__version__,
         graph=graph,
@@ -118,7 +127,7 @@ def render_kernel(plan: KernelPlan) -> str:
         dtype=graph.dtype,
         weight_layout=plan.weight_layout,
         ir_lines=[node_line(n) for n in graph.program.nodes],
-        kernel_schedule=KERNEL_SCHEDULE[cfg.schedule],
+        kernel_schedule=kernel_schedule(cfg, mainloop),
         epilogue_schedule=EPILOGUE_SCHEDULE[cfg.schedule],
         tile_scheduler=TILE_SCHEDULER[cfg.scheduler],
         epilogue_tile=epilogue_tile,

@@ -135,10 +135,12 @@ class CallSpec:
         return 0
 
     def check_reference(self, A: Any, W: Any, operands: Mapping[str, Any], dtype: DType, weight_layout: str, *,
-                        fp32_ok: bool = False, keywords: Iterable[str] = ()) -> tuple[int, int, int]:
-        """The kernel call's checks, without those of memory layout; returns (M, N, K)."""
+                        fp32_ok: bool = False, keywords: Iterable[str] = (), w_dtype: DType | None = None
+                        ) -> tuple[int, int, int]:
+        """The kernel call's checks, without those of memory layout; returns (M, N, K). ``w_dtype``:
+        W's dtype when it is not ``dtype`` (FP8)."""
         self.check_names(operands, keywords)
-        M, N, K = checks.check_gemm_shapes(A, W, dtype, weight_layout, fp32_ok)
+        M, N, K = checks.check_gemm_shapes(A, W, dtype, weight_layout, fp32_ok, w_dtype)
         self.check_extent(M, N)
         for o in self.operands:
             if o.host_scalar:

@@ -72,27 +72,30 @@ def _fast_matrix(t: Any, rows: int, cols: int, dtype: torch.dtype, device: torch
     return -1
 
 
-def check_gemm(A: Any, W: Any, dtype: DType, weight_layout: str) -> tuple[int, int, int, int, int]:
-    """Returns (M, N, K, lda, ldw)."""
+def check_gemm(A: Any, W: Any, dtype: DType, weight_layout: str, w_dtype: DType | None = None
+               ) -> tuple[int, int, int, int, int]:
+    """Returns (M, N, K, lda, ldw). ``w_dtype``: W's dtype when it is not ``dtype`` (mixed FP8)."""
+    w_dtype = w_dtype or dtype
     if type(A) is torch.Tensor and type(W) is torch.Tensor and A.dim() == 2 and W.dim() == 2 and A.is_cuda:
         M, K = A.shape
         N = W.shape[0] if weight_layout == "nk" else W.shape[1]
-        if K > 0 and K % 8 == 0 and N % 8 == 0 and N > 0:
-            elem = dtype.bits // 8
+        elem = dtype.bits // 8
+        if K > 0 and K % (16 // elem) == 0 and N % 8 == 0 and N > 0:
             lda = _fast_matrix(A, M, K, dtype.torch, A.device, elem)
-            ldw = (_fast_matrix(W, N, K, dtype.torch, A.device, elem) if weight_layout == "nk"
-                   else _fast_matrix(W, K, N, dtype.torch, A.device, elem))
+            ldw = (_fast_matrix(W, N, K, w_dtype.torch, A.device, elem) if weight_layout == "nk"
+                   else _fast_matrix(W, K, N, w_dtype.torch, A.device, elem))
             if lda > 0 and ldw > 0:
                 return M, N, K, lda, ldw
-    return _check_gemm_detailed(A, W, dtype, weight_layout)
+    return _check_gemm_detailed(A, W, dtype, weight_layout, w_dtype)
 
 
-def _check_gemm_detailed(A: Any, W: Any, dtype: DType, weight_layout: str) -> tuple[int, int, int, int, int]:
+def _check_gemm_detailed(A: Any, W: Any, dtype: DType, weight_layout: str, w_dtype: DType
+                         ) -> tuple[int, int, int, int, int]:
     A = _is_tensor("A", A)
     W = _is_tensor("W", W)
     if not A.is_cuda:
         raise CallError(f"A: is on {A.device}; the kernel runs on a CUDA GPU")
-    M, N, K = check_gemm_shapes(A, W, dtype, weight_layout)
+    M, N, K = check_gemm_shapes(A, W, dtype, weight_layout, w_dtype=w_dtype)
     elem = dtype.bits // 8
     lda = check_tma_matrix("A", A, M, K, elem) if M > 0 else K
     w_rows, w_cols = (N, K) if weight_layout == "nk" else (K, N)
@@ -100,14 +103,15 @@ def _check_gemm_detailed(A: Any, W: Any, dtype: DType, weight_layout: str) -> tu
     return M, N, K, lda, ldw
 
 
-def check_gemm_shapes(A: Any, W: Any, dtype: DType, weight_layout: str, fp32_ok: bool = False
-                      ) -> tuple[int, int, int]:
-    """Types, device, dtypes and shapes of A and W, without their memory layout; returns (M, N, K)."""
+def check_gemm_shapes(A: Any, W: Any, dtype: DType, weight_layout: str, fp32_ok: bool = False,
+                      w_dtype: DType | None = None) -> tuple[int, int, int]:
+    """Types, device, dtypes and shapes of A and W, without their memory layout; returns (M, N, K).
+    ``w_dtype``: W's dtype when it is not ``dtype`` (mixed FP8)."""
     A = _is_tensor("A", A)
     W = _is_tensor("W", W)
     _device("W", W, A.device)
     _dtype("A", A, dtype, fp32_ok)
-    _dtype("W", W, dtype, fp32_ok)
+    _dtype("W", W, w_dtype or dtype, fp32_ok)
     if A.dim() != 2:
         raise CallError(f"A: expected an (M, K) tensor, or (..., K) with leading batch dimensions, got shape "
                         f"{tuple(A.shape)}")
@@ -125,10 +129,12 @@ def check_gemm_shapes(A: Any, W: Any, dtype: DType, weight_layout: str, fp32_ok:
                         f"so its K is {Kw} but A's K is {K}")
     if K == 0:
         raise CallError("K is 0: the accumulator would be all zeros; not supported (pass K > 0)")
-    for name, n in (("K", K), ("N", N)):
-        if n % 8 != 0:
-            raise CallError(f"{name} = {n} is not a multiple of 8: TMA needs 16-byte aligned rows for "
-                            f"{dtype.torch} (pad {name} to a multiple of 8)")
+    k_multiple = 16 // (dtype.bits // 8)
+    for name, n, multiple, what in (("K", K, k_multiple, dtype.torch), ("N", N, 8, "16-bit outputs"
+                                                                          if dtype.bits == 8 else dtype.torch)):
+        if n % multiple != 0:
+            raise CallError(f"{name} = {n} is not a multiple of {multiple}: TMA needs 16-byte aligned rows for "
+                            f"{what} (pad {name} to a multiple of {multiple})")
     return M, N, K
 
 

@@ -1,7 +1,8 @@
 """``Kernel``: a built kernel, callable from PyTorch (``compiler.CompiledEpilogue`` adds the
 reference interpreter on top).
 
-``k(A, W, **operands)`` checks every argument, allocates the outputs, launches the fused GEMM
+``k(A, W, **operands)`` (FP8 kernels: ``k(A, W, scale_a=, scale_b=, **operands)``, fp8/scales.py)
+checks every argument, allocates the outputs, launches the fused GEMM
 once on the current stream, finishes the reductions (one small deterministic torch or cuBLAS call
 each, by the slot's ``PartialLayout``) and returns a dict of outputs. Accumulated outputs are passed
 in by name and updated in place. An A with leading batch dimensions, (..., K), is flattened to
@@ -24,7 +25,8 @@ from ..config import KernelConfig
 from ..dtypes import as_dtype
 from ..env import env_flag
 from ..errors import CallError, DeviceError
-from ..frontend.trace import CALL_KEYWORDS
+from ..fp8.scales import SCALE_NAMES, check_fp8_shapes, check_scales, split_scales
+from ..frontend.trace import CALL_KEYWORDS, SCALE_KEYWORDS
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..partials import PartialLayout
@@ -118,7 +120,11 @@ class Kernel(ReductionOutputs):
         self.source = generated.source
         self.options = generated.options
         self.config: KernelConfig = generated.config
-        self.dtype = self.options.dtype
+        self.dtype = self.options.dtype         # 16-bit operands; FP8 kernels: bf16, their epilogue default
+        self.fp8 = self.options.fp8             # FP8 operands (A/W dtypes, scaling), else None
+        self._a_dtype = self.fp8.a if self.fp8 else self.dtype
+        self._w_dtype = self.fp8.w if self.fp8 else self.dtype
+        self.gemm_scales: tuple[str, ...] = SCALE_NAMES if self.fp8 else ()
         self.weight_layout = self.options.weight_layout
         self.path: Path = build.path
         self.key = build.key
@@ -155,9 +161,10 @@ class Kernel(ReductionOutputs):
 
     # ------------------------------------------------------------------ inspection
     def __repr__(self) -> str:
-        args = ", ".join(["A", "W"] + [o.name for o in self.operands] + list(self.inout))
+        args = ", ".join(["A", "W"] + list(self.gemm_scales) + [o.name for o in self.operands] + list(self.inout))
+        operands = self.fp8.describe() if self.fp8 else self.dtype.name
         return (f"<{type(self).__name__} {self.name}({args}) -> ({', '.join(self.outputs)}) "
-                f"{self.dtype.name} W={self.weight_layout} {self.config.name()} [{self.origin}] {self.path}>")
+                f"{operands} W={self.weight_layout} {self.config.name()} [{self.origin}] {self.path}>")
 
     def describe(self) -> str:
         return format_program(self.ir)
@@ -194,7 +201,9 @@ class Kernel(ReductionOutputs):
         return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
 
     def _check_names(self, operands: dict[str, Any]) -> None:
-        self.spec.check_names(operands, keywords=CALL_KEYWORDS)
+        rest = dict(operands)
+        split_scales(rest, self.fp8, self.name)
+        self.spec.check_names(rest, keywords=CALL_KEYWORDS | SCALE_KEYWORDS if self.fp8 else CALL_KEYWORDS)
 
     def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *, raster: str | None = None,
             swizzle: int | None = None, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -202,12 +211,18 @@ class Kernel(ReductionOutputs):
         device = A.device if type(A) is torch.Tensor else None
         if device is None or device.index not in _READY_DEVICES:
             ensure_gpu(device, self.name)
-        M, N, K, lda, ldw = checks.check_gemm(A, W, self.dtype, self.weight_layout)
+        M, N, K, lda, ldw = checks.check_gemm(A, W, self._a_dtype, self.weight_layout, self._w_dtype)
         if self._uses_index:
             self.spec.check_extent(M, N)
         if device.index != torch.cuda.current_device():
             with torch.cuda.device(device):     # the kernel launches on the current device
                 return self.run(A, W, operands, raster=raster, swizzle=swizzle, out=out)
+        scale_ld: dict[str, int] = {}
+        if self.fp8 is not None:
+            operands = dict(operands)
+            scales = split_scales(operands, self.fp8, self.name)
+            check_fp8_shapes(self.fp8, M, N, K, self.name)
+            scale_ld = dict(zip(SCALE_NAMES, check_scales(self.fp8, scales, M, N, K, device)))
         if len(operands) != self._n_args or not all(n in operands for n in self._arg_names):
             self._check_names(operands)
         if out:
@@ -242,6 +257,9 @@ class Kernel(ReductionOutputs):
             elif role == "partials":
                 t = new_buffer(s.partials.buffer_shape(M, N, self.config.tile), torch.float32, device, poison)
                 partials.append((name, t))
+            elif role == "gemm_scale":
+                t = scales[name]
+                lds[i] = scale_ld[name]
             else:
                 t = operands[name]
                 if s.kind == Kind.TILE:

@@ -1,8 +1,9 @@
 """Registering a compiled kernel as a ``torch.library`` custom op with a fake (meta) implementation,
 so ``torch.compile`` traces through it without a graph break.
 
-Schema: ``coda_cutlass::<program>_<digest>(Tensor A, Tensor W, <operands>, <accumulated outputs as
-Tensor(a!)>, *, str? raster=None, int? swizzle=None) -> (<other outputs>)``. Accumulated outputs
+Schema: ``coda_cutlass::<program>_<digest>(Tensor A, Tensor W, <operands>, <FP8 scales: Tensor
+scale_a, Tensor scale_b>, <accumulated outputs as Tensor(a!)>, *, str? raster=None, int? swizzle=None)
+-> (<other outputs>)``. Accumulated outputs
 are mutated in place, not returned; raster and swizzle are the call's overrides (None: the kernel's
 defaults). The digest covers everything the op's implementation depends on (the source key, the
 .so path, the runtime defaults, partial reductions, the call's names), so two kernels share an op
@@ -36,6 +37,7 @@ class OpKernel(Protocol):
     partial_reductions: bool
     weight_layout: str
     operands: tuple[Operand, ...]
+    gemm_scales: tuple[str, ...]           # an FP8 kernel's scales ("scale_a", "scale_b"), else ()
     inout: tuple[str, ...]
     outputs: tuple[str, ...]
     _op: Any
@@ -67,6 +69,8 @@ def identity(k: OpKernel) -> str:
         "weight_layout": k.weight_layout, "operands": [(o.name, o.kind.value) for o in k.operands],
         "inout": list(k.inout), "outputs": list(k.outputs),
     }
+    if k.gemm_scales:
+        fields["scales"] = list(k.gemm_scales)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -82,7 +86,7 @@ def op_name(k: OpKernel) -> str:
 def schema_names(k: OpKernel) -> list[str]:
     """The schema's argument names for the operands and accumulated outputs, in call order: their
     own names when they are ASCII identifiers, else ``arg<i>`` (unique among all of them)."""
-    names = [o.name for o in k.operands] + list(k.inout)
+    names = [o.name for o in k.operands] + list(k.gemm_scales) + list(k.inout)
     taken = {"A", "W", "raster", "swizzle"} | {n for n in names if _schema_ident(n)}
     out = []
     for i, n in enumerate(names):
@@ -104,7 +108,9 @@ def schema(k: OpKernel) -> str:
     names = schema_names(k)
     for o, name in zip(k.operands, names):
         args.append(f"float {name}" if o.host_scalar else f"Tensor {name}")
-    for i, name in enumerate(names[len(k.operands):]):
+    n_in = len(k.operands) + len(k.gemm_scales)
+    args += [f"Tensor {name}" for name in names[len(k.operands):n_in]]
+    for i, name in enumerate(names[n_in:]):
         args.append(f"Tensor(a{i}!) {name}")
     args += ["*", "str? raster=None", "int? swizzle=None"]
     rets = [n for n in k.outputs if n not in k.inout]
@@ -123,7 +129,7 @@ def register(k: OpKernel) -> Any:
             return _OPS[name]
         lib = _library()
         lib.define(name + schema(k))
-        arg_names = [o.name for o in k.operands] + list(k.inout)
+        arg_names = [o.name for o in k.operands] + list(k.gemm_scales) + list(k.inout)
         returned = _returned(k)
         transposed = transposed_returns(k)
 
@@ -207,7 +213,8 @@ def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, A
     """The torch.compile path of ``k(A, W, ...)`` (traced by Dynamo: no locks, no registration)."""
     op = k._op
     k._check_names(operands)
-    args = [operands[o.name] for o in k.operands] + [operands[n] for n in k.inout]
+    args = ([operands[o.name] for o in k.operands] + [operands[n] for n in k.gemm_scales]
+            + [operands[n] for n in k.inout])
     out = op(A, W, *args, raster=raster, swizzle=swizzle)
     returned = _returned(k)
     if len(returned) == 1:

@@ -26,6 +26,7 @@ from ..compiler import CompiledEpilogue, compile_generated, compile_parallel
 from ..config import RASTERS, SWIZZLES, KernelConfig
 from ..env import env_flag
 from ..errors import BuildError, CallError, ConfigError
+from ..fp8.quantize import quantize
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..lower.plan import default_config
@@ -101,8 +102,9 @@ class TunedEpilogue:
         self.ir = self.lowered.ir
         self.default = default_config(self.lowered.graph)
         self.candidates = candidates or candidate_configs(self.lowered.graph)
+        # (16-bit kernels' hashes, and so their stored choices, predate the fp8 option: leave it out)
         desc = {"ir": format_program(self.ir), "options": {k: str(v) for k, v in options.__dict__.items()
-                                                           if k != "config"},
+                                                           if k != "config" and not (k == "fp8" and v is None)},
                 "partial": partial_reductions}
         self.program_hash = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
         self.store = TuningStore(cache_dir)
@@ -162,6 +164,10 @@ class TunedEpilogue:
         wshape = (N, K) if self.options.weight_layout == "nk" else (K, N)
         W = (torch.randn(*wshape, device=device, generator=g) * 0.02).to(dt)
         ops: dict[str, Any] = {}
+        fp8 = self.options.fp8
+        if fp8 is not None:     # FP8 operands with the kernel's scales (W is (N, K): FP8 is K-major only)
+            A, ops["scale_a"] = quantize(A, fp8.a.torch, fp8.scaling, "A")
+            W, ops["scale_b"] = quantize(W, fp8.w.torch, fp8.scaling, "W")
         for o in self.ir.operands:
             if o.host_scalar:
                 ops[o.name] = 1.0

@@ -9,7 +9,8 @@ memory it stages tiles in (``smem_bytes``). What a kind says may depend on the k
 CTA tile): a segment sum is a per-tile row reduction, or a ``coda::SegmentRowSum`` when a tile
 holds several segments. Output buffers, their partials layout and finishing live on the node's
 ``TensorSlot`` (``partials.PartialLayout``). ``KINDS`` lists the kinds lowering tries, in order:
-leaves.py, compute.py and outputs.py, each in its own match order; base.py is the interface.
+fp8.py (the scaled accumulator of FP8 GEMMs), leaves.py, compute.py and outputs.py, each in its own
+match order; base.py is the interface.
 
 CUTLASS's names are inverted from ours: a per-row vector (length M) is a *Col*Broadcast and a
 per-row reduction (over N) is a *Col*Reduction; a per-column vector (length N) is a *Row*Broadcast.
@@ -20,13 +21,14 @@ from __future__ import annotations
 from ...ir.nodes import Node
 from .base import LowerContext, NodeKind, Staging, element, float_literal
 from .compute import COMPUTE
+from .fp8 import SCALED_ACC
 from .leaves import ACC, LEAVES
 from .outputs import AUX_STORE, D_STORE, NO_D, OUTPUTS, REDUCE_IDENTITY
 from .quantized import QUANTIZED
 
-# Lowering takes the first kind that matches an IR node (the groups match disjoint ops; quantised
-# and transposed stores before the other stores).
-KINDS: tuple[NodeKind, ...] = (*LEAVES, *COMPUTE, *QUANTIZED, *OUTPUTS)
+# Lowering takes the first kind that matches an IR node (the groups match disjoint ops; the scaled
+# accumulator of FP8 GEMMs before the plain one; quantised and transposed stores before the other stores).
+KINDS: tuple[NodeKind, ...] = (SCALED_ACC, *LEAVES, *COMPUTE, *QUANTIZED, *OUTPUTS)
 
 
 def kind_of(n: Node, ctx: LowerContext) -> NodeKind | None:

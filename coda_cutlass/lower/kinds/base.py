@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...dtypes import F32, DType
+from ...fp8.gemm import Fp8Gemm
 from ...ir.nodes import Node
 from ..graph import TensorSlot, VisitorNode
 
@@ -30,12 +31,13 @@ class Staging:
 
 @dataclass(frozen=True)
 class LowerContext:
-    """What lowering knows when it maps an IR node: the host ABI slots and which tile input the
-    collective's C load reads."""
+    """What lowering knows when it maps an IR node: the host ABI slots, which tile input the
+    collective's C load reads, and an FP8 GEMM's operands."""
     tensors: tuple[TensorSlot, ...]
     slot_of: dict[str, int]
     scalars: tuple[str, ...]
     c_operand: str | None
+    fp8: Fp8Gemm | None = None
 
     def slot(self, name: str) -> TensorSlot:
         return self.tensors[self.slot_of[name]]

@@ -1,0 +1,63 @@
+"""FP8 training recipes: one object says how a block's GEMMs run in FP8 (formats per operand, scale
+granularity and format), so the block code takes a recipe, never flags.
+
+- ``"blockwise"`` (DeepSeek-V3's): activations and gradients in 1 x 128 runs along each GEMM's K,
+  weights in 128 x 128 tiles, fp32 dequantisation scales rounded up to powers of two; every scale
+  is computed from the tensor it scales (nothing delayed), inside the epilogue that produces it
+  where the run lies inside the tile (``cc.quantize(..., block=128)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How the linears of a block run in FP8.
+
+    ``scaling``: "block" (1 x 128 activations and gradients, 128 x 128 weights; the weight-gradient
+    GEMMs, whose K is the token dimension, read 1 x 128 runs of both transposed operands).
+    ``activation`` / ``gradient`` / ``weight``: the FP8 format of each kind of operand.
+    ``pow2``: scales rounded up to powers of two (exact to apply; see docs/FP8.md for the measured
+    effect) or amax / fp8_max."""
+    name: str
+    scaling: str = "block"
+    activation: torch.dtype = E4M3
+    gradient: torch.dtype = E4M3
+    weight: torch.dtype = E4M3
+    pow2: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scaling != "block":
+            raise ConfigError(f"FP8 recipe {self.name!r}: scaling {self.scaling!r} is not supported; 'block'")
+        for what in ("activation", "gradient", "weight"):
+            if getattr(self, what) not in (E4M3, E5M2):
+                raise ConfigError(f"FP8 recipe {self.name!r}: {what} format must be torch.float8_e4m3fn or "
+                                  f"torch.float8_e5m2, got {getattr(self, what)}")
+
+    def gemm_dtype(self, a: str, w: str) -> Any:
+        """The dtype option of a GEMM whose A and W are operands of these kinds."""
+        da, dw = getattr(self, a), getattr(self, w)
+        return da if da == dw else (da, dw)
+
+
+RECIPES: dict[str, Fp8Recipe] = {
+    "blockwise": Fp8Recipe("blockwise"),
+}
+
+
+def as_recipe(fp8: Any) -> Fp8Recipe | None:
+    """None (bf16), a recipe name or an Fp8Recipe -> the recipe; anything else is a clear error."""
+    if fp8 is None or isinstance(fp8, Fp8Recipe):
+        return fp8
+    if isinstance(fp8, str) and fp8 in RECIPES:
+        return RECIPES[fp8]
+    raise ConfigError(f"fp8 must be None (bf16), an Fp8Recipe or one of {sorted(RECIPES)}, got {fp8!r}")

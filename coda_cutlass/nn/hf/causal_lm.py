@@ -1,0 +1,283 @@
+"""A whole transformers causal LM through coda in one call.
+
+    model = coda_cutlass.nn.from_hf(hf_model)     # a new model; hf_model is left as it was
+    coda_cutlass.nn.patch_hf(hf_model)            # or in place: the same object now runs coda
+
+Either way the model keeps transformers' interface: ``model(input_ids=, labels=, attention_mask=,
+position_ids=)`` returns a ``CausalLMOutputWithPast`` with ``.loss`` (labels shifted inside, as
+transformers does; ``num_items_in_batch`` for gradient accumulation) and logits only when asked
+(no labels, or ``return_logits=True``). It is a ``PreTrainedModel``, so transformers' ``Trainer``
+takes it; ``save_pretrained`` writes a transformers checkpoint of the original class, which
+``AutoModelForCausalLM.from_pretrained`` loads back to the same tensors, and ``load_state_dict``
+takes such a checkpoint's state dict too (Trainer's resume). The weights live in the kernels'
+layout inside (``model.coda``, a ``LlamaModel``); a tied LM head is the embedding parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..block import LlamaBlock
+from ..model import LlamaModel
+from .checkpoint import from_hf_keys, looks_like_hf, to_hf_keys
+from .family import Family
+from .fields import UnsupportedConfig, head_dim
+from .layer import kernel_weights
+from .registry import family_of
+
+
+def _transformers() -> Any:
+    """transformers, imported on first use: importing it takes seconds, and the rest of
+    coda_cutlass.nn does not need it."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("coda_cutlass.nn.from_hf needs the transformers package (pip install transformers)") from e
+    return transformers
+
+
+def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[str] = (),
+                     compute_dtype: torch.dtype | None = None, free: bool = False) -> tuple[LlamaModel, Family, bool]:
+    """A coda LlamaModel with the weights and settings of a transformers causal LM; (model, family,
+    tied). With ``free``, each transformers layer's weights are released once copied (in place)."""
+    config = hf_model.config
+    family = family_of(config)
+    family.check_config(config, ignore_fields)
+    family.check_model_config(config)
+    layers = family.model_part(hf_model, family.layers_path)
+    if len(layers) != config.num_hidden_layers:
+        raise UnsupportedConfig(f"the model has {len(layers)} layers, config.num_hidden_layers is "
+                                f"{config.num_hidden_layers}")
+    for layer in layers:
+        family.check_layer(layer)
+    embed = family.model_param(hf_model, family.embed_path)
+    lm_head = family.model_param(hf_model, family.lm_head_path)
+    tied = lm_head is embed or bool(getattr(config, "tie_word_embeddings", False))
+    device, dtype = embed.device, embed.dtype
+    heads = config.num_attention_heads
+    model = LlamaModel(config.vocab_size, config.hidden_size, 0, heads, getattr(config, "num_key_value_heads", heads),
+                       config.intermediate_size, head_dim=head_dim(config), eps=float(config.rms_norm_eps),
+                       attention=attention, compute_dtype=compute_dtype, device="meta", dtype=dtype)
+    model.blocks = nn.ModuleList(LlamaBlock(**family.block_options(config, i), attention=attention,
+                                            compute_dtype=compute_dtype, device="meta", dtype=dtype)
+                                 for i in range(config.num_hidden_layers))
+    model.to_empty(device=device)
+    pad = getattr(config, "pad_token_id", None)
+    model.padding_idx = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
+    model.embed_scale = family.embed_scale(config)
+    model.logit_softcap = family.logit_softcap(config)
+    model.norm_offset = family.norm_offset
+    with torch.no_grad():
+        model.embed.copy_(embed)
+        model.norm.copy_(family.model_param(hf_model, family.norm_path))
+        if tied:
+            model.lm_head = model.embed
+        else:
+            model.lm_head.copy_(lm_head)
+        hd = head_dim(config)
+        for layer, block in zip(layers, model.blocks):
+            params = dict(block.named_parameters())
+            for name, t in kernel_weights(family.read_layer(layer), hd).items():
+                params[name].copy_(t)
+            if free:
+                for p in layer.parameters():
+                    p.data = torch.empty(0, device=p.device, dtype=p.dtype)
+    return model, family, tied
+
+
+class CodaCausalLM:
+    """transformers' causal-LM interface over ``self.coda`` (a LlamaModel); mixed into
+    ``CodaForCausalLM`` and, in place, into the model's own class (``patch_hf``)."""
+    coda: LlamaModel
+    coda_family: Family
+    coda_tied: bool
+    coda_hf_class: type
+
+    def _init_coda(self, coda: LlamaModel, family: Family, tied: bool, hf_class: type) -> None:
+        self.coda = coda
+        self.coda_family, self.coda_tied, self.coda_hf_class = family, tied, hf_class
+        self.register_load_state_dict_pre_hook(_hf_state_to_coda)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+                return_logits: bool | None = None, num_items_in_batch: Any = None, logits_to_keep: int = 0,
+                inputs_embeds: Any = None, past_key_values: Any = None, use_cache: bool | None = None,
+                output_attentions: bool | None = None, output_hidden_states: bool | None = None,
+                return_dict: bool | None = None, **kwargs: Any) -> Any:
+        """As a transformers *ForCausalLM: the loss of next-token prediction when ``labels`` are given
+        (labels[:, 1:] predicted from positions :-1, -100 ignored), the logits when no labels are
+        given or ``return_logits``."""
+        if input_ids is None:
+            raise ValueError("coda models take input_ids (inputs_embeds is not supported)")
+        for name, value in (("inputs_embeds", inputs_embeds), ("past_key_values", past_key_values)):
+            if value is not None:
+                raise ValueError(f"{name} is not supported by coda models (no KV cache, token ids only)")
+        for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
+            if value:
+                raise ValueError(f"{name}=True is not supported by coda models")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        where = {"position_ids": position_ids, "attention_mask": attention_mask}
+        loss = logits = None
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+            targets = torch.full_like(labels, -100)
+            targets[:, :-1] = labels[:, 1:]
+            loss = self.coda(input_ids, targets, **where)
+            if num_items_in_batch is not None:      # sum over the whole (accumulated) batch / its token count
+                valid = (targets != -100).sum().clamp_min(1)
+                loss = loss * (valid / torch.as_tensor(num_items_in_batch, device=loss.device))
+        if labels is None or return_logits:
+            logits = self.coda(input_ids, **where)
+            if logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    # ------------------------------------------------------------------ checkpoints
+    def hf_state_dict(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The weights as a transformers state dict of the original class (standard layout)."""
+        if state_dict is None:
+            state = {k: v for k, v in self.coda.state_dict().items() if isinstance(v, torch.Tensor)}
+        else:                                       # e.g. gathered by Trainer / accelerate: our own keys
+            state = {k[len("coda."):] if k.startswith("coda.") else k: v for k, v in state_dict.items()
+                     if isinstance(v, torch.Tensor)}
+        return to_hf_keys(state, self.coda_family, self.config, self.coda_tied)
+
+    def save_pretrained(self, save_directory: Any, state_dict: dict[str, torch.Tensor] | None = None,
+                        **kwargs: Any) -> None:
+        """Write a transformers checkpoint of the original class (config.json + safetensors) that
+        ``AutoModelForCausalLM.from_pretrained`` loads back to the same tensors."""
+        config = copy.deepcopy(self.config)
+        config.architectures = [self.coda_hf_class.__name__]
+        with torch.device("meta"):
+            shell = self.coda_hf_class(config)
+        shell.save_pretrained(save_directory, state_dict=self.hf_state_dict(state_dict), **kwargs)
+
+    def to_hf(self) -> Any:
+        """A transformers model of the original class with these weights (a new object, built on
+        the weights' device and dtype)."""
+        ref = self.coda.embed
+        with torch.device(ref.device):
+            hf = self.coda_hf_class(copy.deepcopy(self.config)).to(ref.dtype)
+        missing, unexpected = hf.load_state_dict(self.hf_state_dict(), strict=False)
+        tied = {self.coda_family.lm_head_path} if self.coda_tied else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"to_hf: {type(hf).__name__} did not take the weights (missing {sorted(missing)}, "
+                               f"unexpected {sorted(unexpected)})")
+        return hf.train(self.training)
+
+    # ------------------------------------------------------------------ pieces transformers asks for
+    def get_input_embeddings(self) -> nn.Module:
+        raise NotImplementedError("coda models keep the embedding as coda.embed (a Parameter); resizing the "
+                                  "vocabulary is not supported")
+
+    def tune(self, tokens: torch.Tensor, **options: Any) -> dict[str, Any]:
+        """Tune the kernels inside the training step on these tokens (LlamaModel.tune)."""
+        return self.coda.tune(tokens, **options)
+
+
+def _hf_state_to_coda(module: Any, state_dict: dict, prefix: str, *args: Any) -> None:
+    """load_state_dict of a transformers-format state dict (a checkpoint save_pretrained wrote,
+    which Trainer loads back when resuming): converted to the coda keys in place."""
+    ours = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
+    if not looks_like_hf(ours, module.coda_family) or any(k.startswith("coda.") for k in ours):
+        return
+    converted = from_hf_keys({k: state_dict[full] for k, full in ours.items()}, module.coda_family, module.config,
+                             module.coda_tied)
+    for full in ours.values():
+        del state_dict[full]
+    for k, v in converted.items():
+        state_dict[f"{prefix}coda.{k}"] = v
+    for k, v in module.coda.state_dict().items():           # the settings (RoPE, window) stay as they are
+        if not isinstance(v, torch.Tensor):
+            state_dict[f"{prefix}coda.{k}"] = v
+
+
+class _CodaPreTrained(CodaCausalLM):
+    """What both coda model classes set on transformers' PreTrainedModel: the weights come from the
+    checkpoint (no initialisation) and a tied head is tied by sharing the Parameter."""
+    _no_split_modules = ["LlamaBlock"]
+    supports_gradient_checkpointing = False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        pass
+
+    def init_weights(self) -> None:
+        pass
+
+    def tie_weights(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def coda_class(hf_class: type | None = None) -> type:
+    """``CodaForCausalLM`` (a PreTrainedModel; hf_class None), or the in-place class of a
+    transformers model class, ``Coda<name>`` (a subclass of it). Made on first use, found again by
+    name (so the models pickle)."""
+    name = "CodaForCausalLM" if hf_class is None else f"Coda{hf_class.__name__}"
+    cls = _CLASSES.get(name)
+    if cls is None:
+        if hf_class is None:
+            t = _transformers()
+
+            def init(self: Any, config: Any, coda: LlamaModel, family: Family, tied: bool, original: type) -> None:
+                t.PreTrainedModel.__init__(self, config)
+                self._init_coda(coda, family, tied, original)
+                self.post_init()
+
+            body = {"config_class": t.PretrainedConfig, "base_model_prefix": "coda", "main_input_name": "input_ids",
+                    "_supports_sdpa": True, "_supports_flash_attn": True, "_supports_flex_attn": True,
+                    "__init__": init, "__doc__": "A transformers causal LM computed by coda_cutlass.nn (from_hf)."}
+            bases: tuple[type, ...] = (_CodaPreTrained, t.PreTrainedModel)
+        else:
+            body = {"__doc__": f"{hf_class.__name__} computed by coda_cutlass.nn (patch_hf)."}
+            bases = (_CodaPreTrained, hf_class)
+        cls = _CLASSES[name] = type(name, bases, {"__module__": __name__, "__qualname__": name, **body})
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    """``CodaForCausalLM`` and the ``Coda<transformers class>`` classes by name (unpickling)."""
+    if name == "CodaForCausalLM":
+        return coda_class()
+    if name.startswith("Coda") and hasattr(_transformers(), name[4:]):
+        return coda_class(getattr(_transformers(), name[4:]))
+    raise AttributeError(name)
+
+
+def from_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[str] = (),
+            compute_dtype: torch.dtype | None = None) -> Any:
+    """A coda model with the weights of a transformers causal LM (Llama, Mistral, Phi-3); the
+    transformers model is left unchanged. Fields that change the math and are not implemented are
+    refused by name (``ignore_fields``: fields you know are inert)."""
+    coda, family, tied = build_coda_model(hf_model, attention=attention, ignore_fields=ignore_fields,
+                                          compute_dtype=compute_dtype)
+    model = coda_class()(copy.deepcopy(hf_model.config), coda, family, tied, type(hf_model))
+    model.train(hf_model.training)
+    return model
+
+
+def patch_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[str] = (),
+             compute_dtype: torch.dtype | None = None) -> Any:
+    """In place: ``hf_model`` (the same object, still an instance of its class) runs coda from now
+    on; its transformers submodules are replaced by ``hf_model.coda``, their memory released."""
+    if isinstance(hf_model, CodaCausalLM):
+        raise ValueError("this model already runs coda")
+    cls = type(hf_model)
+    coda, family, tied = build_coda_model(hf_model, attention=attention, ignore_fields=ignore_fields,
+                                          compute_dtype=compute_dtype, free=True)
+    for name, _ in list(hf_model.named_children()):
+        delattr(hf_model, name)
+    hf_model.__class__ = coda_class(cls)
+    hf_model._init_coda(coda, family, tied, cls)
+    coda.train(hf_model.training)
+    return hf_model

@@ -1,0 +1,65 @@
+"""The epilogue programs of an FP8 Llama block (``coda_cutlass.nn.fp8``, blockwise recipe): the
+block's bf16 programs with one change each: the output that feeds the next GEMM is stored in FP8
+with its 1 x 128 scales (``cc.quantize(..., block=128)``), and, where a weight-gradient GEMM reads
+it with the tokens as K, also as the transposed copy with 128 x 1 scales. ``acc`` is the scaled
+product of the FP8 mainloop, so the math is the bf16 block's.
+
+Forward:  norm_stats_fp8 (map kernel after the embedding), residual_norm_stats_fp8 (out-proj and
+          down-proj: the next norm's operand h = x * g quantised), swiglu_fp8 (gate/up: the SwiGLU
+          output quantised), quantize_rows (map kernel: the attention output).
+Backward: norm_backward_fp8 (gate/up and QKV dX: the residual gradient written in bf16, for the
+          next accumulation, and quantised for the GEMMs that read it), quantize_rows (map kernel:
+          dz, dqkv).
+"""
+
+import torch
+
+import coda_cutlass as cc
+
+F32 = torch.float32
+E4M3 = torch.float8_e4m3fn
+
+
+@cc.epilogue
+def norm_stats_fp8(acc, g: cc.PerCol):
+    """Map kernel over the residual stream x after the embedding: h = x * g quantised per 1 x 128
+    run, and the per-row sum of x^2."""
+    return {"h": cc.quantize(acc * g, block=128), "sumsq": cc.row_sum(acc * acc)}
+
+
+@cc.epilogue
+def quantize_rows(acc):
+    """Map kernel: a tensor no GEMM produces (attention output, dz, dqkv) quantised per 1 x 128 run."""
+    return {"q": cc.quantize(acc, block=128)}
+
+
+@cc.epilogue
+def residual_norm_stats_fp8(acc, resid: cc.Tile, g: cc.PerCol):
+    """Out-proj / down-proj: x = acc + resid (D, bf16: the residual stream), h = x * g quantised (the
+    next GEMM's A) with its transposed copy (the next GEMM's weight gradient reads h^T), and the
+    per-row partials of x^2 (the next norm's r)."""
+    x = acc + resid
+    h = x * g
+    return {"D": x, "h": cc.quantize(h, block=128), "ht": cc.quantize(h, block=128, transpose=True),
+            "sumsq": cc.row_sum(x * x)}
+
+
+@cc.epilogue
+def swiglu_fp8(acc, r: cc.PerRow(F32)):
+    """Gate/up: z = r * acc (saved for the backward, bf16), y = silu(gate) * up (half width)
+    quantised per 1 x 128 run of its columns (256 tile columns: the CTA tile must be 256 wide) with
+    its transposed copy (the down-proj weight gradient reads y^T)."""
+    z = acc * r
+    g, u = cc.pairs(z)
+    y = cc.half_width(cc.silu(g) * u)
+    return {"z": z, "y": cc.quantize(y, block=128), "yt": cc.quantize(y, block=128, transpose=True)}
+
+
+@cc.epilogue
+def norm_backward_fp8(acc, x: cc.Tile, r: cc.PerRow(F32), c: cc.PerRow(F32), g: cc.PerCol, dres: cc.Tile):
+    """Norm-backward dX (as norm_backward): dx = dres + acc * g - r^2 c x in bf16 (the next
+    accumulation's dres) and quantised with its transposed copy (the dX and weight-gradient GEMMs
+    that read it), dgamma partials."""
+    dx = dres + acc * g - (r * r * c) * x
+    return {"dx": dx, "dx8": cc.quantize(dx, block=128), "dx8t": cc.quantize(dx, block=128, transpose=True),
+            "dgamma": cc.col_sum(acc * x)}

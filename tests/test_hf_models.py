@@ -1,0 +1,185 @@
+"""coda_cutlass.nn.from_hf / patch_hf on whole transformers causal LMs (CPU, fp32, large weights):
+loss, logits and every gradient against the transformers model (tied embeddings and the padding
+token's embedding included), checkpoints that AutoModelForCausalLM loads back to the same tensors,
+load_state_dict of such a checkpoint, and transformers' Trainer."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import coda_cutlass.nn as cnn
+from coda_cutlass.nn.hf.checkpoint import to_hf_keys
+from coda_cutlass.nn.hf.fields import UnsupportedConfig
+from hf_models import config, draw, transformers
+
+TOL = 1e-4
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def hf_model(model_type: str = "llama", seed: int = 3, **fields) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return draw(transformers.AutoModelForCausalLM.from_config(config(model_type, **fields)).float(), seed)
+
+
+def coda_grads_hf(model) -> dict[str, torch.Tensor]:
+    """The coda model's gradients under the transformers parameter names."""
+    grads = {n: p.grad for n, p in model.coda.named_parameters(remove_duplicate=False)}
+    return to_hf_keys(grads, model.coda_family, model.config, model.coda_tied)
+
+
+def check_model(hf, model, tokens, labels, **inputs) -> None:
+    ref = hf(input_ids=tokens, labels=labels, **inputs)
+    out = model(input_ids=tokens, labels=labels, **inputs)
+    assert out.logits is None and abs(out.loss.item() - ref.loss.item()) < TOL * ref.loss.item()
+    ref.loss.backward()
+    out.loss.backward()
+    ours = coda_grads_hf(model)
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(ours) == set(hf_grads)
+    for name, g in hf_grads.items():
+        assert rel(ours[name], g) < TOL, name
+
+
+@pytest.mark.parametrize("model_type,fields", [
+    ("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {"sliding_window": 5}), ("phi3", {}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}), ("gemma", {}), ("qwen3", {}),
+    ("gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window": 5}),
+    ("gemma2", {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "sliding_window": 5}),
+    ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}),
+    ("llama", {"hidden_act": "relu", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                          "original_max_position_embeddings": 8}})])
+def test_loss_and_every_gradient_match_the_transformers_model(model_type, fields):
+    hf = hf_model(model_type, pad_token_id=0, **fields)
+    model = cnn.from_hf(hf)
+    tokens = torch.randint(0, 48, (2, 12))
+    tokens[0, 3] = 0                                   # the padding token: its embedding gets no gradient
+    labels = tokens.clone()
+    labels[1, :4] = -100
+    check_model(hf, model, tokens, labels)
+    if not model.coda_tied:                           # (tied: the LM head's gradient reaches row 0 too)
+        assert model.coda.embed.grad[0].abs().sum() == 0
+    with torch.no_grad():
+        assert rel(model(input_ids=tokens).logits, hf(input_ids=tokens).logits) < TOL
+
+
+def test_tied_embeddings_share_one_parameter():
+    model = cnn.from_hf(hf_model(tie_word_embeddings=True))
+    assert model.coda.lm_head is model.coda.embed and model.coda_tied
+    assert len(list(model.parameters())) == 2 + 6 * 2        # embed, norm, 6 per block
+
+
+def test_save_pretrained_round_trips_through_auto_model(tmp_path):
+    for fields in ({}, {"tie_word_embeddings": True}):
+        hf = hf_model(**fields)
+        model = cnn.from_hf(hf)
+        with torch.no_grad():
+            model.coda.blocks[1].qkv.mul_(1.5)              # trained weights, not the ones it started from
+        model.save_pretrained(tmp_path / str(len(fields)))
+        back, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / str(len(fields)),
+                                                                       output_loading_info=True)
+        assert type(back) is type(hf) and not info["missing_keys"] and not info["unexpected_keys"]
+        want = model.hf_state_dict()
+        got = back.state_dict()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        tokens = torch.randint(0, 48, (1, 8))
+        with torch.no_grad():
+            assert rel(back(input_ids=tokens).logits, model(input_ids=tokens).logits) < TOL
+
+
+def test_load_state_dict_takes_a_transformers_state_dict():
+    """Trainer resumes a checkpoint (written by save_pretrained) with model.load_state_dict."""
+    source = cnn.from_hf(hf_model(seed=5))
+    model = cnn.from_hf(hf_model(seed=6))
+    model.load_state_dict(source.hf_state_dict(), strict=True)
+    for (name, a), b in zip(model.coda.state_dict().items(), source.coda.state_dict().values()):
+        assert (a == b) if not isinstance(a, torch.Tensor) else torch.equal(a, b), name
+    model.load_state_dict(source.state_dict())               # its own keys still load
+
+
+def test_patch_hf_runs_coda_in_place(tmp_path):
+    hf = hf_model()
+    twin = copy.deepcopy(hf)
+    same = cnn.patch_hf(hf)
+    assert same is hf and isinstance(hf, transformers.LlamaForCausalLM) and hasattr(hf, "coda")
+    assert not hasattr(hf, "model") and not hasattr(hf, "lm_head")      # the transformers weights are released
+    tokens = torch.randint(0, 48, (2, 10))
+    check_model(twin, hf, tokens, tokens)
+    hf.save_pretrained(tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in hf.hf_state_dict().items())
+    with pytest.raises(ValueError, match="already runs coda"):
+        cnn.patch_hf(hf)
+
+
+def test_models_pickle():
+    model = cnn.from_hf(hf_model())
+    patched = cnn.patch_hf(hf_model())
+    tokens = torch.randint(0, 48, (1, 8))
+    for m in (model, patched):
+        again = pickle.loads(pickle.dumps(m))
+        assert type(again) is type(m)
+        with torch.no_grad():
+            assert torch.equal(again(input_ids=tokens).logits, m(input_ids=tokens).logits)
+
+
+def test_interface_errors_are_clear():
+    model = cnn.from_hf(hf_model())
+    tokens = torch.randint(0, 48, (2, 8))
+    with pytest.raises(ValueError, match="inputs_embeds"):
+        model(input_ids=tokens, inputs_embeds=torch.zeros(2, 8, 64))
+    with pytest.raises(ValueError, match="labels .* must have the shape"):
+        model(input_ids=tokens, labels=tokens[:, :4])
+    with pytest.raises(UnsupportedConfig, match="mixture of experts"):
+        cnn.from_hf(transformers.AutoModelForCausalLM.from_config(
+            config("mixtral", num_local_experts=2, num_experts_per_tok=1)))
+
+
+def test_num_items_in_batch_sums_over_the_accumulated_batch():
+    hf = hf_model()
+    model = cnn.from_hf(hf)
+    tokens = torch.randint(0, 48, (2, 8))
+    a = model(input_ids=tokens, labels=tokens, num_items_in_batch=torch.tensor(28)).loss
+    b = hf(input_ids=tokens, labels=tokens, num_items_in_batch=torch.tensor(28)).loss
+    assert abs(a.item() - b.item()) < TOL * b.item()
+
+
+def _train(model, data, out):
+    args = transformers.TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, max_steps=3,
+                                          gradient_accumulation_steps=2, learning_rate=1e-3, use_cpu=True,
+                                          report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                                          dataloader_num_workers=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return trainer
+
+
+def test_trainer_trains_a_from_hf_model_as_it_trains_the_transformers_model(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 48, (12, 16), generator=g)]
+    hf = hf_model(tie_word_embeddings=True)
+    model = cnn.from_hf(copy.deepcopy(hf))
+    _train(hf, data, tmp_path / "hf")
+    trainer = _train(model, data, tmp_path / "coda")
+    trained = model.hf_state_dict()
+    for name, p in hf.state_dict().items():
+        if name in trained:
+            assert rel(trained[name], p) < 1e-3, name
+    trainer.save_model(str(tmp_path / "saved"))
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in trained.items())
+
+
+def test_soft_capped_logits_through_the_recomputing_lm_head():
+    hf = hf_model("gemma2", attn_logit_softcapping=None, final_logit_softcapping=3.0)
+    model = cnn.from_hf(hf)
+    model.coda.fused_lm_head = False
+    tokens = torch.randint(0, 48, (2, 10))
+    check_model(hf, model, tokens, tokens)
