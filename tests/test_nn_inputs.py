@@ -114,7 +114,7 @@ def test_hyper_parameters_the_kernels_cannot_take_are_refused_when_the_block_is_
 
 
 @pytest.mark.parametrize("kw,match", [({"vocab_size": 30}, "vocab_size must be a positive multiple of 8"),
-                                      ({"n_layers": 0}, "n_layers must be a positive int"),
+                                      ({"n_layers": -1}, "n_layers must be an int >= 0"),
                                       ({"ce_chunk_bytes": 0}, "ce_chunk_bytes must be a positive int")])
 def test_model_sizes_the_kernels_cannot_take_are_refused(kw, match):
     args = {"vocab_size": V, "dim": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, **kw}
@@ -125,3 +125,9 @@ def test_model_sizes_the_kernels_cannot_take_are_refused(kw, match):
 def test_a_nan_eps_no_longer_gives_nan_silently():
     with pytest.raises(ValueError):
         LlamaModel(V, 64, 1, 4, 2, 96, eps=float("nan"))
+
+
+def test_a_model_without_blocks_says_so_when_called():
+    model = LlamaModel(V, 64, 0, 4, 2, 96)          # as from_hf makes it before adding the blocks
+    with pytest.raises(ValueError, match="the model has no blocks"):
+        model(torch.randint(0, V, (1, 8)))

@@ -59,8 +59,10 @@ def check_rope_args(rope_theta: Any, inv_freq: Any, rope: Any) -> None:
 
 
 def check_model_args(vocab_size: Any, n_layers: Any, ce_chunk_bytes: Any) -> None:
-    for name, value, multiple in (("vocab_size", vocab_size, 8), ("n_layers", n_layers, 1),
-                                  ("ce_chunk_bytes", ce_chunk_bytes, 1)):
+    """n_layers may be 0 (a stack filled afterwards, as from_hf does); a forward needs a block."""
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 0:
+        raise ValueError(f"LlamaModel: n_layers must be an int >= 0, got {n_layers!r}")
+    for name, value, multiple in (("vocab_size", vocab_size, 8), ("ce_chunk_bytes", ce_chunk_bytes, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % multiple:
             what = "a positive int" if multiple == 1 else "a positive multiple of 8 (the LM head's N and its backward's K)"
             raise ValueError(f"LlamaModel: {name} must be {what}, got {value!r}")

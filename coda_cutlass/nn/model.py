@@ -135,6 +135,8 @@ class LlamaModel(nn.Module):
         ``position_ids`` and ``attention_mask`` as transformers takes them (nn.masks)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
+        if not len(self.blocks):
+            raise ValueError("LlamaModel: the model has no blocks (n_layers=0 and none added)")
         B, S = tokens.shape
         first = self.blocks[0]
         mask = masks.attention_mask(B, S, tokens.device, attention_mask, position_ids)
