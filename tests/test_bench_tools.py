@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -55,3 +57,35 @@ def test_model_bench_plot(tmp_path):
     row = {"ms": 10.0, "ms_all": [10.0], "tokens_per_s": 1600.0, "peak_gib": 1.0, "first_loss": 5.5}
     bench_model.plot([{"config": "quick", "variants": {"eager": row, "coda": row}}], tmp_path / "results.png")
     assert (tmp_path / "results.png").stat().st_size > 0
+
+
+def test_distributed_bench_runs_its_phases_over_gloo_and_writes_its_report(tmp_path, monkeypatch):
+    """bench/distributed.py's processes, run here as world size 1 over gloo with the interpreter:
+    the coda and plain models build (on the meta device for throughput, from one seed for the loss),
+    shard, step and report; the loss curves of both start from the same weights."""
+    import socket
+
+    import distributed as bench_dist
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", *bench_dist.MULTICAST_OFF):
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+    a = bench_dist.parse(["--out", str(tmp_path), "--device", "cpu", "--gpus", "1", "--variants", "coda,eager",
+                          "--batch", "1", "--seq", "16", "--steps", "1", "--warmup", "1", "--loss-steps", "3"])
+    cfg = dict(vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, theta=1e4)
+    res = {"config": cfg, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+           "environment": bench_dist.environment("cpu")}
+    for phase in ("throughput", "loss"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        bench_dist.worker(0, 1, port, phase, cfg, a, str(tmp_path / f"{phase}.json"))
+        res[phase] = json.loads((tmp_path / f"{phase}.json").read_text())
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    for v in ("coda", "eager"):
+        assert res["throughput"][v]["tokens_per_s_per_gpu"] > 0 and len(res["throughput"][v]["steps_s"]) == 1
+    coda, eager = res["loss"]["coda"]["losses"], res["loss"]["eager"]["losses"]
+    # the same weights and tokens, both computing in bf16 (the policy): within bf16 error
+    assert len(coda) == 3 and abs(coda[0] - eager[0]) < 2e-2 * eager[0]
+    res["loss"] = {v: {"gpus": r["losses"], "one": r["losses"], "max_abs_diff": 0.0} for v, r in res["loss"].items()}
+    bench_dist.markdown(res, tmp_path / "results.md")
+    text = (tmp_path / "results.md").read_text()
+    assert "| coda |" in text and "| eager |" in text and "coda / eager:" in text

@@ -23,6 +23,7 @@ from torch import nn
 from ..partials import cached_tensor
 from .activations import activation as find_activation
 from .attention import Attention
+from .checkpointing import recompute_in_backward
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
 from .hf.layer import block_from_hf, block_to_hf
 from .checks import check_block_args, check_kernel_runner, check_rope_args, check_stream
@@ -30,6 +31,7 @@ from .precision import cast, check_compute_dtype, compute_dtype, no_autocast, ru
 from .rope import Rope, column_frequencies
 from .runner import KernelRunner, Runner
 from .saved import flatten, unflatten
+from .sharding import check_stack_call, full_value
 from .tuning import tune_module
 
 
@@ -118,6 +120,8 @@ class LlamaBlock(nn.Module):
                        else Rope.default(head_dim, rope_theta),
                        torch.device(device) if device is not None else torch.device("cpu"))
         self.compute_dtype = check_compute_dtype(compute_dtype)
+        # recompute the forward in the backward instead of keeping its activations (nn.checkpointing)
+        self.activation_checkpointing = False
         self.runner: Runner | None = None          # set to pin one (a tuned KernelRunner); else one per dtype
         self._runners: dict[tuple[str, torch.dtype], Runner] = {}
         self.reset_parameters()
@@ -269,8 +273,9 @@ class LlamaBlock(nn.Module):
         return norm if self.norm_offset == 0.0 else norm + self.norm_offset
 
     def attn_gain(self) -> torch.Tensor:
-        """The attention norm's gain (the previous block's down-proj epilogue applies it)."""
-        return self.gain(self.attn_norm)
+        """The attention norm's gain (the previous block's down-proj epilogue applies it, while this
+        block's parameters may still be sharded under FSDP2: then the whole vector is gathered)."""
+        return self.gain(full_value(self.attn_norm))
 
     def weights(self) -> tuple[torch.Tensor | None, ...]:
         return (self.qkv, self.o, self.gate_up, self.down, self.gain(self.attn_norm), self.gain(self.mlp_norm),
@@ -281,7 +286,17 @@ class LlamaBlock(nn.Module):
             g_next: torch.Tensor | None) -> Any:
         """The block on an (M, D) stream with its normed copy h and rstd r (as a stack calls it).
         Without autograd (no_grad, or nothing requires a gradient) it runs the forward alone, which
-        saves nothing and writes less (``block_forward(train=False)``)."""
+        saves nothing and writes less (``block_forward(train=False)``). With
+        ``activation_checkpointing`` the backward recomputes it (nn.checkpointing)."""
+        check_stack_call(self, step, r)
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return recompute_in_backward(self._run, step, x, h, r, g_next)
+        return self._run(step, x, h, r, g_next)
+
+    def _run(self, step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor, g_next: torch.Tensor | None,
+             train: bool = False) -> Any:
+        """run's work; ``train``: the training kernels even without autograd (the first pass of a
+        checkpointed block, so the recompute reproduces its outputs bit for bit)."""
         step = self.local_step(step)
         dtype = step.dtype or self.qkv.dtype
         weights = tuple(None if w is None else cast(w, dtype) for w in self.weights())  # once per call
@@ -290,7 +305,7 @@ class LlamaBlock(nn.Module):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):
             return BlockFunction.apply(x, h, r, *weights, g_next, step)
         with no_autocast(x.device):
-            x2, h2, r2, _ = block_forward(step, x, h, r, BlockWeights(*weights), g_next, train=False)
+            x2, h2, r2, _ = block_forward(step, x, h, r, BlockWeights(*weights), g_next, train=train)
         return x2 if h2 is None else (x2, h2, r2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

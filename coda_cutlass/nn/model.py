@@ -20,6 +20,7 @@ from torch import nn
 from . import masks
 from .block import LlamaBlock
 from .checks import check_model_args, checked_targets
+from .checkpointing import check_stack
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
@@ -138,6 +139,7 @@ class LlamaModel(nn.Module):
         if not len(self.blocks):
             raise ValueError("LlamaModel: the model has no blocks (n_layers=0 and none added)")
         B, S = tokens.shape
+        check_stack(self.blocks, LlamaBlock)
         first = self.blocks[0]
         mask = masks.attention_mask(B, S, tokens.device, attention_mask, position_ids)
         step = first.step(B, S, dtype=self.call_dtype(), position_ids=position_ids, mask=mask)

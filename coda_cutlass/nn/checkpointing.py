@@ -1,0 +1,59 @@
+"""Activation checkpointing of a block: keep only its inputs, recompute its forward in the backward.
+
+A block's autograd Function keeps its activations on ``ctx`` (the saved tuple of ``block_forward``
+and the attention's own graph), not through ``ctx.save_for_backward``, so torch's non-reentrant
+checkpoint (saved-tensor hooks) would see only what the attention's SDPA saves: the gradients stay
+right but the block's activations stay in memory. The reentrant form of
+``torch.utils.checkpoint.checkpoint`` fits the Function as it is: the first pass runs without
+autograd and keeps nothing but the inputs, the backward reruns the forward with autograd and
+differentiates it.
+
+The first pass runs the training kernels (``block_forward(train=True)``, its saved tuple dropped at
+once), not the forward-only ones: the recompute then reproduces the outputs the next block consumed
+bit for bit (the kernels are deterministic), so a checkpointed block's gradients equal an
+uncheckpointed one's exactly.
+
+Under FSDP2 the block's registered forward method wraps this call: FSDP's pre-backward hook
+all-gathers the parameters again before the recompute reads them (``reshard_after_forward=True``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def recompute_in_backward(run: Callable[..., Any], step: Any, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
+                          g_next: torch.Tensor | None) -> Any:
+    """``run(step, x, h, r, g_next, train)`` (LlamaBlock._run) without keeping its activations."""
+    if not x.requires_grad:
+        # the reentrant checkpoint differentiates only through inputs that require a gradient: with
+        # a frozen embedding the weights would get none (the gradient of this copy is dropped)
+        x = x.detach().requires_grad_()
+    # h, r and the next norm's gain get no gradient through the block (its Function returns none,
+    # and detaches g_next): as inputs of the checkpoint they must not require one either, or the
+    # next block's gain (a Parameter) would see a second, empty gradient (DDP refuses that)
+    h, r = h.detach(), r.detach()
+    g_next = None if g_next is None else g_next.detach()
+    return checkpoint(_pass, run, step, x, h, r, g_next, use_reentrant=True, preserve_rng_state=True)
+
+
+def _pass(run: Callable[..., Any], step: Any, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
+          g_next: torch.Tensor | None) -> Any:
+    # without autograd (the first pass) the training kernels run and nothing is kept; with it (the
+    # recompute) the block's Function runs
+    return run(step, x, h, r, g_next, train=True)
+
+
+def check_stack(blocks: Any, block_class: type) -> None:
+    """A stack calls its blocks' ``run``: a wrapper around a block's forward (torch's
+    checkpoint_wrapper, torch.compile) would be passed by unseen, silently doing nothing (such
+    wrappers hand unknown attributes, run included, to the block inside)."""
+    for i, b in enumerate(blocks):
+        if not isinstance(b, block_class):
+            raise TypeError(f"blocks[{i}] is a {type(b).__name__}, not a LlamaBlock: the model calls its blocks' "
+                            "run(), which a wrapper around forward never sees (torch's checkpoint_wrapper would "
+                            "checkpoint nothing); for activation checkpointing use "
+                            "coda_cutlass.nn.parallel.checkpoint_blocks(model)")

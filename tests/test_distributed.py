@@ -1,0 +1,389 @@
+"""coda models on PyTorch's distributed engines, on the CPU: 2 and 4 processes (gloo on 127.0.0.1)
+run the reference interpreter under FSDP2 and DDP (tests/distributed_worker.py, one launch per
+world size for all its scenarios), and every loss and gradient is compared with the same model in
+this process.
+
+Tolerances. fp32 parameters compute exactly: the distributed runs differ from one process only in
+the order of sums over tokens (the weight gradients, the loss mean, the ranks' average), so they
+agree to fp32 rounding: 4e-6 of each tensor's largest value (about 30 ulps of sums over ~100
+terms). Under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) each rank computes in bf16
+what one process computes with ``compute_dtype=bf16`` on that rank's rows (the same bf16 weights:
+FSDP rounds the shards, the model rounds the whole tensor, elementwise alike), and FSDP averages
+the ranks' bf16 gradients in fp32: the reference does that average in this process, so the same
+fp32 tolerance holds. No token occurs twice in a batch, so no embedding row sums gradients (FSDP2
+sums them in bf16, one process in fp32). Against one fp32 process the bf16 runs are only within
+bf16 error (checked at 5%).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distributed_cases import LAYERS, build, global_batch, optimizer, rank_rows, resume_batch
+
+from coda_cutlass.nn import LlamaModel
+from coda_cutlass.nn.parallel import checkpoint_blocks, shard_model
+
+WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+BF16 = torch.bfloat16
+FP32_TOL = 4e-6
+BOTH = ["fsdp", "fsdp_bf16", "fsdp_checkpointed", "accumulation", "ddp"]
+ONLY_2 = ["fsdp_shard_dim1", "fsdp_whole", "ddp_checkpointed", "refuse_unregistered", "refuse_cast_inputs", "dcp_save"]
+ONLY_4 = ["dcp_load"]
+TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, out: Path, names: list[str], dcp_dir: Path) -> None:
+    """``world`` worker processes over gloo; fails with their output when one fails or hangs."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "OMP_NUM_THREADS": "1", "DCP_DIR": str(dcp_dir),
+           "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    logs = [out / f"rank{r}.log" for r in range(world)]
+    procs = []
+    for r in range(world):
+        with open(logs[r], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), ",".join(names)],
+                                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                          stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + TIMEOUT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.wait()
+    if any(p.returncode != 0 for p in procs):
+        tails = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{logs[r].read_text()[-3000:]}"
+                          for r, p in enumerate(procs))
+        pytest.fail(f"the {world}-process run failed or ran past {TIMEOUT_S} s:\n{tails}")
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dcp")
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory, dcp_dir) -> Path:
+    out = tmp_path_factory.mktemp("world2")
+    launch(2, out, BOTH + ONLY_2, dcp_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def run4(tmp_path_factory, dcp_dir, run2) -> Path:
+    out = tmp_path_factory.mktemp("world4")      # after run2: it loads run2's checkpoint
+    launch(4, out, BOTH + ONLY_4, dcp_dir)
+    return out
+
+
+def result(out: Path, name: str) -> dict[str, Any]:
+    errors = sorted(out.glob(f"{name}.rank*.err"))
+    if errors:
+        pytest.fail(f"scenario {name} failed:\n" + "\n".join(e.read_text() for e in errors))
+    return torch.load(out / f"{name}.pt", weights_only=False)
+
+
+def run_of(request, world: int) -> Path:
+    return request.getfixturevalue(f"run{world}")
+
+
+def assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float = FP32_TOL,
+                 what: str = "") -> None:
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        g = got[name]
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        err = (g - w).abs().max().item() / max(w.abs().max().item(), 1e-30)
+        assert err <= tol, f"{what}{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+# ---------------------------------------------------------------------------------------- references
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@functools.lru_cache(maxsize=None)
+def reference_fp32(world: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One process, fp32, the whole global batch: (loss, grads)."""
+    model = build()
+    loss = model(*global_batch(world))
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_bf16(world: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One process, compute_dtype=bf16 on fp32 parameters, each rank's rows apart, the gradients
+    averaged in fp32 (FSDP2's bf16 policy): (every rank's loss, grads)."""
+    tokens, targets = global_batch(world)
+    losses, total = [], None
+    for r in range(world):
+        model = build()
+        model.compute_dtype = BF16
+        rows = rank_rows(r, world, tokens.shape[0])
+        loss = model(tokens[rows], targets[rows])
+        loss.backward()
+        losses.append(loss.detach().float())
+        g = _grads(model)
+        total = g if total is None else {n: total[n] + g[n] for n in g}
+    return torch.stack(losses), {n: t / world for n, t in total.items()}
+
+
+def train(model: LlamaModel, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               opt: torch.optim.Optimizer | None = None) -> torch.optim.Optimizer:
+    opt = opt or optimizer(model.parameters())
+    for b in batches:
+        model(*b).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+# ---------------------------------------------------------------------------------------- FSDP2
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_per_block_loss_and_every_gradient_equal_one_process(request, world):
+    res = result(run_of(request, world), "fsdp")
+    loss, grads = reference_fp32(world)
+    assert abs(res["loss"].item() - loss.item()) <= FP32_TOL * abs(loss.item())
+    assert_close(res["grads"], grads)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_blocks_keep_one_runner_across_steps(request, world):
+    """The runner cache (compiled kernels on a GPU) survives FSDP2 swapping the parameters."""
+    assert result(run_of(request, world), "fsdp")["runner_kept"].item()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_bf16_policy_equals_one_process_in_bf16(request, world):
+    res = result(run_of(request, world), "fsdp_bf16")
+    losses, grads = reference_bf16(world)
+    assert torch.equal(res["local_losses"], losses)      # every rank's forward, bit for bit
+    assert_close(res["grads"], grads)
+    _, fp32 = reference_fp32(world)
+    assert_close(res["grads"], fp32, tol=5e-2, what="bf16 against fp32: ")
+
+
+@pytest.mark.parametrize("world, scenario", [(2, "fsdp_bf16"), (4, "fsdp_bf16"), (2, "fsdp_shard_dim1")])
+def test_fsdp_unsharded_weights_are_what_the_kernels_read(request, world, scenario):
+    """Every weight a GEMM gets under FSDP2 is a plain tensor TMA can read (unit column stride,
+    16-byte rows and base), also for weights sharded along dim 1 and the padded vocab shards."""
+    res = result(run_of(request, world), scenario)
+    assert res["weights_seen"] >= 6 * LAYERS
+    assert res["problems"] == []
+    if scenario == "fsdp_shard_dim1":
+        assert_close(res["grads"], reference_bf16(world)[1])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_activation_checkpointing_equals_no_checkpointing_exactly(request, world):
+    """Blocks recomputed in the backward (resharded after the forward, gathered again) give the
+    gradients of the uncheckpointed run bit for bit."""
+    out = run_of(request, world)
+    res, plain = result(out, "fsdp_checkpointed"), result(out, "fsdp_bf16")
+    assert torch.equal(res["loss"], plain["loss"])
+    for name, g in plain["grads"].items():
+        assert torch.equal(res["grads"][name], g), name
+
+
+def test_fully_shard_whole_model_equals_one_process(run2):
+    res = result(run2, "fsdp_whole")
+    loss, grads = reference_fp32(2)
+    assert abs(res["loss"].item() - loss.item()) <= FP32_TOL * abs(loss.item())
+    assert_close(res["grads"], grads)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradient_accumulation_equals_one_big_batch(request, world):
+    """Two micro-batches per rank (the first without gradient sync), then an optimizer step: the gradients and
+    the parameters after the step equal one process's step on the whole batch."""
+    res = result(run_of(request, world), "accumulation")
+    _, grads = reference_fp32(world)
+    assert_close(res["grads"], grads)
+    model = build()
+    train(model, [global_batch(world)])
+    assert_close(res["params"], {n: p.detach() for n, p in model.named_parameters()})
+
+
+# ---------------------------------------------------------------------------------------- DDP
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_loss_and_every_gradient_equal_one_process(request, world):
+    res = result(run_of(request, world), "ddp")
+    loss, grads = reference_fp32(world)
+    assert abs(res["loss"].item() - loss.item()) <= FP32_TOL * abs(loss.item())
+    assert_close({k.removeprefix("module."): v for k, v in res["grads"].items()}, grads)
+
+
+def test_ddp_with_activation_checkpointing(run2):
+    res = result(run2, "ddp_checkpointed")
+    _, grads = reference_fp32(2)
+    assert_close({k.removeprefix("module."): v for k, v in res["grads"].items()}, grads)
+
+
+# ---------------------------------------------------------------------------------------- refusals
+def test_blocks_sharded_without_their_run_registered_are_refused(run2):
+    error = result(run2, "refuse_unregistered")["error"]
+    assert error.startswith("RuntimeError: LlamaBlock.run got sharded (DTensor) parameters")
+    assert "register_fsdp_forward_method(block, 'run')" in error and "shard_model" in error
+
+
+def test_blocks_whose_fp32_inputs_fsdp_would_round_are_refused(run2):
+    error = result(run2, "refuse_cast_inputs")["error"]
+    assert error.startswith("TypeError: LlamaBlock.run: r (the rstd of the residual stream) must be float32, "
+                            "got torch.bfloat16")
+    assert "cast_forward_inputs=False" in error
+
+
+def test_shard_model_refuses_what_it_cannot_shard():
+    with pytest.raises(ValueError, match="holds no coda_cutlass.nn.LlamaBlock"):
+        shard_model(torch.nn.Linear(4, 4))
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        shard_model(build(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.float64))
+    with pytest.raises(TypeError, match="MixedPrecisionPolicy"):
+        shard_model(build(), mp_policy={"param_dtype": BF16})
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+def _resumed_reference() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model = build()
+    opt = train(model, [resume_batch(1)])
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train(model, [resume_batch(2)], opt)
+    return saved, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_dcp_saved_by_2_processes_loads_into_4_and_training_goes_on(run2, run4):
+    saved, after = result(run2, "dcp_save"), result(run4, "dcp_load")
+    for name, t in saved["saved"].items():
+        assert torch.equal(after["loaded"][name], t), name
+    assert_close(after["next"], saved["next"], what="the step after loading in 4 against 2 processes: ")
+    ref_saved, ref_next = _resumed_reference()
+    assert_close(saved["saved"], ref_saved)
+    assert_close(after["next"], ref_next)
+
+
+def test_dcp_saved_by_2_processes_loads_into_one(run2, dcp_dir):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    saved = result(run2, "dcp_save")
+    model = build(seed=1)
+    opt = optimizer(model.parameters())
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=True)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), saved["saved"][name]), name
+    train(model, [resume_batch(2)], opt)
+    assert_close({n: p.detach() for n, p in model.named_parameters()}, saved["next"])
+
+
+def test_full_state_dict_of_a_sharded_model_loads_with_load_state_dict(run2):
+    saved = result(run2, "dcp_save")
+    model = build(seed=1)
+    model.load_state_dict(saved["full_state_dict"])            # strict: every key, the blocks' extra state
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), saved["saved"][name]), name
+
+
+# ---------------------------------------------------------------------------------------- one process
+def _backward_nodes(t: torch.Tensor) -> set[str]:
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        names.add(type(f).__name__)
+        todo.extend(g for g, _ in f.next_functions)
+    return names
+
+
+def test_checkpointed_model_keeps_no_block_activations_and_gets_equal_gradients():
+    tokens, targets = global_batch(2)
+    plain, ckpt = build(), checkpoint_blocks(build())
+    loss, loss_c = plain(tokens, targets), ckpt(tokens, targets)
+    assert "BlockFunctionBackward" in _backward_nodes(loss)
+    nodes = _backward_nodes(loss_c)
+    assert "BlockFunctionBackward" not in nodes and "CheckpointFunctionBackward" in nodes
+    assert torch.equal(loss, loss_c)
+    loss.backward()
+    loss_c.backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_checkpointed_block_with_input_not_requiring_grad_still_trains_its_weights():
+    """A frozen embedding: the reentrant checkpoint differentiates through its inputs only, so the
+    block makes its input require a gradient."""
+    plain, ckpt = build(), checkpoint_blocks(build())
+    for m in (plain, ckpt):
+        m.embed.requires_grad_(False)
+        m(*global_batch(2)).backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        if p.requires_grad:
+            assert q.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_torch_checkpoint_wrapper_around_blocks_is_refused_not_ignored():
+    """torch's checkpoint_wrapper wraps forward; the model calls run, which the wrapper hands to the
+    block inside: it would checkpoint nothing. Refused, naming checkpoint_blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from coda_cutlass.nn import LlamaBlock
+    model = build()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, LlamaBlock))
+    with pytest.raises(TypeError, match=r"blocks\[0\] is a CheckpointWrapper, not a LlamaBlock.*checkpoint_blocks"):
+        model(*global_batch(2))
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone (an in-process store, no network)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family, fields", [("llama", {"tie_word_embeddings": True}), ("qwen3", {}),
+                                            ("gemma2", {})])
+def test_from_hf_models_under_shard_model(world_of_one, family, fields):
+    """from_hf models (tied embeddings; Qwen 3's per-head q/k norms; Gemma 2's sandwich norms and
+    (1 + w) gains, the next block's gathered with its offset) under shard_model: every parameter
+    sharded (a DTensor), loss and gradients as the unsharded model's."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import hf_models
+    from coda_cutlass.nn import from_hf
+    hf = hf_models.draw(hf_models.transformers.AutoModelForCausalLM.from_config(hf_models.config(family, **fields)))
+    plain = from_hf(hf)
+    sharded = shard_model(copy.deepcopy(plain))
+    assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
+    tokens = torch.randint(0, hf_models.DIMS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    losses = [m(input_ids=tokens, labels=tokens).loss for m in (plain, sharded)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[0].item() - losses[1].item()) <= FP32_TOL * abs(losses[0].item())
+    assert_close({n: p.grad.full_tensor() for n, p in sharded.named_parameters()},
+                 {n: p.grad for n, p in plain.named_parameters()})
