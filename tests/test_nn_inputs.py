@@ -113,7 +113,7 @@ def test_hyper_parameters_the_kernels_cannot_take_are_refused_when_the_block_is_
         LlamaBlock(*args, **kw)
 
 
-@pytest.mark.parametrize("kw,match", [({"vocab_size": 30}, "vocab_size must be a positive multiple of 8"),
+@pytest.mark.parametrize("kw,match", [({"vocab_size": 0}, "vocab_size must be a positive int"),
                                       ({"n_layers": -1}, "n_layers must be an int >= 0"),
                                       ({"ce_chunk_bytes": 0}, "ce_chunk_bytes must be a positive int")])
 def test_model_sizes_the_kernels_cannot_take_are_refused(kw, match):
@@ -131,3 +131,21 @@ def test_a_model_without_blocks_says_so_when_called():
     model = LlamaModel(V, 64, 0, 4, 2, 96)          # as from_hf makes it before adding the blocks
     with pytest.raises(ValueError, match="the model has no blocks"):
         model(torch.randint(0, V, (1, 8)))
+
+
+def test_a_vocabulary_the_kernels_cannot_take_is_refused_before_any_launch(monkeypatch):
+    """A vocabulary not a multiple of 8 is refused by name on the kernels' path (the CPU runs it:
+    the distributed tests shard an uneven one through the reference interpreter)."""
+    from coda_cutlass.nn import KernelRunner
+    from coda_cutlass.nn import block as block_module
+    model = LlamaModel(250, 64, 1, 4, 2, 96)
+    tokens = torch.randint(0, 250, (1, 8))
+    assert model(tokens, tokens).isfinite()                     # the reference interpreter
+    launches = []
+    runner = KernelRunner(torch.bfloat16)
+    monkeypatch.setattr(runner, "gemm", lambda *a, **k: launches.append(a))
+    monkeypatch.setattr(block_module, "runner_for", lambda device, dtype: runner)
+    fresh = LlamaModel(250, 64, 1, 4, 2, 96)
+    with pytest.raises(ValueError, match="vocab_size 250 is not a multiple of 8"):
+        fresh(tokens, tokens)
+    assert launches == []

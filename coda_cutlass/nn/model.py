@@ -19,7 +19,7 @@ from torch import nn
 
 from . import masks
 from .block import LlamaBlock
-from .checks import check_model_args, checked_targets
+from .checks import check_model_args, check_vocab_for_kernels, checked_targets
 from .checkpointing import check_stack
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
@@ -156,6 +156,8 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, ignore_index: int = -100,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         target = None if targets is None else checked_targets(targets, tokens, self.lm_head.shape[0], ignore_index)
+        if len(self.blocks):
+            check_vocab_for_kernels(self.lm_head.shape[0], self.blocks[0].get_runner(self.call_dtype()))
         step, x, h, r = self.hidden(tokens, position_ids=position_ids, attention_mask=attention_mask)
         w_lm = cast(self.lm_head, step.dtype)
         if target is None:
