@@ -5,15 +5,21 @@ Packaging rules (tests/test_packaging.py and tests/test_nvcc_build.py check them
   and every other file in it is package data; the repository's top-level ``epilogues/`` is
   ``coda_cutlass.epilogues`` and ``templates/`` is data (``coda_cutlass/templates`` links to it;
   the wheel carries real copies);
-- a wheel with prebuilt kernels (``coda_cutlass/prebuilt/*.so``) is tagged for this platform
-  (``py3-none-linux_x86_64``): the kernels are host-specific shared libraries but use no Python
-  ABI (ctypes). Without them the wheel is pure (``py3-none-any``);
+- a wheel with prebuilt kernels (``coda_cutlass/prebuilt/*.so``) is tagged ``py3-none-manylinux_2_X_<arch>``:
+  the kernels are host-specific shared libraries but use no Python ABI (ctypes), and X is the glibc
+  they need, read from the .so files being shipped when the wheel is built
+  (``coda_cutlass/build/manylinux.py``), so PyPI takes the wheel and pip installs it only where glibc is
+  new enough. If a kernel meets no manylinux tag (it links a library no manylinux platform has), the
+  tag is this platform's (``linux_x86_64``) with a warning. Without kernels the wheel is pure
+  (``py3-none-any``);
 - what only JIT builds need (the CUTLASS headers from nvidia-cutlass, with its own dependencies such
   as cuda-python) is the ``[jit]`` extra, so a prebuilt-only install does not pull it.
 """
 
+import importlib.util
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 from setuptools import Distribution, find_packages, setup
@@ -30,8 +36,22 @@ version = re.search(r'__version__ = "([^"]+)"', (HERE / "coda_cutlass" / "__init
 CUTLASS = "nvidia-cutlass>=4.2,<5"
 
 
+def prebuilt_kernels() -> list[Path]:
+    return sorted((HERE / "coda_cutlass" / "prebuilt").glob("*.so"))
+
+
 def has_prebuilt_kernels() -> bool:
-    return any((HERE / "coda_cutlass" / "prebuilt").glob("*.so"))
+    return bool(prebuilt_kernels())
+
+
+def manylinux_tag(kernels: list[Path]) -> tuple[str | None, str]:
+    """The manylinux tag the kernels meet (coda_cutlass/build/manylinux.py, loaded on its own: the
+    package needs torch, the build does not)."""
+    spec = importlib.util.spec_from_file_location("_coda_cutlass_manylinux",
+                                                  HERE / "coda_cutlass" / "build" / "manylinux.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.manylinux_tag(kernels)
 
 
 class BuildPy(build_py):
@@ -53,12 +73,19 @@ class KernelDistribution(Distribution):
 
 
 class BdistWheel(bdist_wheel):
-    """``py3-none-<platform>``: the kernels are called through ctypes, so any Python 3 will do."""
+    """``py3-none-manylinux_2_X_<arch>``: the kernels are called through ctypes, so any Python 3 will
+    do; X is the glibc the kernels need."""
 
     def get_tag(self):
         python, abi, plat = super().get_tag()
         if not self.root_is_pure:
             python, abi = "py3", "none"
+            tag, why = manylinux_tag(prebuilt_kernels())
+            if tag is None:
+                warnings.warn(f"prebuilt kernels meet no manylinux tag ({why}): the wheel is tagged {plat}, "
+                              "which PyPI does not accept")
+            else:
+                plat = tag
         return python, abi, plat
 
 

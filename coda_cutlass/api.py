@@ -15,7 +15,7 @@ import torch
 from .compiler import CompiledEpilogue, checked_reference, compile_generated, compile_parallel, parallel_jobs
 from .config import KernelConfig
 from .dtypes import BF16
-from .errors import CallError
+from .errors import CallError, ConfigError
 from .interpret import check_mode
 from .pipeline import Lowered, Options, generate, lower_program, typed_ir
 from .runtime.arguments import CallSpec
@@ -149,8 +149,14 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     jobs = parallel_jobs(jobs)
     lower_once = _LowerOnce()
     items: list[tuple[Any, dict[str, Any]]] = []
-    for item in programs:
-        prog, extra = item if isinstance(item, tuple) else (item, {})
+    for i, item in enumerate(programs):
+        if isinstance(item, tuple):
+            if len(item) != 2 or not isinstance(item[1], Mapping):
+                raise ConfigError(f"compile_many item {i}: expected a program or a (program, options dict) pair, "
+                                  f"got {item!r:.200}")
+            prog, extra = item
+        else:
+            prog, extra = item, {}
         opts, rest = split_options({"dtype": dtype, **kwargs, **extra})
         items.append((generate(lower_once(prog, opts), opts.config), rest))
     return compile_parallel(items, jobs=jobs, verbose=verbose, skip_failed=skip_failed)  # type: ignore[return-value]

@@ -11,7 +11,7 @@ FILE is a path to a .py file or an importable module (``coda_cutlass.epilogues``
 user's side (a typo, a missing file, a file that fails to load, a program the compiler rejects, no
 toolchain) prints an ``error:`` message without a traceback (one line, except the errors that list
 where they looked) and exits with status 2; ``--debug`` (or ``CODA_CUTLASS_DEBUG=1``) shows the
-traceback too.
+traceback too (the variable takes 1/0, true/false, yes/no, on/off).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import importlib.util
 import os
 import re
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
@@ -60,6 +61,8 @@ _USER_FILES: set[str] = set()     # files loaded for the user: errors raised in 
 def load_module(spec: str) -> Any:
     """A Python file path (loaded under a private module name) or an importable module name."""
     path = Path(spec)
+    if path.is_file() and not spec.endswith(".py"):
+        raise UserError(f"{spec} is not a Python file: FILE is a .py file or a module name")
     if spec.endswith(".py") or os.sep in spec:
         if not path.is_file():
             raise UserError(f"no such file: {spec}")
@@ -83,6 +86,7 @@ def load_module(spec: str) -> Any:
             del sys.modules[name]
             raise UserError(f"loading {spec} failed: {_describe(e)}") from e
         return mod
+    _check_module_name(spec)
     try:
         mod = importlib.import_module(spec)
     except ModuleNotFoundError as e:
@@ -96,12 +100,35 @@ def load_module(spec: str) -> Any:
     return mod
 
 
+def _check_module_name(spec: str) -> None:
+    """Refuse what cannot be a module without running anything: a name that is not dotted
+    identifiers, or a dotted name under a top-level module that is not a package (``notpy.txt``
+    would run notpy.py before failing on its ``txt``)."""
+    parts = spec.split(".")
+    if not all(part.isidentifier() for part in parts):
+        raise UserError(f"no such file or module: {spec}")
+    if parts[0] in sys.modules:
+        top = getattr(sys.modules[parts[0]], "__spec__", None)
+    else:
+        try:
+            top = importlib.util.find_spec(parts[0])     # a top-level spec: found, not executed
+        except (ImportError, ValueError):
+            top = None
+    if top is None:
+        raise UserError(f"no such file or module: {spec}")
+    if len(parts) > 1 and top.submodule_search_locations is None:
+        raise UserError(f"no such file or module: {spec} ({parts[0]} is a module, not a package)")
+
+
 def programs_of(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
     """The module's PREBUILD list of (program, options) pairs, else every epilogue program in it."""
     from .api import BUILD_OPTIONS, GENERATION_OPTIONS
     from .frontend.trace import EpilogueProgram
     if not hasattr(mod, "PREBUILD"):
         return [(v, {}) for v in vars(mod).values() if isinstance(v, EpilogueProgram)]
+    if not isinstance(mod.PREBUILD, (list, tuple)):
+        raise UserError(f"PREBUILD of {mod.__name__} must be a list of (program, options dict) pairs, got "
+                        f"{type(mod.PREBUILD).__name__}")
     items = []
     for i, item in enumerate(mod.PREBUILD):
         ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], EpilogueProgram) \
@@ -138,6 +165,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     items = programs_of(load_module(args.file))
     if not items:
         raise UserError(f"no epilogue programs in {args.file}")
+    writable_folder(args.out)       # before any build: an unwritable --out must not cost the builds
     if args.sources_only:
         from .api import emit_many
         for path in export_sources(emit_many(items), args.out):
@@ -151,6 +179,18 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         path = export_prebuilt(k, args.out)
         print(f"{k.name}: {path}")
     return 0
+
+
+def writable_folder(out: str) -> Path:
+    """``--out``: a folder (made when missing) this process can write in."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".coda-cutlass-write-check-"):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    return path
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -229,7 +269,13 @@ def _is_coda_error(e: BaseException) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    debug = getattr(args, "debug", False) or os.environ.get("CODA_CUTLASS_DEBUG", "") not in ("", "0")
+    from .env import env_flag
+    from .errors import ConfigError
+    try:
+        debug = getattr(args, "debug", False) or env_flag("CODA_CUTLASS_DEBUG", False)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USER_ERROR
     try:
         return args.fn(args)
     except KeyboardInterrupt:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
 
 from .errors import ConfigError
 
@@ -81,11 +81,15 @@ class KernelConfig:
     def from_name(cls, name: str) -> "KernelConfig":
         """The configuration ``name()`` spells: '128x128x64_c1x2_pingpong', with the scheduler
         ('_streamk') and the epilogue subtile ('_e64x128') when they are not the defaults."""
-        m = _NAME.fullmatch(name)
+        m = _NAME.fullmatch(name) if isinstance(name, str) else None
         if m is None:
             raise ConfigError(f"configuration name {name!r}: expected MxNxK_cMxN_SCHEDULE[_SCHEDULER][_eMxN], "
                               "e.g. 128x128x64_c1x2_pingpong or 128x256x64_c2x1_cooperative_streamk")
         tm, tn, tk, cm, cn, schedule, scheduler, em, en = m.groups()
+        for digits in (tm, tn, tk, cm, cn, em or "", en or ""):
+            if len(digits) > 9:     # (int() of thousands of digits is itself an error)
+                raise ConfigError(f"configuration name {name[:40]!r}{'...' if len(name) > 40 else ''}: a size of "
+                                  f"{len(digits)} digits is out of range")
         return cls(tile_m=int(tm), tile_n=int(tn), tile_k=int(tk), cluster_m=int(cm), cluster_n=int(cn),
                    schedule=schedule, scheduler=scheduler or "persistent",
                    epilogue_tile=None if em is None else (int(em), int(en)))
@@ -94,14 +98,23 @@ class KernelConfig:
         return replace(self, raster=raster or self.raster, swizzle=swizzle or self.swizzle)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "KernelConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> "KernelConfig":
+        """The configuration ``build_key`` (or ``asdict``) wrote; ConfigError names a malformed field."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a KernelConfig is read from a dict of its fields, got {type(d).__name__} "
+                              f"{str(d)[:80]!r}")
+        unknown = [k for k in d if k not in _FIELDS]
+        if unknown:
+            raise ConfigError(f"KernelConfig has no field(s) {', '.join(repr(k)[:40] for k in unknown[:4])}; "
+                              f"fields: {', '.join(_FIELDS)}")
         d = dict(d)
-        if d.get("epilogue_tile") is not None:
+        if isinstance(d.get("epilogue_tile"), list):      # JSON has no tuples
             d["epilogue_tile"] = tuple(d["epilogue_tile"])
         return cls(**d)
 
 
-_NAME = re.compile(r"(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_([a-z]+)(?:_([a-z]+))?(?:_e(\d+)x(\d+))?")
+_NAME = re.compile(r"([0-9]+)x([0-9]+)x([0-9]+)_c([0-9]+)x([0-9]+)_([a-z]+)(?:_([a-z]+))?(?:_e([0-9]+)x([0-9]+))?")
+_FIELDS = tuple(f.name for f in fields(KernelConfig))
 _INT_FIELDS = ("tile_m", "tile_n", "tile_k", "cluster_m", "cluster_n", "swizzle")
 _STR_FIELDS = ("schedule", "scheduler", "raster")
 

@@ -14,6 +14,7 @@ computes the same partials with ``reference``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,6 +82,17 @@ class PartialLayout:
         """What ``partial_reductions=True`` returns: the buffer without its padding."""
         rows, *rest = self.buffer_shape(M, N, tile)
         return (rows, M if self.over_n else N, *rest[1:])
+
+    def partial_stride(self, M: int, N: int, tile: tuple[int, int]) -> tuple[int, ...]:
+        """The strides of what ``partial_reductions=True`` returns: ``partial_view`` of the padded
+        buffer keeps the buffer's (contiguous) strides. The fake implementation gives the same, so
+        torch.compile's stride checks hold."""
+        shape = self.buffer_shape(M, N, tile)
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= max(size, 1)
+        return tuple(reversed(strides))
 
     def result_shape(self, M: int, N: int) -> tuple[int, ...]:
         """The finished reduction's shape."""
@@ -198,17 +210,30 @@ def finish_segments(partials: torch.Tensor, width: int, tile_n: int, N: int) -> 
     return seg.t().contiguous()
 
 
-_CACHED: dict[tuple, torch.Tensor] = {}
+CACHE_LIMIT = 128      # constant tensors kept (least recently used ones go first)
+_CACHED: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_PINNED: set[tuple] = set()
 
 
 def cached_tensor(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """A small constant tensor made once per key (not cached while a CUDA graph is being
-    captured: no graph-pool memory in the cache)."""
+    """A small constant tensor made once per key (positions, ones vectors: most keys carry a
+    token count), the ``CACHE_LIMIT`` most recently used kept. One made while a CUDA graph is
+    being captured is not cached (no graph-pool memory in the cache); one used while capturing is
+    never dropped (the graph reads its memory)."""
     t = _CACHED.get(key)
-    if t is None:
-        t = make()
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _CACHED[key] = t
+    if t is not None:
+        _CACHED.move_to_end(key)
+        if t.is_cuda and key not in _PINNED and torch.cuda.is_current_stream_capturing():
+            _PINNED.add(key)
+        return t
+    t = make()
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return t
+    _CACHED[key] = t
+    if len(_CACHED) > CACHE_LIMIT:
+        old = next((k for k in _CACHED if k not in _PINNED), None)
+        if old is not None:
+            del _CACHED[old]
     return t
 
 

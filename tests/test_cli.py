@@ -187,3 +187,49 @@ def test_python_m_reports_without_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "coda_cutlass", "emit", "nowhere.py:f"], capture_output=True,
                        text=True, cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip() == "error: no such file: nowhere.py", r.stderr
+
+
+# ---------------------------------------------------------------- issue 23 (LOW)
+def test_a_file_that_is_not_python_is_refused_without_importing_its_namesake(tmp_path, capsys, monkeypatch):
+    """`emit notpy.txt:x` used to import notpy.py (running it) and then fail on its 'txt'."""
+    (tmp_path / "notpy.py").write_text("raise SystemExit('notpy.py was run')\n")
+    (tmp_path / "notpy.txt").write_text("not python\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["emit", "notpy.txt:x"]) == 2
+    assert "notpy.txt is not a Python file" in one_error_line(capsys)
+    (tmp_path / "notpy.txt").unlink()
+    assert main(["emit", "notpy.txt:x"]) == 2        # no such file: the dotted name is no module either
+    assert "no such file or module: notpy.txt (notpy is a module, not a package)" in one_error_line(capsys)
+    assert main(["emit", "not-a-module:x"]) == 2
+    assert "no such file or module: not-a-module" in one_error_line(capsys)
+
+
+@pytest.mark.parametrize("value", ["5", "None", "'identity'", "{'a': 1}"])
+def test_a_prebuild_that_is_not_a_list_is_one_line(tmp_path, capsys, value):
+    (tmp_path / "pre.py").write_text(f"import coda_cutlass.epilogues as e\nPREBUILD = {value}\n")
+    assert main(["prebuild", str(tmp_path / "pre.py"), "--out", str(tmp_path / "o")]) == 2
+    line = one_error_line(capsys)
+    assert "PREBUILD" in line and "(program, options dict)" in line, line
+
+
+@pytest.mark.parametrize("word", ["off", "0", "false", "No"])
+def test_debug_variable_off_shows_no_traceback(math_py, capsys, monkeypatch, word):
+    monkeypatch.setenv("CODA_CUTLASS_DEBUG", word)
+    assert main(["emit", f"{math_py}:branches"]) == 2
+    assert "epilogue 'branches'" in one_error_line(capsys)
+
+
+def test_a_malformed_debug_variable_is_one_line(math_py, capsys, monkeypatch):
+    monkeypatch.setenv("CODA_CUTLASS_DEBUG", "loud")
+    assert main(["emit", f"{math_py}:branches"]) == 2
+    assert "CODA_CUTLASS_DEBUG='loud' is not a boolean" in one_error_line(capsys)
+
+
+def test_an_unwritable_out_is_found_before_any_build(fake_nvcc, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (blocker, blocker / "sub"):
+        assert main(["prebuild", "coda_cutlass.epilogues", "--out", str(out)]) == 2
+        assert f"--out {out}: cannot write there" in one_error_line(capsys)
+    assert fake_nvcc["log"].read_text() == ""        # nvcc never ran

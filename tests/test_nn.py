@@ -439,6 +439,36 @@ def test_tune_module_runs_the_step_the_tuner_times(monkeypatch, forward_only):
         assert "qkv.dgrad" in seen["sites"] and seen["only"] is None
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_tuning_gives_back_the_gradients_accumulated_before_it(monkeypatch, fails):
+    """Gradient accumulation across a tune() call: the tuning steps' gradients are dropped and the
+    accumulated ones come back, also when the tuner fails half-way."""
+    from coda_cutlass.nn import tuning
+    from coda_cutlass.nn.runner import KernelRunner
+    block = LlamaBlock(64, 4, 2, 96, dtype=torch.float32)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    block(x).sum().backward()
+    before = {n: p.grad.clone() for n, p in block.named_parameters()}
+
+    def fake_tune(runner, step, *, context, M, **options):
+        step()                                  # a tuning step: its own gradients
+        if fails:
+            raise RuntimeError("out of memory while timing")
+        return {"sites": {}}
+
+    monkeypatch.setattr(tuning, "tune_in_sequence", fake_tune)
+    block.runner = SiteLog()
+    call = lambda: tuning.tune_module(block, KernelRunner(torch.bfloat16), lambda: block(x),  # noqa: E731
+                                      torch.randn_like(x), context="c", M=16)
+    if fails:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            call()
+    else:
+        call()
+    for n, p in block.named_parameters():
+        assert torch.equal(p.grad, before[n]), n
+
+
 def test_fused_lm_head_equals_the_recomputing_backward():
     """The LM head's gradients from logits written once in the forward (three vocab GEMMs) equal the
     backward that recomputes them, under a dloss other than 1 and with ignored targets."""

@@ -129,13 +129,14 @@ def test_wheel_with_a_prebuilt_kernel_works_without_nvcc(built, tmp_path):
     sys.path: the kernel is found as prebuilt (and its .so loads); a program that was not prebuilt
     raises an error naming the program, the dtype and the folders searched."""
     from coda_cutlass.build.export import export_prebuilt
-    from wheelcheck import (PREBUILT_CHECK, REPO, build_wheel, env_without_toolchain, fresh_venv, install_wheel,
-                            platform_tag, run_python, source_copy, wheel_files)
+    from wheelcheck import (PREBUILT_CHECK, REPO, build_wheel, env_without_toolchain, expected_manylinux_tag,
+                            fresh_venv, install_wheel, run_python, source_copy, wheel_files)
     kernel = built["residual_norm_stats"]
     so = export_prebuilt(kernel, tmp_path / "prebuilt")
     src = source_copy(tmp_path / "src", prebuilt=[so, so.with_suffix(".json")])
     whl = build_wheel(src)
-    assert whl.name.endswith(f"-py3-none-{platform_tag()}.whl") and f"coda_cutlass/prebuilt/{so.name}" in wheel_files(whl)
+    tag = expected_manylinux_tag([so])        # what PyPI takes (readelf: e.g. GLIBC_2.34 -> manylinux_2_34)
+    assert whl.name.endswith(f"-py3-none-{tag}.whl") and f"coda_cutlass/prebuilt/{so.name}" in wheel_files(whl)
     python = fresh_venv(tmp_path)
     install_wheel(python, whl)
     work = tmp_path / "work"

@@ -6,12 +6,14 @@ fresh environment without nvcc is in test_nvcc_build.py (it needs one real kerne
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 import coda_cutlass as cc
-from wheelcheck import build_wheel, expected_package_files, platform_tag, source_copy, wheel_files, wheel_metadata
+from wheelcheck import (build_wheel, expected_manylinux_tag, expected_package_files, platform_tag, source_copy,
+                        system_library, wheel_files, wheel_metadata)
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +52,9 @@ def test_pure_wheel_metadata(pure_wheel):
     assert {"jit", "test"} <= set(meta.get_all("Provides-Extra"))
 
 
-def test_wheel_with_prebuilt_kernels_is_tagged_for_the_platform(tmp_path):
-    """The tag depends only on the presence of a .so under coda_cutlass/prebuilt (a stand-in here;
-    test_nvcc_build.py ships a real kernel)."""
+def test_a_wheel_with_an_unreadable_kernel_is_tagged_for_the_platform(tmp_path):
+    """The tag depends on the .so files under coda_cutlass/prebuilt: a stand-in that is no ELF
+    library meets no manylinux tag, so the wheel is impure and tagged for this platform."""
     (tmp_path / "k.so").write_bytes(b"\x7fELF stand-in")
     (tmp_path / "k.json").write_text(json.dumps({"source_key": "k"}))
     src = source_copy(tmp_path / "src", prebuilt=[tmp_path / "k.so", tmp_path / "k.json"])
@@ -61,6 +63,19 @@ def test_wheel_with_prebuilt_kernels_is_tagged_for_the_platform(tmp_path):
     wheel = wheel_metadata(whl, "WHEEL")
     assert wheel["Root-Is-Purelib"] == "false" and wheel["Tag"] == f"py3-none-{platform_tag()}"
     assert {"coda_cutlass/prebuilt/k.so", "coda_cutlass/prebuilt/k.json"} <= wheel_files(whl)
+
+
+def test_a_wheel_with_shared_libraries_gets_the_manylinux_tag_they_meet(tmp_path):
+    """PyPI refuses linux_x86_64: a wheel whose .so files need only what manylinux platforms have is
+    tagged manylinux_2_X, X from the glibc symbol versions they need (here a system library stands
+    in for a kernel, which needs the same kind of libraries; test_nvcc_build.py ships a real one)."""
+    lib = system_library("libgcc_s.so.1")
+    shutil.copy(lib, tmp_path / "k.so")
+    src = source_copy(tmp_path / "src", prebuilt=[tmp_path / "k.so"])
+    whl = build_wheel(src)
+    tag = expected_manylinux_tag([lib])
+    assert tag.startswith("manylinux_2_") and whl.name.endswith(f"-py3-none-{tag}.whl"), (whl.name, tag)
+    assert wheel_metadata(whl, "WHEEL")["Tag"] == f"py3-none-{tag}"
 
 
 def test_missing_map_kernel_without_toolchain_is_explained(tmp_path, monkeypatch):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import coda_cutlass as cc
-from coda_cutlass.runtime.torch_op import op_name, schema
+from coda_cutlass.runtime.torch_op import as_returned, op_name, schema
 
 
 @cc.epilogue
@@ -138,3 +140,39 @@ def test_programs_whose_names_read_alike_in_ascii_get_their_own_ops(fake_nvcc):
     names = [op_name(k) for k in kernels]
     assert [n.split("_")[0] for n in names] == ["epilogue", "epilogue", "p2", "p2"]
     assert len(set(names)) == 4 and len({id(k.op) for k in kernels}) == 4
+
+
+# ---------------------------------------------------------------- fake strides = eager strides (issue 23, item 8)
+@cc.epilogue
+def reductions(acc, resid: cc.Tile):
+    x = acc + resid
+    return {"D": x, "ss": cc.row_sum(x * x), "dg": cc.col_sum(x), "lse": cc.row_logsumexp(x)}
+
+
+@pytest.mark.parametrize("partial", [True, False])
+@pytest.mark.parametrize("M,N", [(64, 256), (300, 520), (128, 64), (1, 8)])
+def test_the_fake_implementation_gives_the_eager_calls_shapes_and_strides(fake_nvcc, partial, M, N):
+    """Inductor checks a custom op's real outputs against the fake's strides (it failed with
+    'expected size 2==2, stride 128==64' on a partials buffer padded to the tile). The eager call
+    returns partials as views of the padded buffer; the fake, and the op's implementation, give
+    those strides too, and the op returns no view."""
+    k = cc.compile_epilogue(reductions, torch.bfloat16, partial_reductions=partial)
+    with FakeTensorMode():
+        A = torch.empty(M, 64, device="cuda", dtype=torch.bfloat16)
+        W = torch.empty(N, 64, device="cuda", dtype=torch.bfloat16)
+        R = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        fakes = dict(zip(("D", "ss", "dg", "lse"), k.op(A, W, R)))
+    A, W = torch.empty(M, 64, dtype=torch.bfloat16), torch.empty(N, 64, dtype=torch.bfloat16)
+    for name, fake in fakes.items():
+        if name == "D":
+            eager = torch.randn(M, N).bfloat16()          # as Kernel.run allocates it
+        else:                   # Kernel.run's own finishing of the kernel's padded partials buffer
+            layout = k._finish_plan[name][0]
+            buf = torch.rand(layout.buffer_shape(M, N, k.config.tile))
+            eager = k._finish(name, buf, M, N)
+        assert (tuple(fake.shape), fake.stride(), fake.dtype) == (tuple(eager.shape), eager.stride(), eager.dtype), name
+        returned = as_returned(k, name, eager, A, W)
+        assert returned._base is None and returned.stride() == fake.stride(), name
+        torch.testing.assert_close(returned, eager, rtol=0, atol=0, msg=name)
+    if partial and M % k.config.tile_m:
+        assert fakes["ss"].stride(0) > M       # the padded row stride (the case Inductor refused)

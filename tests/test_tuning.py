@@ -134,3 +134,46 @@ def test_a_program_is_lowered_once_however_many_configs(fake_nvcc, monkeypatch):
     tuned = cc.compile_epilogue(prog, torch.bfloat16, config="tune")
     assert [tuned.kernel(c).config for c in tuned.candidates[:3]] == tuned.candidates[:3]
     assert traces == ["stats"]
+
+
+# ---------------------------------------------------------------- issue 23 (LOW): errors at the boundary
+def test_a_tuned_epilogue_called_with_cpu_tensors_is_a_clear_error(fake_nvcc):
+    """It raised AssertionError ('Torch not compiled with CUDA') from the tuning key's GPU lookup."""
+    k = cc.compile_epilogue(_stats(), torch.bfloat16, config="tune")
+    A, W = torch.randn(8, 16).bfloat16(), torch.randn(24, 16).bfloat16()
+    ops = {"resid": torch.randn(8, 24).bfloat16(), "g": torch.randn(24).bfloat16()}
+    expected = (cc.CallError, "must be tensors on a CUDA GPU") if torch.cuda.is_available() else \
+        (cc.DeviceError, "no CUDA GPU is available")
+    with pytest.raises(expected[0], match=expected[1]):
+        k(A, W, **ops)
+    with pytest.raises(cc.CodaError):
+        k("A", W, **ops)
+
+
+@pytest.mark.parametrize("bad", [{"tile_m": 999}, {"raster": "bogus"}, {"swizzle": 3}, {"swizzle": True},
+                                 {"config": {"tile_m": "128"}}])
+def test_a_malformed_stored_choice_is_tuned_again(fake_nvcc, monkeypatch, bad):
+    from coda_cutlass.tuning import tuner
+    monkeypatch.setattr(tuner, "device_tag", lambda device=None: "gpu")
+    monkeypatch.setenv("CODA_CUTLASS_AUTOTUNE", "0")       # "tuned again": the default, without a GPU
+    k = cc.compile_epilogue(_stats(), torch.bfloat16, config="tune")
+    A, W = torch.empty(8, 16), torch.empty(24, 16)
+    rec = {"config": CANDIDATES[1].build_key, "raster": "n", "swizzle": 4}
+    if "config" in bad:
+        rec["config"] = {**rec["config"], **bad["config"]}
+    elif "tile_m" in bad:
+        rec["config"] = {**rec["config"], "tile_m": 999}
+    else:
+        rec.update(bad)
+    k.store.put(k.key(8, 24, 16, None), rec)
+    with pytest.warns(RuntimeWarning, match="ignoring the malformed tuning record"):
+        got = k.choice(A, W)
+    assert got["tuned"] is False and cc.KernelConfig.from_dict(got["config"]) == k.default
+
+
+@pytest.mark.parametrize("items", [[("p", "str")], [("p", {}, 3)], [("p",)]])
+def test_compile_many_names_a_malformed_item(items):
+    prog = _stats()
+    items = [tuple(prog if x == "p" else x for x in item) for item in items]
+    with pytest.raises(cc.ConfigError, match="compile_many item 0: expected a program or a \\(program, options"):
+        cc.compile_many(items)

@@ -86,6 +86,45 @@ def platform_tag() -> str:
     return sysconfig.get_platform().replace("-", "_").replace(".", "_")
 
 
+def expected_manylinux_tag(libraries: Iterable[Path]) -> str:
+    """The tag a wheel carrying these libraries should have, from binutils' readelf (not from the
+    package's own ELF reader): the oldest baseline providing their newest symbol versions."""
+    from coda_cutlass.build.manylinux import tag_for
+    needs: dict[str, tuple[int, ...]] = {}
+    for lib in libraries:
+        for names in readelf_needs(lib)[1].values():
+            for name in names:
+                family, _, version = name.partition("_")
+                if family in ("GLIBC", "GLIBCXX", "CXXABI", "GCC") and re.fullmatch(r"[0-9.]+", version):
+                    v = tuple(int(x) for x in version.split("."))
+                    needs[family] = max(needs.get(family, v), v)
+    tag = tag_for(needs, "x86_64")[0]
+    assert tag is not None, needs
+    return tag
+
+
+def system_library(name: str) -> Path:
+    out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    m = re.search(rf"^\s*{re.escape(name)} \(libc6,x86-64\) => (\S+)$", out, re.M)
+    assert m, f"{name} not found by ldconfig"
+    return Path(m.group(1))
+
+
+def readelf_needs(path: Path) -> tuple[set[str], dict[str, set[str]]]:
+    """(DT_NEEDED libraries, library -> version names) as binutils' readelf prints them."""
+    dyn = subprocess.run(["readelf", "-d", "-W", str(path)], capture_output=True, text=True, check=True).stdout
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dyn))
+    ver = subprocess.run(["readelf", "-V", "-W", str(path)], capture_output=True, text=True, check=True).stdout
+    versions: dict[str, set[str]] = {}
+    current = None
+    for line in ver[ver.find("Version needs"):].splitlines():
+        if m := re.search(r"File: (\S+)", line):
+            current = versions.setdefault(m.group(1), set())
+        elif (m := re.search(r"Name: (\S+)", line)) and current is not None:
+            current.add(m.group(1))
+    return needed, versions
+
+
 def _site_dirs() -> list[Path]:
     """The site-packages folders of the running interpreter, as on its sys.path."""
     return [Path(p) for p in sys.path if p and Path(p).name in ("site-packages", "dist-packages") and Path(p).is_dir()]

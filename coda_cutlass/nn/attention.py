@@ -95,9 +95,11 @@ class Attention:
 
     @staticmethod
     def backward(ctx: tuple, d_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Gradient of the output (M, q) -> (dq, dk, dv) as (B, S, heads, head_dim) tensors."""
+        """Gradient of the output (M, q) -> (dq, dk, dv) as (B, S, heads, head_dim) tensors. The
+        recorded graph is kept (a block's backward may run again under ``retain_graph``); it is freed
+        with the block's saved tensors, which hold ``o``, once the backward is done."""
         leaves, o = ctx
-        return torch.autograd.grad(o, leaves, d_out.view(o.shape))
+        return torch.autograd.grad(o, leaves, d_out.view(o.shape), retain_graph=True)
 
 
 def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, cap: float,

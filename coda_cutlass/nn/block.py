@@ -26,9 +26,11 @@ from .attention import Attention
 from .checkpointing import recompute_in_backward
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
 from .hf.layer import block_from_hf, block_to_hf
+from .checks import check_block_args, check_kernel_runner, check_rope_args, check_stream
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast, runner_for
 from .rope import Rope, column_frequencies
 from .runner import KernelRunner, Runner
+from .saved import flatten, unflatten
 from .sharding import check_stack_call, full_value
 from .tuning import tune_module
 
@@ -40,15 +42,21 @@ def positions(batch: int, seq: int, device: torch.device) -> torch.Tensor:
 
 
 class BlockFunction(torch.autograd.Function):
-    """(x, h, r) -> (x2[, h2, r2]) for one block; the weights' gradients come from the epilogues."""
+    """(x, h, r) -> (x2[, h2, r2]) for one block; the weights' gradients come from the epilogues.
+    What the backward needs goes through ``save_for_backward``: autograd frees it after the backward
+    (unless ``retain_graph``, which then works), checks it for in-place changes, and applies
+    saved-tensor hooks (``torch.autograd.graph.save_on_cpu``)."""
 
     @staticmethod
     def forward(ctx: Any, x, h, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k, g_pa, g_pm,  # type: ignore[override]
                 g_next, step: Step):
-        w = BlockWeights(w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k, g_pa, g_pm)
+        weights = (w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, b_qkv, g_q, g_k, g_pa, g_pm)
         with no_autocast(x.device):
-            x2, h2, r2, saved = block_forward(step, x, h, r, w, g_next)
-        ctx.step, ctx.saved, ctx.weights = step, saved, w
+            x2, h2, r2, saved = block_forward(step, x, h, r, BlockWeights(*weights), g_next)
+        tensors: list[Any] = []
+        ctx.layout = flatten(saved, tensors)
+        ctx.save_for_backward(*tensors, *weights)
+        ctx.step, ctx.n_weights = step, len(weights)
         if h2 is None:
             return x2
         ctx.mark_non_differentiable(h2, r2)
@@ -56,9 +64,10 @@ class BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
+        tensors = ctx.saved_tensors
+        saved = unflatten(ctx.layout, iter(tensors[:-ctx.n_weights]))
         with no_autocast(dx2.device):
-            dx, g = block_backward(ctx.step, ctx.saved, ctx.weights, dx2.contiguous())
-        ctx.saved = None
+            dx, g = block_backward(ctx.step, saved, BlockWeights(*tensors[-ctx.n_weights:]), dx2.contiguous())
         return (dx, None, None, g.qkv, g.o, g.gate_up, g.down, g.attn_norm, g.mlp_norm, g.qkv_bias, g.q_norm, g.k_norm,
                 g.post_attn_norm, g.post_mlp_norm, None, None)
 
@@ -75,14 +84,13 @@ class LlamaBlock(nn.Module):
                  attention_softcap: float | None = None, attention: str = "sdpa",
                  compute_dtype: torch.dtype | None = None, device: Any = None, dtype: Any = None):
         super().__init__()
-        head_dim = head_dim or dim // n_heads
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+        head_dim, eps = check_block_args(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)
+        check_rope_args(rope_theta, inv_freq, rope)
         if sum(x is not None for x in (inv_freq, rope)) > 1:
             raise ValueError("pass at most one of inv_freq and rope")
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
-        self.dims = BlockDims(dim, n_heads, n_kv_heads, head_dim, ffn_dim, float(eps))
+        self.dims = BlockDims(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)
         kw = {"device": device, "dtype": dtype}
         d = self.dims
         self.attn_norm = nn.Parameter(torch.ones(dim, **kw))
@@ -203,6 +211,14 @@ class LlamaBlock(nn.Module):
         parameters, else the parameters'."""
         return compute_dtype(self.qkv.dtype, self.qkv.device, self.compute_dtype)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The default runners are caches (compiled kernels hold ctypes handles): made again on first
+        # use, so copies, pickles and torch.save work after GPU use. A runner set on the block is
+        # kept (runners drop their own caches when pickled).
+        state = super().__getstate__()
+        state["_runners"] = {}
+        return state
+
     def get_runner(self, dtype: torch.dtype | None = None) -> Runner:
         """The pinned ``runner``, else this block's runner for the device and compute dtype (kernels
         on a Hopper GPU in bf16 / fp16, the reference interpreter elsewhere: nn.precision.runner_for)."""
@@ -228,6 +244,7 @@ class LlamaBlock(nn.Module):
         dtype = dtype or self.call_dtype()
         runner = runner or self.get_runner(dtype)
         if isinstance(runner, KernelRunner):
+            check_kernel_runner(runner, self.qkv.device, dtype)
             runner.prepare(self.context(), batch * seq)
         if position_ids is None:
             pos, length = positions(batch, seq, self.qkv.device), seq
@@ -293,8 +310,10 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, S, D) -> (B, S, D)."""
-        if x.dim() != 3 or x.shape[-1] != self.dims.dim:
-            raise ValueError(f"LlamaBlock expects (batch, seq, {self.dims.dim}) input, got {tuple(x.shape)}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.dims.dim:
+            raise ValueError(f"LlamaBlock expects (batch, seq, {self.dims.dim}) input, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        check_stream(x, self.qkv)
         B, S, D = x.shape
         step = self.step(B, S)
         x2d = cast(x.reshape(B * S, D), step.dtype).contiguous()

@@ -19,6 +19,7 @@ from torch import nn
 
 from . import masks
 from .block import LlamaBlock
+from .checks import check_model_args, check_vocab_for_kernels, checked_targets
 from .checkpointing import check_stack
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
@@ -71,13 +72,15 @@ class LMHeadLoss(torch.autograd.Function):
 
 class LlamaModel(nn.Module):
     """A Llama decoder stack. ``forward(tokens, targets)`` returns the mean cross-entropy (targets
-    equal to ``ignore_index`` are skipped); ``forward(tokens)`` returns the logits (B, S, vocab)."""
+    equal to ``ignore_index`` are skipped, others outside [0, vocab) raise); ``forward(tokens)``
+    returns the logits (B, S, vocab)."""
 
     def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *,
                  head_dim: int | None = None, eps: float = 1e-5, rope_theta: float = 500000.0,
                  attention: str = "sdpa", ce_chunk_bytes: int = 1 << 30, compute_dtype: torch.dtype | None = None,
                  device: Any = None, dtype: Any = None):
         super().__init__()
+        check_model_args(vocab_size, n_layers, ce_chunk_bytes)
         self.compute_dtype = check_compute_dtype(compute_dtype)
         kw = {"device": device, "dtype": dtype}
         self.embed = nn.Parameter(torch.empty(vocab_size, dim, **kw))
@@ -133,6 +136,8 @@ class LlamaModel(nn.Module):
         ``position_ids`` and ``attention_mask`` as transformers takes them (nn.masks)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
+        if not len(self.blocks):
+            raise ValueError("LlamaModel: the model has no blocks (n_layers=0 and none added)")
         B, S = tokens.shape
         check_stack(self.blocks, LlamaBlock)
         first = self.blocks[0]
@@ -150,13 +155,16 @@ class LlamaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, ignore_index: int = -100,
                 position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        target = None if targets is None else checked_targets(targets, tokens, self.lm_head.shape[0], ignore_index)
+        if len(self.blocks):
+            check_vocab_for_kernels(self.lm_head.shape[0], self.blocks[0].get_runner(self.call_dtype()))
         step, x, h, r = self.hidden(tokens, position_ids=position_ids, attention_mask=attention_mask)
         w_lm = cast(self.lm_head, step.dtype)
-        if targets is None:
+        if target is None:
             with no_autocast(x.device):
                 P = lm_head_programs(self.logit_softcap)
                 logits = step.runner.gemm("lm_head.logits", P.logits, h, w_lm, r=r, **P.extra)["D"]
             return logits.view(*tokens.shape, -1)
         chunk = max(1, self.ce_chunk_bytes // (w_lm.shape[0] * w_lm.element_size()))
-        return LMHeadLoss.apply(x, h, r, w_lm, cast(self.final_gain(), step.dtype), targets.reshape(-1).to(torch.int64),
-                                step, ignore_index, chunk, self.fused_lm_head, self.logit_softcap)
+        return LMHeadLoss.apply(x, h, r, w_lm, cast(self.final_gain(), step.dtype), target, step, ignore_index, chunk,
+                                self.fused_lm_head, self.logit_softcap)

@@ -1,10 +1,16 @@
 """In-sequence tuning plans: a site's kernel choice (``Choice``), and where plans are stored and
 found (the local tuning cache, then the plans shipped in nn/plans/*.json). Used by the runner (to
-find a stored plan) and the tuner (to store one)."""
+find a stored plan) and the tuner (to store one).
+
+A plan record is data from a file: a malformed one (a site whose configuration, raster order or
+swizzle is not valid, a record that is not an object, a key whose M bucket is not a number) is
+ignored with a warning naming its key, and the forward runs on without it."""
 
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -12,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ..config import KernelConfig
+from ..config import RASTERS, SWIZZLES, KernelConfig
+from ..errors import ConfigError
 from ..tuning.store import TuningStore, device_tag, m_bucket
 
 
@@ -23,13 +30,28 @@ class Choice:
     raster: str = "heuristic"
     swizzle: int = 1
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, KernelConfig):
+            raise ConfigError(f"Choice config must be a KernelConfig, got {self.config!r}")
+        if not isinstance(self.raster, str) or self.raster not in RASTERS:
+            raise ConfigError(f"Choice raster must be one of {RASTERS}, got {self.raster!r}")
+        if isinstance(self.swizzle, bool) or not isinstance(self.swizzle, int) or self.swizzle not in SWIZZLES:
+            raise ConfigError(f"Choice swizzle must be one of {SWIZZLES}, got {self.swizzle!r}")
+
     def to_json(self) -> dict[str, Any]:
         return {"config": self.config.build_key, "raster": self.raster, "swizzle": self.swizzle}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Choice":
-        return cls(KernelConfig.from_dict(d["config"]), d.get("raster", "heuristic"), int(d.get("swizzle", 1)))
+    def from_json(cls, d: Any) -> "Choice":
+        """The choice a plan record stores; ConfigError names what is malformed."""
+        if not isinstance(d, dict) or "config" not in d:
+            raise ConfigError(f"a site's choice must be an object with a 'config', got {_short(d)}")
+        return cls(KernelConfig.from_dict(d["config"]), d.get("raster", "heuristic"), d.get("swizzle", 1))
 
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def plan_key(context: str, dtype: torch.dtype, M: int, device: str | None = None) -> str:
@@ -37,13 +59,27 @@ def plan_key(context: str, dtype: torch.dtype, M: int, device: str | None = None
     return f"inseq|{device or device_tag()}|{dtype}|{context}|M{m_bucket(M)}"
 
 
-def _parse(rec: Any) -> dict[str, Choice] | None:
-    if not isinstance(rec, dict) or not isinstance(rec.get("sites"), dict):
+def _parse(key: str, rec: Any) -> dict[str, Choice] | None:
+    """The plan stored under ``key``, or None (with a warning) when the record is malformed."""
+    if rec is None:
         return None
     try:
-        return {site: Choice.from_json(c) for site, c in rec["sites"].items()}
-    except (KeyError, TypeError, ValueError):
+        if not isinstance(rec, dict) or not isinstance(rec.get("sites"), dict):
+            raise ConfigError("not an object with a 'sites' object")
+        plan = {}
+        for site, c in rec["sites"].items():
+            try:
+                plan[site] = Choice.from_json(c)
+            except ConfigError as e:
+                raise ConfigError(f"site {site!r}: {e}") from None
+        return plan
+    except ConfigError as e:
+        warnings.warn(f"coda-cutlass: ignoring the malformed in-sequence plan {_short(key)}: {e}", RuntimeWarning,
+                      stacklevel=4)
         return None
+
+
+_BUCKET = re.compile(r"[0-9]{1,9}")     # an M bucket as plan_key writes it (at most 65536)
 
 
 def find_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None, device: str | None = None,
@@ -56,15 +92,22 @@ def find_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None, d
     key = plan_key(context, dtype, M, device)
     local = TuningStore(cache_dir).load()
     records = {**shipped_plans(), **local}
-    plan = _parse(records.get(key))
+    plan = _parse(key, records.get(key))
     if plan is not None or not nearest:
         return (key, plan) if plan is not None else None
     prefix = key[:key.rindex("|M") + 2]
     want = m_bucket(M).bit_length()
     found = []
     for k, rec in records.items():
-        if k.startswith(prefix) and k[len(prefix):].isdigit() and (other := _parse(rec)) is not None:
-            found.append((abs(int(k[len(prefix):]).bit_length() - want), -int(k[len(prefix):]), k, other))
+        if not isinstance(k, str) or not k.startswith(prefix) or k == key:
+            continue
+        if not _BUCKET.fullmatch(k[len(prefix):]):
+            warnings.warn(f"coda-cutlass: ignoring the in-sequence plan {_short(k)}: its M bucket is not a "
+                          "number of tokens", RuntimeWarning, stacklevel=3)
+            continue
+        if (other := _parse(k, rec)) is not None:
+            bucket = int(k[len(prefix):])
+            found.append((abs(bucket.bit_length() - want), -bucket, k, other))
     if not found:
         return None
     _, _, k, other = min(found, key=lambda t: t[:2])
@@ -74,7 +117,7 @@ def find_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None, d
 def load_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None,
               device: str | None = None, nearest: bool = True) -> dict[str, Choice] | None:
     """The stored plan for this model context and M bucket (or the nearest bucket's, see
-    ``find_plan``), or None. A malformed record is ignored."""
+    ``find_plan``), or None. A malformed record is ignored with a warning."""
     found = find_plan(context, dtype, M, cache_dir, device, nearest)
     return None if found is None else found[1]
 

@@ -47,8 +47,18 @@ class Recorder:
 
 
 class Runner:
-    """The interface the block's forward and backward call."""
+    """The interface the block's forward and backward call. Runners hold caches (typed IR, compiled
+    kernels with their ctypes handles, CUDA events): pickling or copying one drops them, and they
+    are made again on first use."""
     recorder: Recorder | None = None
+    _caches: tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("recorder", None)
+        for name in self._caches:
+            state[name] = {}
+        return state
 
     def gemm(self, site: str, program: Any, A: torch.Tensor, W: torch.Tensor, *, layout: str = "nk",
              partial: bool = False, out: dict[str, torch.Tensor] | None = None,
@@ -69,14 +79,15 @@ class Runner:
 
 class ReferenceRunner(Runner):
     """The torch interpreter, on whatever device the tensors are (fp32 tensors: exact math)."""
+    _caches = ("_ir",)
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, precision: str | None = None):
         self.dtype = dtype
         self.precision = precision
-        self._ir: dict[tuple[str, str], Any] = {}
+        self._ir: dict[tuple[Any, str], Any] = {}
 
     def _typed(self, program: Any) -> Any:
-        key = (program.name, str(self.dtype))
+        key = (program, str(self.dtype))     # the program itself: two programs may share a name
         ir = self._ir.get(key)
         if ir is None:
             ir = self._ir[key] = typed_ir(program, Options.make(self.dtype))
@@ -107,6 +118,7 @@ def _into(res: dict[str, torch.Tensor], out: dict[str, torch.Tensor] | None) -> 
 class KernelRunner(Runner):
     """Compiled kernels on a Hopper GPU. ``plan`` maps a site to its Choice (default: the heuristic
     default configuration); kernels are compiled (or fetched from the cache) on first use."""
+    _caches = ("_gemms", "_maps", "_defaults")
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, plan: dict[str, Choice] | None = None,
                  cache_dir: Any = None, verbose: bool | None = None):
@@ -117,7 +129,7 @@ class KernelRunner(Runner):
         self.verbose = verbose
         self._gemms: dict[tuple[Any, ...], Any] = {}
         self._maps: dict[tuple[Any, ...], Any] = {}
-        self._defaults: dict[tuple[str, str], KernelConfig] = {}
+        self._defaults: dict[tuple[Any, str], KernelConfig] = {}
         self._stored: dict[tuple[str, int], tuple[str, dict[str, Choice]] | None] = {}
         self._prepared: tuple[str, int] | None = None
         self.plan_source: str | None = None
@@ -149,7 +161,7 @@ class KernelRunner(Runner):
             c = self.plan.get(PLAN_FALLBACK[site])
         if c is not None:
             return c
-        key = (program.name, layout)
+        key = (program, layout)
         cfg = self._defaults.get(key)
         if cfg is None:
             cfg = self._defaults[key] = default_config(lower_program(program, Options.make(self.dtype, layout)).graph)
@@ -157,7 +169,9 @@ class KernelRunner(Runner):
 
     @staticmethod
     def _kernel_key(program: Any, layout: str, partial: bool, config: KernelConfig) -> tuple:
-        return (id(program), layout, partial, config.name())
+        # The program object itself (hashed by identity), not id(program): the key keeps it alive,
+        # so a new program can never take a freed one's address and be given its kernel.
+        return (program, layout, partial, config.name())
 
     def add_kernel(self, program: Any, layout: str, partial: bool, config: KernelConfig, kernel: Any) -> None:
         """Use ``kernel`` (already built, e.g. by the tuner) for this program, layout and config."""
@@ -178,7 +192,7 @@ class KernelRunner(Runner):
         return self.timed(site, lambda: k(A, W, raster=c.raster, swizzle=c.swizzle, out=out, **operands))
 
     def map(self, site, program, X, *, partial=False, out=None, **operands):
-        key = (program.name, id(program), partial)
+        key = (program, partial)         # the program itself, as _kernel_key
         k = self._maps.get(key)
         if k is None:
             k = self._maps[key] = compile_map(program, self.dtype, partial_reductions=partial,

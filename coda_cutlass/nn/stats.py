@@ -17,5 +17,7 @@ def row_mean(partials: torch.Tensor, d: int, add: float = 0.0) -> torch.Tensor:
 
 
 def rstd(partials: torch.Tensor, d: int, eps: float) -> torch.Tensor:
-    """RMSNorm's r = rsqrt(mean x^2 + eps) from per-tile partial sums of x^2 (two launches)."""
-    return row_mean(partials, d, eps).rsqrt_()
+    """RMSNorm's r = rsqrt(mean x^2 + eps) from per-tile partial sums of x^2 (two launches). Not in
+    place: r is saved for the backward, and Dynamo cannot save an in-place result from a traced
+    autograd.Function (the block's forward under torch.compile)."""
+    return row_mean(partials, d, eps).rsqrt()

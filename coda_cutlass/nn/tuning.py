@@ -302,7 +302,8 @@ def tune_module(module: Any, runner: Any, forward: Callable[[], torch.Tensor], g
                 context: str, M: int, forward_only: bool = False, **options: Any) -> dict[str, Any]:
     """In-sequence tuning of a module's training step: ``forward()``, then its backward from
     ``grad`` (None: a scalar loss), with the parameters' gradients cleared around every step (the
-    gradients of the tuning steps are dropped). With ``forward_only``, the step is ``forward()``
+    gradients of the tuning steps are dropped, and the ones accumulated before tuning are given
+    back afterwards, also when tuning fails). With ``forward_only``, the step is ``forward()``
     without autograd (inference, evaluation) and only its own sites (``*.infer``, nn/kernels.py) are
     tuned; the training step's choices stay."""
     if not isinstance(runner, KernelRunner):
@@ -319,7 +320,9 @@ def tune_module(module: Any, runner: Any, forward: Callable[[], torch.Tensor], g
 
     if forward_only:
         options["only"] = forward_only_site
+    accumulated = [(p, p.grad) for p in module.parameters()]
     try:
         return tune_in_sequence(runner, one, context=context, M=M, **options)
     finally:
-        module.zero_grad(set_to_none=True)
+        for p, g in accumulated:
+            p.grad = g

@@ -13,6 +13,7 @@ through a registered ``torch.library`` custom op.
 from __future__ import annotations
 
 import ctypes
+import math
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -323,6 +324,13 @@ class Kernel(ReductionOutputs):
             return self.reduction_result(name, M, N)
         slot = self._slots_by_name[name]
         return slot.shape(M, N), slot.dtype.torch
+
+    def output_stride(self, name: str, M: int, N: int) -> tuple[int, ...]:
+        """Strides of a returned output: partials keep their padded buffer's, the rest are contiguous."""
+        if name in self._finish_plan and self.partial_reductions:
+            return self._finish_plan[name][0].partial_stride(M, N, self._partials_tile)
+        shape = self.output_spec(name, M, N)[0]
+        return tuple(math.prod(max(d, 1) for d in shape[i + 1:]) for i in range(len(shape)))
 
     # ------------------------------------------------------------------ torch.library
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import threading
 from pathlib import Path
@@ -44,6 +45,7 @@ class OpKernel(Protocol):
     def run(self, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *, raster: str | None = None,
             swizzle: int | None = None) -> dict[str, torch.Tensor]: ...
     def output_spec(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], torch.dtype]: ...
+    def output_stride(self, name: str, M: int, N: int) -> tuple[int, ...]: ...
     def _check_names(self, operands: dict[str, Any]) -> None: ...
 
 _LOCK = threading.Lock()
@@ -135,12 +137,10 @@ def register(k: OpKernel) -> Any:
                  swizzle: int | None = None) -> Any:
             out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
             # block scales are a view of a run-major buffer: the op returns the buffer (call_op views it)
-            vals = tuple(out[n].t().as_strided(_storage(k, n, A, W), (_storage(k, n, A, W)[1], 1))
-                         if n in transposed else out[n] for n in returned)
+            vals = tuple(as_returned(k, n, _scale_buffer(k, n, out[n], A, W) if n in transposed else out[n], A, W,
+                                     n in transposed) for n in returned)
             if not vals:
                 return None
-            # custom ops may not return views of internal buffers (partials are views)
-            vals = tuple(v.clone() if v._base is not None else v for v in vals)
             return vals[0] if len(vals) == 1 else vals
 
         def fake(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
@@ -171,10 +171,41 @@ def _storage(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor) -> tuple[
     return k._slots_by_name[name].storage(*_mn(k, A, W))
 
 
-def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+def _scale_buffer(k: OpKernel, name: str, v: torch.Tensor, A: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """The whole run-major buffer behind the block-scale view ``v``."""
+    storage = _storage(k, name, A, W)
+    return v.t().as_strided(storage, (storage[1], 1))
+
+
+def _layout(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor,
+            transposed: bool) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype]:
+    """(shape, strides, dtype) of what the op returns for an output, as the eager call returns it
+    (partials are views of a padded buffer: their row stride is the padded length); block scales
+    are their contiguous run-major buffer."""
     M, N = _mn(k, A, W)
     shape, dtype = k.output_spec(name, M, N)
-    return A.new_empty(_storage(k, name, A, W) if transposed else shape, dtype=dtype)
+    if transposed:
+        shape = tuple(_storage(k, name, A, W))
+        return shape, tuple(math.prod(max(d, 1) for d in shape[i + 1:]) for i in range(len(shape))), dtype
+    return tuple(shape), tuple(k.output_stride(name, M, N)), dtype
+
+
+def _fake_output(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    shape, stride, dtype = _layout(k, name, A, W, transposed)
+    return A.new_empty_strided(shape, stride, dtype=dtype)
+
+
+def as_returned(k: OpKernel, name: str, v: torch.Tensor, A: torch.Tensor, W: torch.Tensor,
+                transposed: bool = False) -> torch.Tensor:
+    """A kernel output as the op returns it: with the fake implementation's strides (Inductor checks
+    them), and not a view (a custom op may not return a view of an internal buffer; partials are
+    views). A view keeps its storage and strides as a tensor of its own: no copy."""
+    shape, stride, _ = _layout(k, name, A, W, transposed)
+    if v.numel() and tuple(v.stride()) != stride:
+        return v.new_empty_strided(tuple(v.shape), stride).copy_(v)     # not expected: kept correct anyway
+    if v._base is not None:
+        return v.new_empty(0).set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
+    return v
 
 
 def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, Any], *,

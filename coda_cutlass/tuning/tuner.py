@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -22,14 +23,15 @@ import torch
 from ..build.cache import absolute
 from ..build.progress import say
 from ..compiler import CompiledEpilogue, compile_generated, compile_parallel
-from ..config import KernelConfig
+from ..config import RASTERS, SWIZZLES, KernelConfig
 from ..env import env_flag
-from ..errors import BuildError
+from ..errors import BuildError, CallError, ConfigError
 from ..fp8.quantize import quantize
 from ..ir.nodes import Kind
 from ..ir.printer import format_program
 from ..lower.plan import default_config
 from ..pipeline import Options, generate, lower_program
+from ..runtime.kernel import ensure_gpu
 from ..timing import interleaved, time_cuda
 from .space import RUNTIME_CHOICES, candidate_configs
 from .store import CHOICE_FIELDS, TuningStore, device_tag, m_bucket
@@ -66,6 +68,22 @@ def refinement_leaders(timings: list[dict[str, Any]], top: int) -> list[dict[str
 
 def tuning_enabled() -> bool:
     return env_flag("CODA_CUTLASS_AUTOTUNE", True)
+
+
+def _valid_choice(key: str, rec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A stored choice whose configuration, raster order and swizzle are valid, else None (a
+    malformed record is tuned again, with a warning)."""
+    if rec is None:
+        return None
+    try:
+        KernelConfig.from_dict(rec["config"]).with_runtime(rec["raster"], rec["swizzle"])
+        if isinstance(rec["swizzle"], bool) or rec["raster"] not in RASTERS or rec["swizzle"] not in SWIZZLES:
+            raise ConfigError(f"raster {rec['raster']!r:.40} / swizzle {rec['swizzle']!r:.40}")
+    except ConfigError as e:
+        warnings.warn(f"coda-cutlass: ignoring the malformed tuning record {key!r}: {e}; the shape is tuned "
+                      "again", RuntimeWarning, stacklevel=3)
+        return None
+    return rec
 
 
 class TunedEpilogue:
@@ -116,7 +134,8 @@ class TunedEpilogue:
         local = (N, K, m_bucket(M))
         rec = self._choices.get(local)
         if rec is None:
-            rec = self.store.get(self.key(M, N, K, A.device), CHOICE_FIELDS)
+            key = self.key(M, N, K, A.device)
+            rec = _valid_choice(key, self.store.get(key, CHOICE_FIELDS))
             if rec is None:
                 if tuning_enabled() and not torch.compiler.is_compiling():
                     rec = self.tune(M, N, K, A.device)
@@ -126,6 +145,13 @@ class TunedEpilogue:
         return rec
 
     def __call__(self, A: torch.Tensor, W: torch.Tensor, /, **operands: Any) -> dict[str, torch.Tensor]:
+        # the choice is keyed by the GPU: say what is wrong with A before looking it up
+        device = A.device if isinstance(A, torch.Tensor) else None
+        ensure_gpu(device, self.name)
+        if device is None or device.type != "cuda" or not isinstance(W, torch.Tensor):
+            where = f"on {device}" if device is not None else f"a {type(A).__name__}"
+            raise CallError(f"{self.name}: A and W must be tensors on a CUDA GPU (the kernels run on a Hopper GPU); "
+                            f"A is {where}")
         rec = self.choice(A, W)
         k = self.kernel(KernelConfig.from_dict(rec["config"]))
         return k(A, W, raster=rec["raster"], swizzle=rec["swizzle"], **operands)

@@ -1,0 +1,98 @@
+"""In-sequence plans read from files (issue 23, item 7): a malformed record is ignored with a
+warning and the runner goes on with the other plans (or the default configurations); it never
+breaks a forward with a raw error. Choices validate their raster order and swizzle."""
+
+from __future__ import annotations
+
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+
+import coda_cutlass as cc
+from coda_cutlass.config import KernelConfig
+from coda_cutlass.nn import plan_store
+from coda_cutlass.nn.plan_store import Choice, find_plan, plan_key, store_plan
+from coda_cutlass.nn.runner import KernelRunner
+
+GOOD = Choice(KernelConfig(), "m", 2)
+GOOD_CONFIG = KernelConfig().build_key
+INF = float("inf")
+
+MALFORMED_SITES = {
+    "tile_m 999": {"config": {**GOOD_CONFIG, "tile_m": 999}},
+    "tile_m '128'": {"config": {**GOOD_CONFIG, "tile_m": "128"}},
+    "tile_m true": {"config": {**GOOD_CONFIG, "tile_m": True}},
+    "tile_m Infinity": {"config": {**GOOD_CONFIG, "tile_m": INF}},
+    "swizzle Infinity": {"config": GOOD_CONFIG, "swizzle": INF},
+    "swizzle 3": {"config": GOOD_CONFIG, "swizzle": 3},
+    "swizzle true": {"config": GOOD_CONFIG, "swizzle": True},
+    "raster bogus": {"config": GOOD_CONFIG, "raster": "bogus"},
+    "raster list": {"config": GOOD_CONFIG, "raster": ["m"]},
+    "raster null": {"config": GOOD_CONFIG, "raster": None},
+    "config null": {"config": None},
+    "config unknown field": {"config": {**GOOD_CONFIG, "warp": 4}},
+    "no config": {"raster": "m"},
+    "choice a list": ["m", 2],
+}
+
+
+@pytest.mark.parametrize("what", sorted(MALFORMED_SITES))
+def test_a_malformed_plan_record_is_ignored_with_a_warning(tmp_path, what):
+    """The runner skips the malformed record (warning with its key) and takes the nearest good
+    plan, as if the bad one were not there."""
+    store_plan("llama:p", torch.bfloat16, 8192, {"sites": {"o": MALFORMED_SITES[what]}}, tmp_path, device="gpu")
+    store_plan("llama:p", torch.bfloat16, 4096, {"sites": {"o": GOOD.to_json()}}, tmp_path, device="gpu")
+    runner = KernelRunner(torch.bfloat16, cache_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match=r"ignoring the malformed in-sequence plan .*M8192.*site 'o'"):
+        runner.prepare("llama:p", 8192, device="gpu")
+    assert runner.plan == {"o": GOOD} and runner.plan_source.endswith("|M4096")
+
+
+@pytest.mark.parametrize("record", [None, [], "sites", {"sites": ["o"]}, {"sites": None}, {"other": {}}])
+def test_a_record_that_is_not_a_plan_is_ignored(tmp_path, record):
+    key = plan_key("llama:q", torch.bfloat16, 8192, "gpu")
+    shipped = {key: record} if record is not None else {}
+    with mock.patch.object(plan_store, "shipped_plans", lambda: shipped), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert find_plan("llama:q", torch.bfloat16, 8192, tmp_path, device="gpu") is None
+    assert record is None or any("ignoring the malformed" in str(x.message) for x in w)
+
+
+def test_neighbour_keys_whose_bucket_is_not_a_number_are_skipped(tmp_path, monkeypatch):
+    """Keys of the same context whose M bucket is 5000 digits, not ASCII digits or empty are
+    skipped with a warning; the good neighbour is found."""
+    prefix = plan_key("llama:n", torch.bfloat16, 128, "gpu")[:-len("128")]
+    shipped = {prefix + "9" * 5000: {"sites": {"o": GOOD.to_json()}},
+               prefix + "\u0663\u0662": {"sites": {"o": GOOD.to_json()}},      # Arabic-Indic digits
+               prefix: {"sites": {"o": GOOD.to_json()}},
+               prefix + "2048": {"sites": {"o": GOOD.to_json()}}}
+    monkeypatch.setattr(plan_store, "shipped_plans", lambda: shipped)
+    with pytest.warns(RuntimeWarning, match="M bucket is not a number"):
+        found = find_plan("llama:n", torch.bfloat16, 8192, tmp_path, device="gpu")
+    assert found is not None and found[0] == prefix + "2048" and found[1] == {"o": GOOD}
+
+
+def test_a_choice_validates_its_raster_and_swizzle():
+    for raster, swizzle, field in (("bogus", 1, "raster"), (None, 1, "raster"), ("m", 3, "swizzle"),
+                                   ("m", True, "swizzle"), ("m", 2.0, "swizzle"), ("m", INF, "swizzle")):
+        with pytest.raises(cc.ConfigError, match=f"Choice {field}"):
+            Choice(KernelConfig(), raster, swizzle)
+    with pytest.raises(cc.ConfigError, match="KernelConfig"):
+        Choice("128x128x64_c1x2_pingpong")
+    assert Choice.from_json(GOOD.to_json()) == GOOD
+
+
+@pytest.mark.parametrize("bad", [None, 5, "128x128", ["tile_m"], {"tile_m": 999}, {"warp": 4},
+                                 {"epilogue_tile": 7}, {"tile_n": float("nan")}])
+def test_kernel_config_from_dict_rejects_what_is_not_a_config(bad):
+    with pytest.raises(cc.ConfigError):
+        KernelConfig.from_dict(bad)
+
+
+@pytest.mark.parametrize("name", ["9" * 5000 + "x128x64_c1x2_pingpong", "128x128x64_c1x2_pingpong_e64x" + "6" * 4400,
+                                  "\u0661\u0662\u0668x128x64_c1x2_pingpong", None, 128])
+def test_kernel_config_from_name_rejects_huge_or_foreign_numbers(name):
+    with pytest.raises(cc.ConfigError, match="out of range|expected MxNxK"):
+        KernelConfig.from_name(name)
