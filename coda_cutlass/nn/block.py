@@ -25,6 +25,8 @@ from .activations import activation as find_activation
 from .attention import Attention
 from .checkpointing import recompute_in_backward
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
+from .fp8 import support as fp8_support
+from .fp8.recipe import as_recipe
 from .hf.layer import block_from_hf, block_to_hf
 from .checks import check_block_args, check_kernel_runner, check_rope_args, check_stream
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast, runner_for
@@ -82,7 +84,7 @@ class LlamaBlock(nn.Module):
                  attention_dropout: float = 0.0, activation: str = "silu", qkv_bias: bool = False,
                  qk_norm: bool = False, sandwich_norms: bool = False, norm_offset: float = 0.0,
                  attention_softcap: float | None = None, attention: str = "sdpa",
-                 compute_dtype: torch.dtype | None = None, device: Any = None, dtype: Any = None):
+                 compute_dtype: torch.dtype | None = None, fp8: Any = None, device: Any = None, dtype: Any = None):
         super().__init__()
         head_dim, eps = check_block_args(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)
         check_rope_args(rope_theta, inv_freq, rope)
@@ -124,6 +126,9 @@ class LlamaBlock(nn.Module):
         self.activation_checkpointing = False
         self.runner: Runner | None = None          # set to pin one (a tuned KernelRunner); else one per dtype
         self._runners: dict[tuple[str, torch.dtype], Runner] = {}
+        # FP8 training (nn.fp8): every linear's GEMMs in FP8 with this recipe; None: bf16
+        self.fp8 = fp8_support.check_block(self, as_recipe(fp8))
+        self._fp8_weights = None
         self.reset_parameters()
 
     # ------------------------------------------------------------------ RoPE and attention settings
@@ -217,6 +222,7 @@ class LlamaBlock(nn.Module):
         # kept (runners drop their own caches when pickled).
         state = super().__getstate__()
         state["_runners"] = {}
+        state["_fp8_weights"] = None        # FP8 weight copies: made again from the parameters
         return state
 
     def get_runner(self, dtype: torch.dtype | None = None) -> Runner:
@@ -254,7 +260,7 @@ class LlamaBlock(nn.Module):
             pos = position_ids.to(self.qkv.device).expand(batch, seq).reshape(-1).to(torch.float32)
             length = int(position_ids.max().item()) + 1
         return Step(self.dims, runner, self.attention, batch, seq, pos, self.column_freq(length), self._dropout(),
-                    dtype, self.mlp, mask, length)
+                    dtype, self.mlp, mask, length, self.fp8)
 
     def _dropout(self) -> float:
         return self.attention_dropout if self.training else 0.0
@@ -282,13 +288,15 @@ class LlamaBlock(nn.Module):
                 self.qkv_bias, *(None if p is None else self.gain(p)
                                  for p in (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm)))
 
-    def run(self, step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
-            g_next: torch.Tensor | None) -> Any:
+    def run(self, step: Step, x: torch.Tensor, h: Any, r: torch.Tensor,
+            g_next: torch.Tensor | None, *, next_fp8: bool = False) -> Any:
         """The block on an (M, D) stream with its normed copy h and rstd r (as a stack calls it).
         Without autograd (no_grad, or nothing requires a gradient) it runs the forward alone, which
         saves nothing and writes less (``block_forward(train=False)``). With
         ``activation_checkpointing`` the backward recomputes it (nn.checkpointing)."""
         check_stack_call(self, step, r)
+        if self.fp8 is not None:             # nn.fp8: h is the FP8 operand of the QKV GEMM
+            return fp8_support.run(self, step, x, h, r, g_next, next_fp8)
         if self.activation_checkpointing and torch.is_grad_enabled():
             return recompute_in_backward(self._run, step, x, h, r, g_next)
         return self._run(step, x, h, r, g_next)
@@ -318,8 +326,15 @@ class LlamaBlock(nn.Module):
         step = self.step(B, S)
         x2d = cast(x.reshape(B * S, D), step.dtype).contiguous()
         with torch.no_grad(), no_autocast(x.device):
-            h, r = first_norm(step, x2d.detach(), cast(self.attn_gain().detach(), step.dtype))
+            norm0 = first_norm if self.fp8 is None else fp8_support.first_norm_fp8
+            h, r = norm0(step, x2d.detach(), cast(self.attn_gain().detach(), step.dtype))
         return self.run(step, x2d, h, r, None).view(B, S, D)
+
+    def fp8_weights(self) -> Any:
+        """The FP8 copies of this block's weights (nn.fp8.weights), made once per optimizer step."""
+        if self._fp8_weights is None:
+            self._fp8_weights = fp8_support.Fp8Weights(self.fp8)
+        return self._fp8_weights
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:
         """Tune this block's kernels inside its own forward + backward on (batch, seq) tokens,

@@ -11,7 +11,7 @@ block's down-proj epilogue (or, for the first block, by one map kernel over the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,6 +78,8 @@ class Step:
     mlp: Activation = ACTIVATIONS["silu"]   # the gated MLP's programs (nn.activations)
     mask: torch.Tensor | None = None         # (B, 1, S, S) bool beyond causal: padding, documents (nn.masks)
     length: int | None = None                # largest position + 1 (RoPE types that follow it); None: seq
+    fp8: Any = None                          # the FP8 recipe of the step's blocks (nn.fp8); None: bf16
+    stash: dict = field(default_factory=dict)   # FP8 copies of gradients between blocks (nn.fp8.autograd)
 
 
 def first_norm(step: Step, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from .block import LlamaBlock
 from .checks import check_model_args, check_vocab_for_kernels, checked_targets
 from .checkpointing import check_stack
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
+from .fp8.functional import first_norm_fp8
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
 
@@ -78,7 +79,7 @@ class LlamaModel(nn.Module):
     def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *,
                  head_dim: int | None = None, eps: float = 1e-5, rope_theta: float = 500000.0,
                  attention: str = "sdpa", ce_chunk_bytes: int = 1 << 30, compute_dtype: torch.dtype | None = None,
-                 device: Any = None, dtype: Any = None):
+                 fp8: Any = None, device: Any = None, dtype: Any = None):
         super().__init__()
         check_model_args(vocab_size, n_layers, ce_chunk_bytes)
         self.compute_dtype = check_compute_dtype(compute_dtype)
@@ -86,7 +87,7 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.blocks = nn.ModuleList(
             LlamaBlock(dim, n_heads, n_kv_heads, ffn_dim, head_dim=head_dim, eps=eps, rope_theta=rope_theta,
-                       attention=attention, **kw) for _ in range(n_layers))
+                       attention=attention, fp8=fp8, **kw) for _ in range(n_layers))
         self.norm = nn.Parameter(torch.ones(dim, **kw))
         self.lm_head = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.ce_chunk_bytes = ce_chunk_bytes
@@ -147,10 +148,14 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:        # in the compute dtype, as transformers' Gemma scales it
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         with torch.no_grad(), no_autocast(x.device):
-            h, r = first_norm(step, x.detach(), cast(first.attn_gain().detach(), step.dtype))
+            norm0 = first_norm if first.fp8 is None else first_norm_fp8
+            h, r = norm0(step, x.detach(), cast(first.attn_gain().detach(), step.dtype))
         for i, block in enumerate(self.blocks):
-            g_next = self.blocks[i + 1].attn_gain() if i + 1 < len(self.blocks) else self.final_gain()
-            x, h, r = block.run(step, x, h, r, g_next)
+            last = i + 1 == len(self.blocks)
+            g_next = self.final_gain() if last else self.blocks[i + 1].attn_gain()
+            # an FP8 block quantises the next block's operand in its down-proj epilogue; the LM head
+            # (and a bf16 block) reads it in bf16
+            x, h, r = block.run(step, x, h, r, g_next, next_fp8=not last and self.blocks[i + 1].fp8 is not None)
         return step, x, h, r
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, ignore_index: int = -100,

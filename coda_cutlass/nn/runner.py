@@ -25,6 +25,17 @@ from ..tuning.store import m_bucket
 from .kernels import PLAN_FALLBACK
 from .plan_store import Choice, find_plan
 
+# An FP8 GEMM's (operand dtype or (A, W) dtypes, scaling); None: a 16-bit GEMM in the runner's dtype.
+Fp8Options = tuple[Any, str] | None
+
+
+def gemm_options(dtype: torch.dtype, layout: str, fp8: Fp8Options) -> Options:
+    """The compile options of a runner's GEMM: its own dtype, or an FP8 GEMM's operands and scaling."""
+    if fp8 is None:
+        return Options.make(dtype, layout)
+    return Options.make(fp8[0], layout, scaling=fp8[1])
+
+
 REFERENCE_TILE = DEFAULT.tile   # partial-reduction layout the reference runner reproduces
 
 
@@ -61,10 +72,11 @@ class Runner:
         return state
 
     def gemm(self, site: str, program: Any, A: torch.Tensor, W: torch.Tensor, *, layout: str = "nk",
-             partial: bool = False, out: dict[str, torch.Tensor] | None = None,
+             partial: bool = False, out: dict[str, torch.Tensor] | None = None, fp8: Fp8Options = None,
              **operands: Any) -> dict[str, torch.Tensor]:
         """One fused GEMM: ``program``'s outputs for acc = A @ W.T ("nk") or A @ W ("kn"); tile outputs
-        go into ``out`` when given; ``partial``: reductions as per-tile partials."""
+        go into ``out`` when given; ``partial``: reductions as per-tile partials. ``fp8``: (operand
+        dtype or (A, W) dtypes, scaling) of an FP8 GEMM, whose scales come as ``scale_a`` / ``scale_b``."""
         raise NotImplementedError
 
     def map(self, site: str, program: Any, X: torch.Tensor, *, partial: bool = False,
@@ -86,19 +98,19 @@ class ReferenceRunner(Runner):
         self.precision = precision
         self._ir: dict[tuple[Any, str], Any] = {}
 
-    def _typed(self, program: Any) -> Any:
-        key = (program, str(self.dtype))     # the program itself: two programs may share a name
+    def _typed(self, program: Any, fp8: Fp8Options = None) -> Any:
+        key = (program, str(self.dtype), fp8)     # the program itself: two programs may share a name
         ir = self._ir.get(key)
         if ir is None:
-            ir = self._ir[key] = typed_ir(program, Options.make(self.dtype))
+            ir = self._ir[key] = typed_ir(program, gemm_options(self.dtype, "nk", fp8))
         return ir
 
     def _precision(self, t: torch.Tensor) -> str:
         return self.precision or ("fp32" if t.dtype == torch.float32 else "kernel")
 
-    def gemm(self, site, program, A, W, *, layout="nk", partial=False, out=None, **operands):
-        res = interpret(self._typed(program), A, W, operands, weight_layout=layout, precision=self._precision(A),
-                        partial_tile=REFERENCE_TILE if partial else None)
+    def gemm(self, site, program, A, W, *, layout="nk", partial=False, out=None, fp8=None, **operands):
+        res = interpret(self._typed(program, fp8), A, W, operands, weight_layout=layout,
+                        precision=self._precision(A), partial_tile=REFERENCE_TILE if partial else None)
         return _into(res, out)
 
     def map(self, site, program, X, *, partial=False, out=None, **operands):
@@ -155,40 +167,42 @@ class KernelRunner(Runner):
         self._prepared = None
         self.prepare(context, M)
 
-    def choice(self, site: str, program: Any, layout: str) -> Choice:
+    def choice(self, site: str, program: Any, layout: str, fp8: Fp8Options = None) -> Choice:
         c = self.plan.get(site)
         if c is None and site in PLAN_FALLBACK:
             c = self.plan.get(PLAN_FALLBACK[site])
         if c is not None:
             return c
-        key = (program, layout)
+        key = (program, layout, fp8)
         cfg = self._defaults.get(key)
         if cfg is None:
-            cfg = self._defaults[key] = default_config(lower_program(program, Options.make(self.dtype, layout)).graph)
+            cfg = self._defaults[key] = default_config(lower_program(program, gemm_options(self.dtype, layout, fp8)).graph)
         return Choice(cfg)
 
     @staticmethod
-    def _kernel_key(program: Any, layout: str, partial: bool, config: KernelConfig) -> tuple:
+    def _kernel_key(program: Any, layout: str, partial: bool, config: KernelConfig, fp8: Fp8Options = None) -> tuple:
         # The program object itself (hashed by identity), not id(program): the key keeps it alive,
         # so a new program can never take a freed one's address and be given its kernel.
-        return (program, layout, partial, config.name())
+        return (program, layout, partial, config.name(), fp8)
 
-    def add_kernel(self, program: Any, layout: str, partial: bool, config: KernelConfig, kernel: Any) -> None:
+    def add_kernel(self, program: Any, layout: str, partial: bool, config: KernelConfig, kernel: Any,
+                   fp8: Fp8Options = None) -> None:
         """Use ``kernel`` (already built, e.g. by the tuner) for this program, layout and config."""
-        self._gemms[self._kernel_key(program, layout, partial, config)] = kernel
+        self._gemms[self._kernel_key(program, layout, partial, config, fp8)] = kernel
 
-    def kernel(self, program: Any, layout: str, partial: bool, config: KernelConfig) -> Any:
-        key = self._kernel_key(program, layout, partial, config)
+    def kernel(self, program: Any, layout: str, partial: bool, config: KernelConfig, fp8: Fp8Options = None) -> Any:
+        key = self._kernel_key(program, layout, partial, config, fp8)
         k = self._gemms.get(key)
         if k is None:
-            k = self._gemms[key] = compile_epilogue(program, self.dtype, weight_layout=layout, config=config,
-                                                    partial_reductions=partial, cache_dir=self.cache_dir,
-                                                    verbose=self.verbose)
+            dtype, scaling = fp8 if fp8 is not None else (self.dtype, None)
+            k = self._gemms[key] = compile_epilogue(program, dtype, weight_layout=layout, config=config,
+                                                    scaling=scaling, partial_reductions=partial,
+                                                    cache_dir=self.cache_dir, verbose=self.verbose)
         return k
 
-    def gemm(self, site, program, A, W, *, layout="nk", partial=False, out=None, **operands):
-        c = self.choice(site, program, layout)
-        k = self.kernel(program, layout, partial, c.config)
+    def gemm(self, site, program, A, W, *, layout="nk", partial=False, out=None, fp8=None, **operands):
+        c = self.choice(site, program, layout, fp8)
+        k = self.kernel(program, layout, partial, c.config, fp8)
         return self.timed(site, lambda: k(A, W, raster=c.raster, swizzle=c.swizzle, out=out, **operands))
 
     def map(self, site, program, X, *, partial=False, out=None, **operands):

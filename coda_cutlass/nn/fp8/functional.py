@@ -1,0 +1,156 @@
+"""An FP8 Llama block's forward and backward (recipe "blockwise"), written once over a ``Runner`` as
+the bf16 block is (nn/functional.py): every linear's forward, dX and dW GEMM reads FP8 operands,
+and every operand is quantised by the kernel that produces it (epilogues/fp8_block.py) where that
+kernel is a GEMM or a map kernel; attention stays bf16 (SDPA).
+
+Each activation or gradient travels as an ``Fp8Operand``: its 1 x 128 codes and scales (the A of the
+GEMM that consumes it) and its transposed copy with 128 x 1 scales (the A or W of the weight-gradient
+GEMM, whose K is the token dimension: FP8 tensor cores read K-major operands only). The weights'
+FP8 copies (both layouts) come from ``weights.Fp8Weights``, once per optimizer step.
+
+Transposed copies that no GEMM epilogue produces (attention output, dz, dqkv, and the first
+block's h) are quantised in torch for now (``transposed_copy``): map kernels do not yet write
+transposed outputs (docs/FP8.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import epilogues as E
+from ...errors import CallError
+from ...quantization import quantize_blocks, run_major
+from ..stats import row_mean, rstd
+from .recipe import Fp8Recipe
+from .weights import Fp8Weights
+
+
+@dataclass
+class Fp8Operand:
+    """An (M, N) activation or gradient in FP8: ``q`` (M, N) with ``s`` (M, N/128) 1 x 128 scales,
+    and ``qt`` (N, M) with ``st`` (N, M/128): the transposed copy, 128 x 1 runs of the original."""
+    q: torch.Tensor
+    s: torch.Tensor
+    qt: torch.Tensor
+    st: torch.Tensor
+
+    @classmethod
+    def of(cls, out: dict[str, torch.Tensor], name: str, tname: str) -> "Fp8Operand":
+        return cls(out[name], out[f"{name}_scale"], out[tname], out[f"{tname}_scale"])
+
+
+def transposed_copy(x: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, N) -> (x^T codes (N, M), scales (N, M/128) in the kernels' run-major layout), in torch."""
+    q, s = quantize_blocks(x.t(), dtype, 128, recipe.pow2)
+    return q, run_major(s)
+
+
+def quantize_operand(step: Any, site: str, x: torch.Tensor, dtype: torch.dtype) -> Fp8Operand:
+    """An operand no GEMM produced: 1 x 128 runs by a map kernel, the transposed copy in torch."""
+    out = step.runner.map(site, E.quantize_rows, x)
+    qt, st = step.runner.timed(site + ".t", lambda: transposed_copy(x, step.fp8, dtype))
+    return Fp8Operand(out["q"], out["q_scale"], qt, st)
+
+
+def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Fp8Operand, torch.Tensor]:
+    """(h, r) of the stream entering the first block: h = x * g quantised by one map kernel."""
+    out = step.runner.map("norm0", E.norm_stats_fp8, x, partial=True, g=g)
+    h = x.float() * g.float()
+    qt, st = step.runner.timed("norm0.t", lambda: transposed_copy(h, step.fp8, step.fp8.activation))
+    return Fp8Operand(out["h"], out["h_scale"], qt, st), rstd(out["sumsq"], step.dims.dim, step.dims.eps)
+
+
+def check_tokens(M: int) -> None:
+    if M % 128:
+        raise CallError(f"FP8 blocks need the token count B * S to be a multiple of 128 (the weight-gradient "
+                        f"GEMMs' K, read in 128-deep blocks), got {M}")
+
+
+def _gemm(step: Any, site: str, program: Any, a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor,
+          sw: torch.Tensor, kinds: tuple[str, str], scaling: str = "block", **operands: Any) -> dict:
+    rec: Fp8Recipe = step.fp8
+    return step.runner.gemm(site, program, a, w, fp8=(rec.gemm_dtype(*kinds), scaling), scale_a=sa, scale_b=sw,
+                            **operands)
+
+
+def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor, w: Any, wq: Fp8Weights,
+                      g_next: torch.Tensor | None, next_fp8: bool
+                      ) -> tuple[torch.Tensor, Any, torch.Tensor | None, tuple]:
+    """One FP8 block: (x2, h2, r2, saved). h2 is an Fp8Operand when the next consumer is an FP8
+    block (``next_fp8``), the bf16 h of the bf16 programs otherwise (the LM head), None at the end."""
+    d, rec = step.dims, step.fp8
+    check_tokens(x.shape[0])
+    wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
+    qkv = _gemm(step, "qkv", E.rope, h.q, h.s, wqkv.w, wqkv.scale, ("activation", "weight"),        # F4
+                r=r, pos=step.pos, freq=step.freq)["D"]
+    o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
+    oq = quantize_operand(step, "o.quant", o, rec.activation)
+    f1 = _gemm(step, "o", E.residual_norm_stats_fp8, oq.q, oq.s, wo.w, wo.scale, ("activation", "weight"),  # F1
+               partial=True, resid=x, g=w.mlp_norm)
+    x1, h1 = f1["D"], Fp8Operand.of(f1, "h", "ht")
+    r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                       # R1
+    f2 = _gemm(step, "gate_up", E.swiglu_fp8, h1.q, h1.s, wgu.w, wgu.scale, ("activation", "weight"),  # F2
+               r=r1)
+    z, y = f2["z"], Fp8Operand.of(f2, "y", "yt")
+    if g_next is None:                                                                         # F3
+        x2 = _gemm(step, "down.last", E.residual_add, y.q, y.s, wd.w, wd.scale, ("activation", "weight"),
+                   resid=x1)["D"]
+        h2 = r2 = None
+    elif next_fp8:
+        f3 = _gemm(step, "down", E.residual_norm_stats_fp8, y.q, y.s, wd.w, wd.scale, ("activation", "weight"),
+                   partial=True, resid=x1, g=g_next)
+        x2, h2, r2 = f3["D"], Fp8Operand.of(f3, "h", "ht"), rstd(f3["sumsq"], d.dim, d.eps)   # R2
+    else:
+        f3 = _gemm(step, "down", E.residual_norm_stats, y.q, y.s, wd.w, wd.scale, ("activation", "weight"),
+                   partial=True, resid=x1, g=g_next)
+        x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)
+    return x2, h2, r2, (x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx)
+
+
+def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: torch.Tensor,
+                       dx2q: Fp8Operand | None) -> tuple[torch.Tensor, Fp8Operand, dict[str, torch.Tensor]]:
+    """(dx, its FP8 copies for the previous block, the weight gradients by name)."""
+    d, rec, run = step.dims, step.fp8, step.runner
+    x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx = saved
+    wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
+    if dx2q is None:                  # a gradient no coda epilogue quantised (the LM head's, a user's)
+        dx2q = quantize_operand(step, "dx2.quant", dx2, rec.gradient)
+    grad_w = ("gradient", "weight")
+    # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
+    b4 = _gemm(step, "down.dgrad", E.swiglu_backward_scaled, dx2q.q, dx2q.s, wd.wt, wd.scale_t, grad_w,  # B4
+               partial=True, z=z, r=r1)
+    d_down = _gemm(step, "down.wgrad", E.identity, dx2q.qt, dx2q.st, y.qt, y.st, ("gradient", "activation"),  # B5
+                   scaling="block_1x128")["D"]
+    c1 = row_mean(b4["zdz"], d.dim)
+    dzq = quantize_operand(step, "dz.quant", b4["dz"], rec.gradient)
+    b6 = _gemm(step, "gate_up.dgrad", E.norm_backward_fp8, dzq.q, dzq.s, wgu.wt, wgu.scale_t, grad_w,  # B6
+               partial=True, x=x1, r=r1, c=c1, g=w.mlp_norm, dres=dx2)
+    dx1, dx1q = b6["dx"], Fp8Operand.of(b6, "dx8", "dx8t")
+    d_gate_up = _gemm(step, "gate_up.wgrad", E.identity, dzq.qt, dzq.st, h1.qt, h1.st,                 # B7
+                      ("gradient", "activation"), scaling="block_1x128")["D"]
+    # ---- attention: out-proj dX and dW, attention backward in bf16, the RoPE backward map kernels
+    d_attn = _gemm(step, "o.dgrad", E.identity, dx1q.q, dx1q.s, wo.wt, wo.scale_t, grad_w)["D"]      # B8
+    d_o = _gemm(step, "o.wgrad", E.identity, dx1q.qt, dx1q.st, oq.qt, oq.st, ("gradient", "activation"),  # B9
+                scaling="block_1x128")["D"]
+    grads = run.timed("attention.bwd", lambda: step.attention.backward(attn_ctx, d_attn))
+    dqkv = torch.empty_like(qkv)
+    zdz, start = [], 0
+    for g4 in grads:                                                                           # B1
+        width = g4.shape[2] * g4.shape[3]
+        cols = slice(start, start + width)
+        res = run.map("rope.dgrad", E.rope_backward, g4, partial=True, out={"dz": dqkv[:, cols]},
+                      y=qkv[:, cols], r=r, pos=step.pos, freq=step.freq[cols])
+        zdz.append(res["zdz"])
+        start += width
+    c = row_mean(torch.cat(zdz), d.dim)
+    dqkvq = quantize_operand(step, "dqkv.quant", dqkv, rec.gradient)
+    b2 = _gemm(step, "qkv.dgrad", E.norm_backward_fp8, dqkvq.q, dqkvq.s, wqkv.wt, wqkv.scale_t, grad_w,  # B2
+               partial=True, x=x, r=r, c=c, g=w.attn_norm, dres=dx1)
+    d_qkv = _gemm(step, "qkv.wgrad", E.identity, dqkvq.qt, dqkvq.st, h.qt, h.st, ("gradient", "activation"),  # B3
+                  scaling="block_1x128")["D"]
+    grads_w = {"qkv": d_qkv, "o": d_o, "gate_up": d_gate_up, "down": d_down,
+               "attn_norm": b2["dgamma"].sum(0), "mlp_norm": b6["dgamma"].sum(0)}
+    return b2["dx"], Fp8Operand.of(b2, "dx8", "dx8t"), grads_w

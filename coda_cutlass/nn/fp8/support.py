@@ -1,0 +1,59 @@
+"""What a LlamaBlock needs to run in FP8 (the one place the block module calls into nn.fp8): the
+check of what the FP8 path covers, and a block's call."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import ConfigError
+from ..functional import BlockWeights
+from ..precision import cast, no_autocast
+from .autograd import Fp8BlockFunction
+from .functional import block_forward_fp8, first_norm_fp8, quantize_operand
+from .recipe import Fp8Recipe
+from .weights import Fp8Weights
+
+__all__ = ["Fp8Weights", "check_block", "first_norm_fp8", "run"]
+
+
+def check_block(block: Any, recipe: Fp8Recipe | None) -> Fp8Recipe | None:
+    """The recipe, once the block is one the FP8 path computes (a Llama block); else a clear error."""
+    if recipe is None:
+        return None
+    d = block.dims
+    unsupported = [name for name, on in (
+        ("qkv_bias", block.qkv_bias is not None), ("qk_norm", block.q_norm is not None),
+        ("sandwich_norms", block.post_attn_norm is not None), (f"activation={block.mlp.name!r}", block.mlp.name != "silu"),
+        ("attention_softcap", block._softcap is not None)) if on]
+    if unsupported:
+        raise ConfigError(f"fp8={recipe.name!r}: the FP8 block covers Llama blocks (SwiGLU, no biases, no q/k or "
+                          f"sandwich norms) for now; this block has {', '.join(unsupported)}")
+    for name, width in (("dim", d.dim), ("ffn_dim", d.ffn_dim), ("q width (n_heads * head_dim)", d.q_width),
+                        ("kv width (n_kv_heads * head_dim)", d.kv_width)):
+        if width % 128:
+            raise ConfigError(f"fp8={recipe.name!r}: {name} = {width} is not a multiple of 128 (FP8 blocks read "
+                              "every GEMM operand in 128-wide blocks)")
+    return recipe
+
+
+def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next: torch.Tensor | None,
+        next_fp8: bool) -> Any:
+    """One FP8 block on the stream (the FP8 twin of LlamaBlock._run): the weights are quantised from
+    the parameters themselves (fp32 masters included), the norm gains cast to the compute dtype."""
+    if block.activation_checkpointing:
+        raise ConfigError("activation checkpointing of FP8 blocks is not implemented yet")
+    step = block.local_step(step)
+    dtype = step.dtype or torch.bfloat16
+    if isinstance(h, torch.Tensor):      # from a bf16 block or a caller: quantised here
+        h = quantize_operand(step, "h.quant", h, block.fp8.activation)
+    g_attn, g_mlp = (cast(g, dtype) for g in (block.gain(block.attn_norm), block.gain(block.mlp_norm)))
+    gn = None if g_next is None else cast(g_next.detach(), dtype)
+    w = BlockWeights(block.qkv, block.o, block.gate_up, block.down, g_attn, g_mlp)
+    tensors = (block.qkv, block.o, block.gate_up, block.down, g_attn, g_mlp)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)):
+        return Fp8BlockFunction.apply(x, r, *tensors, gn, h, step, block.fp8_weights(), next_fp8, w)
+    with no_autocast(x.device):
+        x2, h2, r2, _ = block_forward_fp8(step, x, h, r, w, block.fp8_weights(), gn, next_fp8)
+    return x2 if h2 is None else (x2, h2, r2)
