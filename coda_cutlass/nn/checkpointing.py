@@ -1,12 +1,10 @@
 """Activation checkpointing of a block: keep only its inputs, recompute its forward in the backward.
 
-A block's autograd Function keeps its activations on ``ctx`` (the saved tuple of ``block_forward``
-and the attention's own graph), not through ``ctx.save_for_backward``, so torch's non-reentrant
-checkpoint (saved-tensor hooks) would see only what the attention's SDPA saves: the gradients stay
-right but the block's activations stay in memory. The reentrant form of
-``torch.utils.checkpoint.checkpoint`` fits the Function as it is: the first pass runs without
-autograd and keeps nothing but the inputs, the backward reruns the forward with autograd and
-differentiates it.
+The reentrant form of ``torch.utils.checkpoint.checkpoint`` fits the block's autograd Function as
+it is: the first pass runs without autograd and keeps nothing but the inputs, the backward reruns
+the forward with autograd and differentiates it. (The Function saves its tensors through
+``ctx.save_for_backward``, but the attention keeps a graph of its own, which torch's non-reentrant
+checkpoint would not drop; the reentrant form needs no such care.)
 
 The first pass runs the training kernels (``block_forward(train=True)``, its saved tuple dropped at
 once), not the forward-only ones: the recompute then reproduces the outputs the next block consumed
