@@ -51,6 +51,7 @@ from coda_cutlass.nn.plan_store import plan_key  # noqa: E402
 from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
+from fp8_variants import fp8_variants  # noqa: E402
 from report import GpuSampler, Nvml, config_label, environment, machine_line, require_hopper  # noqa: E402
 
 WIDTHS = {
@@ -99,7 +100,7 @@ def liger_block(x: torch.Tensor, w: dict[str, torch.Tensor], dims: Any, inv_freq
 class Workload:
     """One block at one width and token count, with every variant's inputs."""
 
-    def __init__(self, width: str, M: int, device: torch.device, max_autotune: bool):
+    def __init__(self, width: str, M: int, device: torch.device, max_autotune: bool, fp8: list[str] | None = None):
         torch.manual_seed(0)
         self.width, self.M = width, M
         self.batch, self.seq = M // SEQ, SEQ
@@ -135,9 +136,12 @@ class Workload:
         self.skeleton = Skeleton(self, device)
         self.identity = Skeleton(self, device, identity=True)
         self.plan_before: dict[str, Any] | None = None     # set by --tune: the plan tuning replaced
+        # --fp8: the FP8 variants (bench/fp8_variants.py), same weights, tokens and gradient
+        self.fp8_v, self.fp8_params, self.fp8_parts = fp8_variants(self, fp8, dims, device) if fp8 is not None \
+            else ({}, [], {})
 
     def params(self) -> list[torch.Tensor]:
-        return list(self.block.parameters()) + list(self.w.values()) + [self.x, self.x3]
+        return list(self.block.parameters()) + list(self.w.values()) + [self.x, self.x3] + self.fp8_params
 
     def zero_grad(self) -> None:
         for p in self.params():
@@ -182,6 +186,7 @@ class Workload:
             v["max-autotune"] = lambda b: self.standard(self.compiled_max, b)
         if self.liger_fn is not None:
             v["liger"] = lambda b: self.standard(self.liger_fn, b)
+        v.update(self.fp8_v)
         return v
 
 
@@ -281,6 +286,9 @@ def site_times(wl: Workload, rounds: int, iters: int, backward: bool = True) -> 
     if wl.plan_before is not None:
         rec["coda-before"] = Recorder()
     skeletons = {"cublas": wl.skeleton, "coda-identity": wl.identity}
+    for name, part in wl.fp8_parts.items():     # --fp8: the FP8 coda blocks (their runners) and FP8 floor
+        rec[name] = Recorder()
+        skeletons[name] = part
     for _ in range(rounds):
         for name in rec:
             for _ in range(iters):
@@ -289,6 +297,11 @@ def site_times(wl: Workload, rounds: int, iters: int, backward: bool = True) -> 
                     wl.runner.recorder = rec[name]
                     (wl.coda if name == "coda" else wl.coda_before)(backward)
                     wl.runner.recorder = None
+                elif name in wl.fp8_parts and hasattr(wl.fp8_parts[name], "runner"):
+                    part = wl.fp8_parts[name]
+                    part.runner.recorder = rec[name]
+                    part(backward)
+                    part.runner.recorder = None
                 else:
                     skeletons[name].recorder = rec[name]
                     skeletons[name].run(backward)
@@ -334,7 +347,7 @@ def device_breakdown(wl: Workload, names: list[str], iters: int, backward: bool 
 
 def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     t0 = time.monotonic()
-    wl = Workload(width, M, device, args.max_autotune)
+    wl = Workload(width, M, device, args.max_autotune, args.fp8)
     names = list(wl.variants())
     print(f"[{width} M={M}] warm-up / compile ...", flush=True)
     for n in names:
@@ -369,6 +382,7 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     res["sites_fwd"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4), backward=False)
     res["device"] = device_breakdown(wl, names, iters=3)
     res["device_fwd"] = device_breakdown(wl, names, iters=3, backward=False)
+    res["fp8_weight_quant_ms"] = {n: p.weight_quant_ms() for n, p in wl.fp8_parts.items() if hasattr(p, "weight_quant_ms")}
     res["plan"] = {s: c.to_json() for s, c in wl.runner.plan.items()}
     res["plan_source"] = wl.runner.plan_source    # the plan key in use (None: default configurations)
     if wl.plan_before is not None:
@@ -441,7 +455,45 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
                 before = fwd.get("coda-before", {}).get(s + ".infer")
                 lines.append(f"| {r['width']} | {r['M']} | {s}.infer | {c:.0f} | {b:.0f} | {c / b:.3f} | {cfg} | "
                              f"{f'{before / b:.3f}' if before else '-'} |")
+    lines += fp8_markdown(results)
     return "\n".join(lines) + "\n"
+
+
+def fp8_markdown(results: list[dict[str, Any]]) -> list[str]:
+    """The FP8 rows (--fp8): each variant's fwd+bwd against bf16 torch.compile and torchao float8,
+    and the share of its device time outside GEMMs and attention."""
+    rows = [r for r in results if any(n.startswith(("coda-fp8", "torchao")) for n in r["fwd_bwd"])]
+    if not rows:
+        return []
+    out = ["\nFP8 (fwd+bwd, same rounds as above): speed-up over each peer (>1: faster), and the share of device "
+           "time in kernels that are neither GEMMs nor attention:\n",
+           "| width | M | variant | fwd+bwd ms | x bf16 compile | x torchao tensorwise | x torchao rowwise | "
+           "GEMM / attention / other us | other share | weight copies ms per optimizer step |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fb = {n: v["median_ms"] for n, v in r["fwd_bwd"].items()}
+        for n in [n for n in fb if n.startswith(("coda", "torchao", "cublas")) or n == "compile"]:
+            dev = r["device"].get(n, {})
+            tot = sum(dev.get(k, 0.0) for k in ("gemm", "attention", "other"))
+            x = lambda peer: f"{fb[peer] / fb[n]:.2f}" if peer in fb else "-"  # noqa: E731
+            wq = r.get("fp8_weight_quant_ms", {}).get(n)
+            out.append(f"| {r['width']} | {r['M']} | {n} | {fb[n]:.2f} | {x('compile')} | {x('torchao-tensorwise')} | "
+                       f"{x('torchao-rowwise')} | {dev.get('gemm', 0):.0f} / {dev.get('attention', 0):.0f} / "
+                       f"{dev.get('other', 0):.0f} | {dev.get('other', 0) / tot if tot else float('nan'):.1%} | "
+                       f"{'-' if wq is None else f'{wq:.2f}'} |")
+    out += ["\nFP8 per site inside the block's sequence (fwd+bwd, median us; quantisation launches are their own "
+            "sites), against torch._scaled_mm tensorwise on operands quantised beforehand:\n",
+            "| width | M | variant | site | us | cublas-fp8 us | ratio |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        floor = r["sites"].get("cublas-fp8", {})
+        for n, sites in r["sites"].items():
+            if not n.startswith("coda-fp8"):
+                continue
+            for site, us in sites.items():
+                b = floor.get(site)
+                out.append(f"| {r['width']} | {r['M']} | {n} | {site} | {us:.0f} | {'-' if b is None else f'{b:.0f}'} | "
+                           f"{'-' if b is None else f'{us / b:.3f}'} |")
+    return out
 
 
 def main() -> None:
@@ -467,8 +519,14 @@ def main() -> None:
                     help="sustained seconds per variant in the energy pass (NVML energy counter; 0 skips it). "
                          "Short windows are noisy: variants read 566-735 W at 0.5-1 s, 656-706 W at 1.5 s (H200)")
     ap.add_argument("--no-max-autotune", dest="max_autotune", action="store_false")
+    ap.add_argument("--fp8", nargs="*", metavar="RECIPE", default=None,
+                    help="also time FP8 variants: coda's FP8 block with these recipes (no names: blockwise), "
+                         "torchao float8 tensorwise and rowwise + torch.compile (when importable) and the FP8 "
+                         "cuBLAS floor (torch._scaled_mm), in the same rounds")
     ap.add_argument("--out", type=Path, default=Path("bench/results_block"))
     args = ap.parse_args()
+    if args.fp8 is not None and not args.fp8:
+        args.fp8 = ["blockwise"]
     if 0 < args.energy_seconds < MIN_ENERGY_SECONDS:
         print(f"note: --energy-seconds {args.energy_seconds} is under {MIN_ENERGY_SECONDS} s: the energy column "
               "will be noisy (docs/RESULTS.md, eighth session)", flush=True)

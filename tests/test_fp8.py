@@ -101,6 +101,8 @@ def test_16bit_sources_take_no_fp8_parts():
      "needs tile_k = 128"),
     (dict(dtype=E4, scaling="block", config=KC(tile_m=128, tile_n=64, tile_k=128, cluster_m=1, cluster_n=2)),
      "tile_n must be a multiple of the W scale block"),
+    (dict(dtype=E4, scaling="block", config=KC(tile_m=128, tile_n=256, tile_k=128, cluster_m=2, cluster_n=1)),
+     "tile_n must be the W scale block's 128 rows"),
     (dict(dtype=E4, config=KC(tile_m=128, tile_n=256, tile_k=128, scheduler="streamk")), "persistent tile scheduler"),
     (dict(dtype=E4, config=KC(tile_m=128, tile_n=128, tile_k=32, cluster_m=1, cluster_n=2)), "tile_k must be 64 or 128"),
 ])

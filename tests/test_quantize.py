@@ -36,7 +36,7 @@ def per_tensor(acc, s: cc.DeviceScalar):
             "amax": cc.amax(acc)}
 
 
-swiglu_fp8 = E.swiglu_fp8      # the FP8 block's gate/up program: SwiGLU output quantised with its copy
+swiglu_fp8 = E.swiglu_fp8_rows      # SwiGLU output quantised in the epilogue with its transposed copy
 
 
 def emulate_blocks(x: torch.Tensor, dtype, pow2: bool, block: int = 128):
@@ -147,7 +147,8 @@ def test_a_run_with_inf_or_nan_has_nan_scale_and_codes_and_a_zero_run_scale_one(
 
 def test_kernel_source_names_the_quantising_nodes():
     src = cc.emit(rows_and_t, config=cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2))
-    assert "coda::QuantRowStore<cutlass::float_e4m3_t, TileShape, 128, /*Half=*/false, /*Pow2=*/true>" in src
+    assert ("coda::QuantRowStore<cutlass::float_e4m3_t, TileShape, typename EpilogueDescriptor::EpilogueTile, 256, 128, "
+            "/*Half=*/false, /*Pow2=*/true>") in src
     assert "coda::TransposedStore<cutlass::float_e4m3_t, TileShape" in src and "/*Block=*/128" in src
     assert '#include "coda/quant_store.hpp"' in src
     assert "q_scale: output f32 block scales, stored [runs, M]" in src

@@ -119,6 +119,11 @@ def check_fp8_config(f: Fp8Gemm, c: KernelConfig, program: str) -> None:
         gn = f.w_block[0]  # type: ignore[index]
         if c.tile_n % gn:
             raise bad(f"tile_n must be a multiple of the W scale block's {gn} rows")
+        if gn > 1 and c.tile_n != gn:
+            # a 256-wide tile over 128-row W scale blocks fails CUTLASS 4.2's static assertion
+            # "Accumulator and scaleB must have same shape" (fp8_accumulation.hpp)
+            raise bad(f"tile_n must be the W scale block's {gn} rows (CUTLASS 4.2's blockwise mainloop "
+                      "builds with one W scale block per tile)")
     elif c.tile_k not in (64, 128):
         raise bad("tile_k must be 64 or 128 (FP8 wgmma reads K in steps of 32; 128 is the usual choice)")
 

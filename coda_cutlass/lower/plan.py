@@ -150,6 +150,11 @@ def _fp8_default(graph: EvtGraph) -> KernelConfig:
     for c in (first, *rest):
         if fits(c, graph) and segments_fit(c, graph):
             return c
+    for c in (first, *rest):
+        why = next((f"{v.comment}: {p}" for v in graph.nodes if (p := v.kind.config_problem(v, c))), None)
+        if why and fits(c, graph):
+            raise ConfigError(f"{graph.program.name}: no default FP8 configuration fits ({c.name()}: {why}); "
+                              "pass a config that does, where the FP8 mainloop allows one")
     kib = epilogue_smem_bytes(rest[-1], graph) // 1024
     raise EpilogueError(f"its tile inputs and outputs need {kib} KiB of shared memory for staging (or segment "
                         "widths that no default FP8 tile width divides); pass a config", program=graph.program.name)

@@ -46,12 +46,17 @@ class QuantRowStore(NodeKind):
         return None
 
     def comment(self, v: VisitorNode, plan: "KernelPlan") -> str:
-        return f"{v.comment}: FP8 codes + 1x{v.params['block']} scales from registers"
+        return f"{v.comment}: FP8 codes + 1x{v.params['block']} scales, staged in shared memory"
+
+    def smem_bytes(self, v: VisitorNode, staging: Staging) -> int:
+        # one subtile's codes (at most 128 rows), rows padded by 16 bytes
+        return staging.elems + 128 * 16
 
     def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
         p = v.params
-        return (f"coda::QuantRowStore<{p['element'].cpp}, TileShape, {p['block']}, /*Half=*/{_bool(p['half'])}, "
-                f"/*Pow2=*/{_bool(p['pow2'])}>")
+        threads = EPILOGUE_THREADS[plan.config.schedule]
+        return (f"coda::QuantRowStore<{p['element'].cpp}, TileShape, typename EpilogueDescriptor::EpilogueTile, "
+                f"{threads}, {p['block']}, /*Half=*/{_bool(p['half'])}, /*Pow2=*/{_bool(p['pow2'])}>")
 
     def arguments(self, v: VisitorNode, plan: "KernelPlan") -> str:
         p = v.params
@@ -81,7 +86,7 @@ class TransposedStore(NodeKind):
 
     def comment(self, v: VisitorNode, plan: "KernelPlan") -> str:
         b = v.params["block"]
-        return f"{v.comment}: transposed from registers" + (f", {b}x1 scales" if b else "")
+        return f"{v.comment}: transposed" + (f", {b}x1 scales, staged in shared memory" if b else " from registers")
 
     def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
         p = v.params
@@ -96,7 +101,8 @@ class TransposedStore(NodeKind):
         return f"{{static_cast<{p['element'].cpp}*>(p.tensors[{p['slot']}]), p.ld[{p['slot']}], {scale}}}"
 
     def smem_bytes(self, v: VisitorNode, staging: Staging) -> int:
-        return 8 * 64 * 4 if v.params["block"] else 0    # per-warp column maxima of one subtile (at most)
+        # per-warp column maxima of one subtile (at most), and its codes transposed (rows padded by 16)
+        return 8 * 64 * 4 + staging.elems + 64 * 16 if v.params["block"] else 0
 
 
 class BlockScales(NodeKind):

@@ -9,8 +9,8 @@ GEMM, whose K is the token dimension: FP8 tensor cores read K-major operands onl
 FP8 copies (both layouts) come from ``weights.Fp8Weights``, once per optimizer step.
 
 Transposed copies that no GEMM epilogue produces (attention output, dz, dqkv, and the first
-block's h) are quantised in torch for now (``transposed_copy``): map kernels do not yet write
-transposed outputs (docs/FP8.md).
+block's h) are quantised in torch for now (``transposed_copy``, compiled on a GPU: nn/fp8/transpose.py):
+map kernels do not yet write transposed outputs (docs/FP8.md).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ... import epilogues as E
 from ...errors import CallError
 from ...quantization import quantize_blocks, run_major
 from ..stats import row_mean, rstd
+from . import transpose
 from .recipe import Fp8Recipe
 from .weights import Fp8Weights
 
@@ -43,7 +44,10 @@ class Fp8Operand:
 
 
 def transposed_copy(x: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, N) -> (x^T codes (N, M), scales (N, M/128) in the kernels' run-major layout), in torch."""
+    """x (M, N) -> (x^T codes (N, M), scales (N, M/128) in the kernels' run-major layout), in torch
+    (compiled on a GPU: nn/fp8/transpose.py)."""
+    if recipe.pow2:
+        return transpose.transposed_copy(x, dtype)
     q, s = quantize_blocks(x.t(), dtype, 128, recipe.pow2)
     return q, run_major(s)
 
@@ -57,6 +61,7 @@ def quantize_operand(step: Any, site: str, x: torch.Tensor, dtype: torch.dtype) 
 
 def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Fp8Operand, torch.Tensor]:
     """(h, r) of the stream entering the first block: h = x * g quantised by one map kernel."""
+    check_tokens(x.shape[0])
     out = step.runner.map("norm0", E.norm_stats_fp8, x, partial=True, g=g)
     h = x.float() * g.float()
     qt, st = step.runner.timed("norm0.t", lambda: transposed_copy(h, step.fp8, step.fp8.activation))
@@ -94,7 +99,8 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
     r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                       # R1
     f2 = _gemm(step, "gate_up", E.swiglu_fp8, h1.q, h1.s, wgu.w, wgu.scale, ("activation", "weight"),  # F2
                r=r1)
-    z, y = f2["z"], Fp8Operand.of(f2, "y", "yt")
+    yq = step.runner.map("y.quant", E.quantize_rows, f2["y"])   # 1 x 128 runs of y: 256 tile columns
+    z, y = f2["z"], Fp8Operand(yq["q"], yq["q_scale"], f2["yt"], f2["yt_scale"])
     if g_next is None:                                                                         # F3
         x2 = _gemm(step, "down.last", E.residual_add, y.q, y.s, wd.w, wd.scale, ("activation", "weight"),
                    resid=x1)["D"]
@@ -104,7 +110,7 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
                    partial=True, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], Fp8Operand.of(f3, "h", "ht"), rstd(f3["sumsq"], d.dim, d.eps)   # R2
     else:
-        f3 = _gemm(step, "down", E.residual_norm_stats, y.q, y.s, wd.w, wd.scale, ("activation", "weight"),
+        f3 = _gemm(step, "down.to_bf16", E.residual_norm_stats, y.q, y.s, wd.w, wd.scale, ("activation", "weight"),
                    partial=True, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)
     return x2, h2, r2, (x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx)

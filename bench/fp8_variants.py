@@ -1,0 +1,197 @@
+"""The FP8 variants of the block benchmark (``bench/block.py --fp8``), on the same weights, tokens
+and gradient as the bf16 variants:
+
+- coda-fp8-RECIPE: ``LlamaBlock(fp8=RECIPE)`` as a middle block of a stack (its input's FP8 copy
+  comes from the previous block, computed once outside the timing as the bf16 block's h is; its
+  output's FP8 copy goes to the next block). The weights' FP8 copies are made once per optimizer
+  step, so they are cached across the timed steps; ``weight_quant_ms`` says what one remake costs.
+- torchao-tensorwise / torchao-rowwise: the standard block with nn.Linear layers converted by
+  ``torchao.float8.convert_to_float8_training`` with that recipe, then torch.compile (torchao's
+  documented use; it quantises the weights inside every step).
+- cublas-fp8: the block's 12 GEMMs as ``torch._scaled_mm`` with per-tensor scales on operands
+  quantised beforehand (fast accumulation, as torchao's tensorwise forward), and the same attention,
+  nothing else: the FP8 floor.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from coda_cutlass.nn import KernelRunner, LlamaBlock
+from coda_cutlass.nn.fp8.support import first_norm_fp8
+from coda_cutlass.nn.reference import rotate_half
+from coda_cutlass.nn.runner import Runner
+
+E4M3 = torch.float8_e4m3fn
+
+
+def torchao_available() -> bool:
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception:      # not installed, or built for another torch
+        return False
+    return True
+
+
+class LinearLayer(nn.Module):
+    """The standard Llama layer of bench/block.py (nn/reference.standard_block) with nn.Linear
+    projections, the modules torchao's float8 conversion swaps."""
+
+    def __init__(self, w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor):
+        super().__init__()
+        self.dims = dims
+        for name in ("q", "k", "v", "o", "gate", "up", "down"):
+            t = w[name].detach()
+            lin = nn.Linear(t.shape[1], t.shape[0], bias=False, device=t.device, dtype=t.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(t)
+            setattr(self, name, lin)
+        self.attn_norm = nn.Parameter(w["attn_norm"].detach().clone())
+        self.mlp_norm = nn.Parameter(w["mlp_norm"].detach().clone())
+        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        d = self.dims
+        hd, H, KV = d.head_dim, d.n_heads, d.n_kv_heads
+        h = F.rms_norm(x, (D,), weight=self.attn_norm, eps=d.eps)
+        q = self.q(h).view(B, S, H, hd).transpose(1, 2)
+        k = self.k(h).view(B, S, KV, hd).transpose(1, 2)
+        v = self.v(h).view(B, S, KV, hd).transpose(1, 2)
+        theta = torch.arange(S, dtype=torch.float32, device=x.device)[:, None] * self.inv_freq.float()[None]
+        emb = torch.cat((theta, theta), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KV)
+        x1 = x + self.o(o.transpose(1, 2).reshape(B, S, H * hd))
+        h1 = F.rms_norm(x1, (D,), weight=self.mlp_norm, eps=d.eps)
+        return x1 + self.down(F.silu(self.gate(h1)) * self.up(h1))
+
+
+def torchao_layer(w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor, recipe: str) -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    layer = LinearLayer(w, dims, inv_freq)
+    convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name(recipe))
+    return torch.compile(layer)
+
+
+def _q(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t in e4m3 with a per-tensor scale (amax / 448), as torchao's tensorwise recipe makes it."""
+    s = (t.float().abs().amax().clamp(min=1e-12) / 448.0)
+    return (t.float() / s).to(E4M3), s
+
+
+class Fp8Skeleton(Runner):
+    """The block's 12 GEMMs as torch._scaled_mm (per-tensor scales, operands quantised beforehand)
+    and its attention, in the coda block's order: the FP8 floor."""
+
+    def __init__(self, wl: Any, device: torch.device):
+        b, d, M = wl.block, wl.block.dims, wl.M
+        rnd = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+        self.wl = wl
+        self.recorder = None
+        acts = {"h": wl.h, "o": rnd(M, d.q_width), "h1": rnd(M, d.dim), "y": rnd(M, d.ffn_dim),
+                "dx2": rnd(M, d.dim), "dz": rnd(M, 2 * d.ffn_dim), "dx1": rnd(M, d.dim), "dqkv": rnd(M, d.qkv_width)}
+        self.a = {k: _q(v) for k, v in acts.items()}                           # A operands (row-major)
+        self.at = {k: _q(v.t().contiguous()) for k, v in acts.items()}         # transposed (wgrad A and B)
+        W = {"qkv": b.qkv, "o": b.o, "gu": b.gate_up, "down": b.down}
+        self.w = {k: _q(v.detach()) for k, v in W.items()}                     # (N, K): B = w.t() column-major
+        self.wt = {k: _q(v.detach().t().contiguous()) for k, v in W.items()}   # (K, N): dgrad's B
+
+    def _mm(self, site: str, a: tuple, b: tuple) -> torch.Tensor:
+        """a (M, K) row-major @ b (N, K)^T -> (M, N) bf16."""
+        return self.timed(site, lambda: torch._scaled_mm(a[0], b[0].t(), scale_a=a[1], scale_b=b[1],
+                                                         out_dtype=torch.bfloat16, use_fast_accum=True))
+
+    def run(self, backward: bool) -> None:
+        a, at, w, wt, step = self.a, self.at, self.w, self.wt, self.wl.step
+        with torch.no_grad():
+            qkv = self._mm("qkv", a["h"], w["qkv"])
+            o, ctx = self.timed("attention.fwd", lambda: step.attention.forward(qkv, step.batch, step.seq, step.dims))
+            self._mm("o", a["o"], w["o"])
+            self._mm("gate_up", a["h1"], w["gu"])
+            self._mm("down", a["y"], w["down"])
+            if not backward:
+                return
+            self._mm("down.dgrad", a["dx2"], wt["down"])
+            self._mm("down.wgrad", at["dx2"], at["y"])
+            self._mm("gate_up.dgrad", a["dz"], wt["gu"])
+            self._mm("gate_up.wgrad", at["dz"], at["h1"])
+            da = self._mm("o.dgrad", a["dx1"], wt["o"])
+            self._mm("o.wgrad", at["dx1"], at["o"])
+            self.timed("attention.bwd", lambda: step.attention.backward(ctx, da))
+            self._mm("qkv.dgrad", a["dqkv"], wt["qkv"])
+            self._mm("qkv.wgrad", at["dqkv"], at["h"])
+
+
+class CodaFp8:
+    """An FP8 coda block with the bf16 block's weights, as a middle block of a stack."""
+
+    def __init__(self, wl: Any, recipe: str, dims: dict[str, int], device: torch.device):
+        self.block = LlamaBlock(**dims, eps=1e-5, fp8=recipe, device=device, dtype=torch.bfloat16)
+        self.block.load_state_dict(wl.block.state_dict())
+        self.runner = KernelRunner(torch.bfloat16)
+        self.block.runner = self.runner
+        self.wl = wl
+        self.step = self.block.step(wl.batch, wl.seq)
+        with torch.no_grad():
+            self.h, self.r = first_norm_fp8(self.step, wl.x.detach(), self.block.attn_norm)
+
+    def __call__(self, backward: bool) -> None:
+        wl = self.wl
+        if backward:
+            x2, _, _ = self.block.run(self.step, wl.x, self.h, self.r, wl.g_next, next_fp8=True)
+            x2.backward(wl.dy)
+        else:
+            with torch.no_grad():
+                self.block.run(self.step, wl.x, self.h, self.r, wl.g_next, next_fp8=True)
+
+    def weight_quant_ms(self, reps: int = 5) -> float:
+        """One remake of the block's four FP8 weight copies (what each optimizer step adds)."""
+        cache = self.block.fp8_weights()
+        b = self.block
+        times = []
+        for _ in range(reps + 1):
+            cache.clear()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for w in (b.qkv, b.o, b.gate_up, b.down):
+                cache.get(w)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t) * 1e3)
+        return sorted(times[1:])[reps // 2]
+
+
+def fp8_variants(wl: Any, recipes: list[str], dims: dict[str, int], device: torch.device
+                 ) -> tuple[dict[str, Callable[[bool], None]], list[torch.Tensor], dict[str, Any]]:
+    """(variants by name, their parameters for zero_grad, the coda FP8 blocks by variant name)."""
+    v: dict[str, Callable[[bool], None]] = {}
+    params: list[torch.Tensor] = []
+    coda: dict[str, CodaFp8] = {}
+    for r in recipes:
+        c = coda[f"coda-fp8-{r}"] = CodaFp8(wl, r, dims, device)
+        v[f"coda-fp8-{r}"] = c
+        params += list(c.block.parameters())
+    skel = Fp8Skeleton(wl, device)
+    v["cublas-fp8"] = skel.run
+    coda["cublas-fp8"] = skel          # type: ignore[assignment]   (timed per site like the others)
+    if torchao_available():
+        for r in ("tensorwise", "rowwise"):
+            layer = torchao_layer(wl.w, wl.block.dims, wl.inv, r)
+            params += list(layer.parameters())
+
+            def run(backward: bool, layer: nn.Module = layer) -> None:
+                if backward:
+                    layer(wl.x3).backward(wl.dy3)
+                else:
+                    with torch.no_grad():
+                        layer(wl.x3)
+            v[f"torchao-{r}"] = run
+    else:
+        print("torchao not importable: its float8 variants are skipped", flush=True)
+    return v, params, coda

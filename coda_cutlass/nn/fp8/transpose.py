@@ -1,0 +1,71 @@
+"""The transposed FP8 copy of a tensor that no GEMM epilogue produced (the attention output, dz, dqkv,
+the first block's h): x (M, N) -> the codes of x^T (N, M) with one power-of-two scale per 128 x 1
+run down each column of x, i.e. per 1 x 128 run along x^T's rows (the weight-gradient GEMMs' K).
+
+Bit for bit ``quantize_blocks(x.t(), dtype, 128, pow2=True)`` (coda_cutlass/quantization.py, the
+kernels' semantics), computed without a division: for amax = m * 2^e (1 <= m < 2) and an FP8 format
+whose largest value is 1.75 * 2^E, the smallest power of two s with s * fp8_max >= amax is
+2^(e - E) when m <= 1.75 and 2^(e - E + 1) otherwise; s is at least 2^-126. That is exactly what
+the kernels' IEEE division and rounding up give, and it leaves nothing for a compiler to reorder.
+
+On a GPU the function runs compiled by torch.compile (one reduction and one fused quantise-and-
+transpose kernel, per shape); elsewhere eagerly. The map kernels do not yet write transposed
+outputs (docs/FP8.md): when they do, this module goes away.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ...dtypes import FP8_MAX, as_dtype, round_to
+from ...errors import CallError
+
+BLOCK = 128
+_EXP = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}     # fp8_max = 1.75 * 2^E
+_MIN_EXP = -126
+
+
+def _pow2_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1 / scale) per run from its fp32 amax: powers of two (NaN for inf / NaN, 1 for 0)."""
+    bits = amax.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127                       # amax's exponent (subnormals: -127)
+    up = (bits & 0x7FFFFF) > 0x600000                     # mantissa above 1.75
+    se = (e - _EXP[dtype] + up.to(torch.int32)).clamp(min=_MIN_EXP)
+    s = ((se + 127) << 23).view(torch.float32)
+    inv = ((127 - se) << 23).view(torch.float32)          # 2^-se: se >= -126 keeps it finite
+    one, nan = torch.ones_like(s), torch.full_like(s, float("nan"))
+    finite, zero = torch.isfinite(amax), amax == 0
+    return (torch.where(finite, torch.where(zero, one, s), nan),
+            torch.where(finite, torch.where(zero, one, inv), nan))
+
+
+def _transposed(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    M, N = x.shape
+    xb = x.view(M // BLOCK, BLOCK, N).float()
+    s, inv = _pow2_scales(xb.abs().amax(1), dtype)       # (M / 128, N): run-major for x^T
+    codes = round_to(xb * inv[:, None, :], as_dtype(dtype)).view(M, N).t().contiguous()
+    return codes, s
+
+
+_COMPILED: dict[Any, Callable[..., Any]] = {}
+
+
+def transposed_copy(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, N), M a multiple of 128 -> (x^T codes (N, M), scales (N, M / 128)): the scales a view of
+    their (M / 128, N) run-major buffer, the layout the blockwise GEMMs read."""
+    M, N = x.shape
+    if M % BLOCK:
+        raise CallError(f"transposed FP8 copy: the row count {M} must be a multiple of {BLOCK}")
+    if dtype not in FP8_MAX_TORCH:
+        raise CallError(f"transposed FP8 copy: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    fn: Callable[..., Any] = _transposed
+    if x.is_cuda:
+        fn = _COMPILED.get(dtype) or _COMPILED.setdefault(dtype, torch.compile(_transposed, fullgraph=True,
+                                                                               dynamic=False))
+    codes, s = fn(x.contiguous(), dtype)
+    return codes, s.t()
+
+
+FP8_MAX_TORCH = {d.torch for d in FP8_MAX}

@@ -1,0 +1,124 @@
+"""The FP8 Llama block and model (nn.fp8, recipe "blockwise") on a Hopper GPU (skips cleanly without
+an sm_90 GPU): the compiled kernels against the reference interpreter running the same FP8 math on
+the same GPU (the CPU tests' path), and against the bf16 block; the backward started every way users
+start it; a model that trains. The CPU halves are tests/test_fp8_block.py and test_fp8_kernels.py.
+
+Tolerances: the kernels and the interpreter quantise the same values, but their fp32 sums differ in
+order, so a value near an e4m3 rounding boundary lands on the neighbouring code (up to 1/8 of
+itself) in one and not the other; measured in norm such flips stay a small fraction of FP8's own
+distance to bf16, which a wrong scale, operand or layout exceeds many times over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coda_cutlass.nn import KernelRunner, LlamaBlock, LlamaModel, ReferenceRunner
+from conftest import hopper_available
+
+pytestmark = pytest.mark.skipif(not hopper_available(), reason="needs an sm_90 GPU (H100/H200)")
+BF16 = torch.bfloat16
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def make_block(fp8, seed: int = 0) -> LlamaBlock:
+    torch.manual_seed(seed)
+    b = LlamaBlock(512, 4, 2, 1024, head_dim=128, rope_theta=500000.0, fp8=fp8, device="cuda", dtype=BF16)
+    with torch.no_grad():            # ~1/sqrt(fan_in) weights: attention far from uniform
+        for w in (b.qkv, b.o, b.gate_up, b.down):
+            w.normal_(0.0, w.shape[1] ** -0.5)
+        b.attn_norm.normal_(1.0, 0.2)
+        b.mlp_norm.normal_(1.0, 0.2)
+    return b
+
+
+def run(block: LlamaBlock, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    for p in block.parameters():
+        p.grad = None
+    xi = x.clone().requires_grad_()
+    y = block(xi)
+    y.backward(dy)
+    torch.cuda.synchronize()
+    return y.detach(), xi.grad, {n: p.grad.clone() for n, p in block.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2, 512, 512, device="cuda", generator=g).to(BF16)
+    dy = torch.randn(2, 512, 512, device="cuda", generator=g).to(BF16)
+    blk = make_block("blockwise")
+    assert isinstance(blk.get_runner(), KernelRunner)
+    out = {"kernels": run(blk, x, dy)}
+    blk.runner = ReferenceRunner(BF16)
+    out["interpreter"] = run(blk, x, dy)
+    out["bf16"] = run(make_block(None), x, dy)
+    return x, dy, out
+
+
+def test_fp8_block_kernels_match_the_interpreter_and_track_the_bf16_block(outputs):
+    x, _, out = outputs
+    (yk, dxk, gk), (yi, dxi, gi), (yb, dxb, gb) = out["kernels"], out["interpreter"], out["bf16"]
+    for t in (yk, dxk, *gk.values()):
+        assert torch.isfinite(t).all()
+    report = {}
+    for name, k, i, b in [("branch", yk - x, yi - x, yb - x), ("dx", dxk, dxi, dxb)] + \
+            [(n, gk[n], gi[n], gb[n]) for n in gb]:
+        e_ki, e_ib, e_kb = rel(k, i), rel(i, b), rel(k, b)
+        report[name] = (e_ki, e_ib, e_kb)
+        # the kernels compute the interpreter's FP8 math: far closer to it than FP8 is to bf16
+        assert e_ki < max(0.5 * e_ib, 0.01), (name, report[name])
+        # and FP8's distance to bf16 as the CPU tests measure it (a wrong scale is off by 50%+)
+        assert e_kb < 0.16, (name, report[name])
+    print({k: tuple(round(v, 4) for v in vs) for k, vs in report.items()})
+
+
+def test_the_backward_starts_every_way_with_the_same_gradients(outputs):
+    x, dy, out = outputs
+    blk = make_block("blockwise")
+    ref_dx = run(blk, x, dy)[1]
+    xi = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(blk(xi), xi, dy)
+    assert torch.equal(dx, ref_dx)
+    xi = x.clone().requires_grad_()
+    blk(xi).backward(torch.ones_like(dy))
+    xj = x.clone().requires_grad_()
+    blk(xj).float().sum().backward()
+    assert torch.isfinite(xi.grad).all() and rel(xj.grad, xi.grad) < 0.02
+
+
+def test_fp8_model_trains_on_the_gpu_like_the_bf16_model():
+    losses = {}
+    tok = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    for fp8 in (None, "blockwise"):
+        torch.manual_seed(3)
+        m = LlamaModel(1024, 512, 2, 4, 2, 1024, head_dim=128, fp8=fp8, device="cuda", dtype=BF16)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        seq = []
+        for _ in range(8):
+            opt.zero_grad()
+            loss = m(tok, tok)
+            loss.backward()
+            opt.step()
+            seq.append(loss.item())
+        losses[fp8] = seq
+    bf, f8 = losses[None], losses["blockwise"]
+    assert all(map(lambda v: v == v and abs(v) < 1e4, f8)), f8
+    assert f8[-1] < 0.9 * f8[0], f8
+    assert all(abs(a - b) / a < 0.03 for a, b in zip(bf, f8)), (bf, f8)
+
+
+def test_the_compiled_transposed_copy_is_bit_for_bit_the_semantics():
+    from coda_cutlass.nn.fp8.transpose import transposed_copy
+    from coda_cutlass.quantization import quantize_blocks
+    x = (torch.randn(1024, 768, device="cuda") * torch.logspace(-20, 20, 768, device="cuda")).to(BF16)
+    x[5, 1], x[7, 2] = float("nan"), float("inf")
+    x[:, 4] = 448.0 * 2.0 ** -3
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q, s = transposed_copy(x, dtype)
+        q_ref, s_ref = quantize_blocks(x.t(), dtype, 128, True)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), dtype
+        assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32)), dtype

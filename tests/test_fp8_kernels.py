@@ -1,0 +1,96 @@
+"""The FP8 block's kernel list (nn/fp8/kernels.py) against what the block and model launch: every
+GEMM and map kernel of a training step is listed under its site with the same program, operand
+formats, scaling and partial reductions, and every listed kernel has a configuration (so a
+prebuild or a first GPU step cannot stop at a program no default tile fits)."""
+
+from __future__ import annotations
+
+import torch
+
+from coda_cutlass.lower.plan import default_config, plan
+from coda_cutlass.nn import LlamaModel
+from coda_cutlass.nn.fp8 import RECIPES
+from coda_cutlass.nn.fp8.kernels import GEMM_SITES, MAP_SITES, map_items, prebuild_items
+from coda_cutlass.nn.runner import ReferenceRunner, gemm_options
+from coda_cutlass.pipeline import lower_program
+
+BF16 = torch.bfloat16
+RECIPE = RECIPES["blockwise"]
+
+
+class Recording(ReferenceRunner):
+    def __init__(self):
+        super().__init__(BF16)
+        self.gemms: list[tuple] = []
+        self.maps: list[tuple] = []
+
+    def gemm(self, site, program, A, W, *, layout="nk", partial=False, fp8=None, **kw):
+        self.gemms.append((site, program, layout, partial, fp8))
+        return super().gemm(site, program, A, W, layout=layout, partial=partial, fp8=fp8, **kw)
+
+    def map(self, site, program, X, *, partial=False, **kw):
+        self.maps.append((site, program, partial))
+        return super().map(site, program, X, partial=partial, **kw)
+
+
+def _step_launches() -> Recording:
+    torch.manual_seed(0)
+    m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
+    run = Recording()
+    for b in m.blocks:
+        b.runner = run
+    tok = torch.randint(0, 512, (2, 128))
+    step, x, h, r = m.hidden(tok)
+    (x.float() ** 2).mean().backward()
+    return run
+
+
+def test_every_launch_of_an_fp8_step_is_listed_with_its_program_and_formats():
+    run = _step_launches()
+    fp8_gemms = [g for g in run.gemms if g[4] is not None]
+    # the model's last block hands a bf16 h to the LM head; a block called alone ends with down.last
+    assert {g[0] for g in fp8_gemms} == set(GEMM_SITES) - {"down.last"}
+    for site, program, layout, partial, fp8 in fp8_gemms:
+        assert site in GEMM_SITES, f"{site} is launched but not listed"
+        prog, kinds, scaling, part = GEMM_SITES[site]
+        assert (program, layout, partial, fp8) == (prog, "nk", part, (RECIPE.gemm_dtype(*kinds), scaling)), site
+    for site, program, partial in run.maps:
+        if site.endswith(".quant"):
+            site = "o.quant"                  # every 1 x 128 quantisation map kernel is quantize_rows
+        assert MAP_SITES.get(site) == (program, partial), site
+
+
+def test_a_block_called_alone_ends_with_the_listed_residual_add():
+    torch.manual_seed(0)
+    m = LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
+    run = Recording()
+    m.blocks[0].runner = run
+    m.blocks[0](torch.randn(1, 128, 256).to(BF16))
+    last = [g for g in run.gemms if g[0] == "down.last"]
+    assert len(last) == 1 and last[0][1] is GEMM_SITES["down.last"][0]
+
+
+def test_every_listed_fp8_kernel_has_a_configuration_that_plans():
+    for program, opts in prebuild_items(RECIPE):
+        o = gemm_options(BF16, "nk", (opts["dtype"], opts["scaling"]))
+        graph = lower_program(program, o).graph
+        plan(graph, default_config(graph), "nk")          # raises if nothing fits
+    assert len(map_items()) == len(MAP_SITES)
+
+
+def test_the_transposed_copy_is_bit_for_bit_the_quantisation_semantics():
+    from coda_cutlass.nn.fp8.transpose import transposed_copy
+    from coda_cutlass.quantization import quantize_blocks
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = (torch.randn(384, 256, generator=g) * torch.logspace(-30, 30, 256)).to(BF16)
+        x[:128, 0] = 0.0                                               # an all-zero run
+        x[5, 1], x[7, 2], x[9, 3] = float("nan"), float("inf"), -float("inf")
+        x[:, 4] = 448.0 * 2.0 ** -3                                    # amax / fp8_max exactly a power of two
+        x[3, 5] = 1.75 * 2 ** 4 * (1 + 2 ** -7)                        # just above: the next power up
+        x[130, 6] = 1e-38                                              # a subnormal-scale run
+        q, s = transposed_copy(x, dtype)
+        q_ref, s_ref = quantize_blocks(x.t(), dtype, 128, True)
+        assert q.shape == (256, 384) and s.shape == (256, 3) and s.stride() == (1, 256)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), dtype
+        assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32)), dtype
