@@ -14,7 +14,8 @@ Model families (coda_cutlass.nn.hf; gated.py): geglu_only, reglu_only, geglu_bac
           norms (sandwich.py): out_sumsq, post_norm_residual(_last), post_norm_c, post_norm_backward;
           soft-capped logits (softcap.py): the LM head's programs with a cap.
 FP8 blocks (coda_cutlass.nn.fp8; fp8_block.py): norm_stats_fp8, quantize_rows (map kernels),
-          residual_norm_stats_fp8, swiglu_fp8, norm_backward_fp8: outputs quantised by cc.quantize.
+          residual_norm_stats_fp8, swiglu_fp8 (its transposed copy; swiglu_fp8_rows: both copies, for
+          256-wide tiles), norm_backward_fp8: outputs quantised by cc.quantize.
 Helpers:  rstd_from_sumsq (finishes RMSNorm statistics: r = rsqrt(mean x^2 + eps)).
 """
 
@@ -26,7 +27,8 @@ from .loss import lm_head_lse, lm_head_lse_logits
 from .block import (cross_entropy_backward, cross_entropy_grad, norm_backward, norm_backward_first, norm_stats, rope_backward,
                     swiglu_backward_scaled)
 from .qk_norm import qk_norm_backward, qk_norm_rope, qk_norm_rope_backward
-from .fp8_block import norm_backward_fp8, norm_stats_fp8, quantize_rows, residual_norm_stats_fp8, swiglu_fp8
+from .fp8_block import (norm_backward_fp8, norm_stats_fp8, quantize_rows, residual_norm_stats_fp8, swiglu_fp8,
+                        swiglu_fp8_rows)
 from .softcap import (cross_entropy_backward_softcap, cross_entropy_grad_softcap, lm_head_lse_logits_softcap,
                       lm_head_lse_softcap, rowscale_softcap)
 from .sandwich import out_sumsq, post_norm_backward, post_norm_c, post_norm_residual, post_norm_residual_last
@@ -42,4 +44,4 @@ __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "ro
            "qk_norm_backward", "out_sumsq", "post_norm_residual", "post_norm_residual_last", "post_norm_c",
            "post_norm_backward", "rowscale_softcap", "lm_head_lse_softcap", "lm_head_lse_logits_softcap",
            "cross_entropy_backward_softcap", "cross_entropy_grad_softcap", "norm_stats_fp8", "quantize_rows",
-           "residual_norm_stats_fp8", "swiglu_fp8", "norm_backward_fp8"]
+           "residual_norm_stats_fp8", "swiglu_fp8", "swiglu_fp8_rows", "norm_backward_fp8"]

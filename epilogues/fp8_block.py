@@ -6,7 +6,8 @@ product of the FP8 mainloop, so the math is the bf16 block's.
 
 Forward:  norm_stats_fp8 (map kernel after the embedding), residual_norm_stats_fp8 (out-proj and
           down-proj: the next norm's operand h = x * g quantised), swiglu_fp8 (gate/up: the SwiGLU
-          output quantised), quantize_rows (map kernel: the attention output).
+          output's transposed copy quantised), quantize_rows (map kernel: the attention output and
+          the SwiGLU output's row-major copy).
 Backward: norm_backward_fp8 (gate/up and QKV dX: the residual gradient written in bf16, for the
           next accumulation, and quantised for the GEMMs that read it), quantize_rows (map kernel:
           dz, dqkv).
@@ -46,9 +47,21 @@ def residual_norm_stats_fp8(acc, resid: cc.Tile, g: cc.PerCol):
 
 @cc.epilogue
 def swiglu_fp8(acc, r: cc.PerRow(F32)):
-    """Gate/up: z = r * acc (saved for the backward, bf16), y = silu(gate) * up (half width)
-    quantised per 1 x 128 run of its columns (256 tile columns: the CTA tile must be 256 wide) with
-    its transposed copy (the down-proj weight gradient reads y^T)."""
+    """Gate/up: z = r * acc (saved for the backward, bf16), y = silu(gate) * up (half width) with
+    its transposed copy quantised per 128 x 1 run down each column (the down-proj weight gradient
+    reads y^T; the run is the tile's 128 rows). y itself leaves in bf16 for the ``quantize_rows``
+    map kernel: a 1 x 128 run of y is 256 tile columns, and CUTLASS 4.2's blockwise mainloop has no
+    256-wide tile over 128 x 128 weight blocks (docs/FP8.md)."""
+    z = acc * r
+    g, u = cc.pairs(z)
+    y = cc.half_width(cc.silu(g) * u)
+    return {"z": z, "y": y, "yt": cc.quantize(y, block=128, transpose=True)}
+
+
+@cc.epilogue
+def swiglu_fp8_rows(acc, r: cc.PerRow(F32)):
+    """swiglu_fp8 with y also quantised per 1 x 128 run in the epilogue: for GEMMs whose tile can be
+    256 wide (16-bit or per-tensor FP8 operands); the blockwise FP8 block uses swiglu_fp8."""
     z = acc * r
     g, u = cc.pairs(z)
     y = cc.half_width(cc.silu(g) * u)

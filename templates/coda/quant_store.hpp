@@ -9,8 +9,10 @@
 // Both buffer the values they receive in registers until a run is complete (the collective visits
 // the tile in subtiles, columns outer, rows inner), then reduce |x| (NaN-propagating) with warp
 // shuffles (and, down a column, across warps through shared memory), derive the scale, convert
-// with round-to-nearest-even saturated to the format's largest finite value, and store straight from
-// registers. The scale semantics are coda_cutlass/quantization.py's, bit for bit:
+// with round-to-nearest-even saturated to the format's largest finite value, and stage one
+// subtile's codes in shared memory, laid out as the output is (rows, or the transpose's rows), so
+// that they leave in 16-byte stores: one byte per thread per store, at a stride of the row length
+// for the transpose, cost more than the GEMM itself (docs/RESULTS.md, ninth session). The scale semantics are coda_cutlass/quantization.py's, bit for bit:
 //   Pow2:  v = amax / fp8_max, scale = v if v is a power of two else the next one up (>= 2^-126),
 //          codes = x * (1 / scale) (exact);
 //   else:  scale = amax / fp8_max, codes = x * (fp8_max / amax);
@@ -69,34 +71,62 @@ struct QuantStoreArguments {
   int64_t scale_ld = 0;
 };
 
-template <class Element, class CtaTileShapeMNK, int Block, bool Half, bool Pow2>
-struct QuantRowStore : PointerNode<QuantStoreArguments<Element>> {
-  using Base = PointerNode<QuantStoreArguments<Element>>;
-  using Base::Base;
+template <class Element, class CtaTileShapeMNK, class EpilogueTile, int Threads, int Block, bool Half, bool Pow2>
+struct QuantRowStore : NoWorkspace {
   static constexpr int TileM = cute::size<0>(CtaTileShapeMNK{});
   static constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
   static constexpr int Span = Half ? 2 * Block : Block;        // tile columns of one run
   static_assert(TileN % Span == 0, "coda quantised store: the CTA tile width must be a multiple of the run "
                                    "(128 output columns: 256 tile columns for a half-width output)");
   static constexpr int Runs = TileN / Span;
+  static constexpr int EpiN = cute::size<1>(EpilogueTile{});
+  static constexpr int OutCols = Half ? EpiN / 2 : EpiN;        // output columns of one subtile
+  static constexpr int Vec = OutCols % 16 == 0 ? 16 : 8;        // bytes per global store
+  static_assert(OutCols % 8 == 0, "coda quantised store: a subtile's output columns are written in 8-byte runs");
+  static constexpr int Pitch = OutCols + 16;                    // staged row: 16-byte aligned, rows in other banks
+
+  struct SharedStorage {
+    alignas(16) uint8_t codes[TileM][Pitch];
+  };
+  using Arguments = QuantStoreArguments<Element>;
+  using Params = Arguments;
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const& args) {
+    return args.ptr != nullptr && args.scale != nullptr;
+  }
+  CUTLASS_HOST_DEVICE QuantRowStore() {}
+  CUTLASS_HOST_DEVICE QuantRowStore(Params const& params, SharedStorage const& smem)
+      : params(params), smem(const_cast<SharedStorage*>(&smem)) {}
+  Params params;
+  SharedStorage* smem = nullptr;
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::detail::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
 
   template <class Buf, class Amax, class RunOff, class CoordTensor, class Residue, int PerRun, int EpiM>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Buf buf, Amax amax, RunOff run_off, CoordTensor tCcD, Residue residue,
-                                          QuantStoreArguments<Element> const& p, int row0, int col0, int m_tile,
-                                          int n_tile, int lane_mask, bool writer)
-        : buf(buf), amax(amax), run_off(run_off), tCcD(tCcD), residue(residue), p(p), row0(row0), col0(col0),
-          m_tile(m_tile), n_tile(n_tile), lane_mask(lane_mask), writer(writer) {}
+                                          QuantStoreArguments<Element> const& p, SharedStorage* smem, int row0,
+                                          int col0, int m_tile, int n_tile, int lane_mask, bool writer, int thread)
+        : buf(buf), amax(amax), run_off(run_off), tCcD(tCcD), residue(residue), p(p), smem(smem), row0(row0),
+          col0(col0), m_tile(m_tile), n_tile(n_tile), lane_mask(lane_mask), writer(writer), thread(thread) {}
     Buf buf;              // (CPY, CPY_M, CPY_N, EPI_M, PerRun): the values of the run being filled
     Amax amax;            // (CPY, CPY_M, CPY_N, EPI_M, EPI_N), one register per (row, run)
     RunOff run_off;       // the same shape: row + run * TileM of each element (decodes amax registers)
     CoordTensor tCcD;     // coordinates relative to the thread's origin
     Residue residue;
     QuantStoreArguments<Element> p;
+    SharedStorage* smem;
     int row0, col0;       // the thread's origin in the output (rows; tile columns)
     int m_tile, n_tile;
     int lane_mask;        // lane bits that step along N within a row
     bool writer;          // the lane that writes its rows' scales
+    int thread;           // index among the epilogue's threads
 
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
     CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize>
@@ -110,7 +140,7 @@ struct QuantRowStore : PointerNode<QuantStoreArguments<Element>> {
     }
 
     template <class STensor, class SyncFn, class VTensor>
-    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor) {
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const& synchronize, int epi_m, int epi_n, bool, VTensor) {
       using namespace cute;
       if (epi_m != EpiM - 1 || (epi_n + 1) % PerRun != 0) return;   // the run is not complete yet
       int const run = epi_n / PerRun;
@@ -143,24 +173,47 @@ struct QuantRowStore : PointerNode<QuantStoreArguments<Element>> {
         int r = n_tile * Runs + run;                       // run index along the output's columns
         if (writer && m < M && r * Block < out_cols) p.scale[int64_t(r) * p.scale_ld + m] = s;
       }
-      // 2. the codes
+      // 2. the codes, one subtile's columns at a time: into shared memory (values outside the problem
+      // are staged but never written out), then out with Vec-byte stores along each row
+      bool const vec = p.ld % Vec == 0 && reinterpret_cast<uintptr_t>(p.ptr) % Vec == 0;
+      auto* out = reinterpret_cast<uint8_t*>(p.ptr);
+      int const m_base = m_tile * TileM;
+      constexpr int Chunks = OutCols / Vec;
       CUTLASS_PRAGMA_UNROLL
-      for (int em = 0; em < EpiM; ++em) {
+      for (int en = 0; en < PerRun; ++en) {
+        int const n_sub = n_tile * TileN + (run * PerRun + en) * EpiN;   // the subtile's first tile column
         CUTLASS_PRAGMA_UNROLL
-        for (int en = 0; en < PerRun; ++en) {
+        for (int em = 0; em < EpiM; ++em) {
           Tensor b = buf(_, _, _, em, en);
           Tensor a = amax(_, _, _, em, run * PerRun + en);
           Tensor c = tCcD(_, _, _, em, run * PerRun + en);
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(b); ++i) {
-            auto crd = c(i);
-            if ((!Half || i % 2 == 0) && elem_less(crd, residue)) {
-              int m = row0 + int(get<0>(crd));
-              int n = col0 + int(get<1>(crd));
-              p.ptr[int64_t(m) * p.ld + (Half ? n / 2 : n)] = quant::convert<Element>(b(i) * a(i));
+            if (!Half || i % 2 == 0) {
+              auto crd = c(i);
+              int col = col0 + int(get<1>(crd)) - n_sub;
+              smem->codes[row0 + int(get<0>(crd)) - m_base][Half ? col / 2 : col] =
+                  quant::convert<Element>(b(i) * a(i)).storage;
             }
           }
         }
+        synchronize();
+        int const out_n0 = Half ? n_sub / 2 : n_sub;
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = thread; t < TileM * Chunks; t += Threads) {
+          int row = t / Chunks, n = out_n0 + (t % Chunks) * Vec;
+          int m = m_base + row;
+          if (m >= M || n >= out_cols) continue;
+          uint8_t const* src = &smem->codes[row][(t % Chunks) * Vec];
+          uint8_t* dst = out + int64_t(m) * p.ld + n;
+          if (vec && n + Vec <= out_cols) {
+            if constexpr (Vec == 16) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(src);
+            else *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<uint2 const*>(src);
+          } else {
+            for (int e = 0; e < Vec && n + e < out_cols; ++e) dst[e] = src[e];
+          }
+        }
+        synchronize();                         // the buffer is free for the next subtile
       }
     }
   };
@@ -197,8 +250,8 @@ struct QuantRowStore : PointerNode<QuantStoreArguments<Element>> {
     int lane = args.thread_idx % 32;
     return ConsumerStoreCallbacks<decltype(tCrBuf), decltype(tCrAmax), decltype(tCoRun), decltype(args.tCcD),
                                   decltype(args.residue_tCcD), PerRun, EpiM>(
-        tCrBuf, tCrAmax, tCoRun, args.tCcD, args.residue_tCcD, this->params, row0, col0, int(m), int(n), mask,
-        (lane & mask) == 0);
+        tCrBuf, tCrAmax, tCoRun, args.tCcD, args.residue_tCcD, params, smem, row0, col0, int(m), int(n), mask,
+        (lane & mask) == 0, args.thread_idx);
   }
 };
 
@@ -213,9 +266,14 @@ struct TransposedStore {
   static constexpr int Warps = Threads / 32;
   static_assert(Block == 0 || Block == TileM,
                 "coda quantised transposed store: 128 x 1 runs need a CTA tile exactly 128 rows high");
+  static_assert(TileM % 16 == 0, "coda transposed store: the tile's rows are written in 16-byte runs");
 
+  static constexpr int OutCols = Half ? EpiN / 2 : EpiN;    // output rows (tile columns) of one subtile
+  static constexpr int Pitch = TileM + 16;                   // bytes per staged output row: 16-byte aligned,
+                                                             // and neighbouring rows start in other banks
   struct SharedStorage {
     float amax[Block ? Warps : 1][Block ? EpiN : 1];
+    alignas(16) uint8_t codes[Block ? OutCols : 1][Block ? Pitch : 16];
   };
   using Arguments = QuantStoreArguments<Element>;
   using Params = Arguments;
@@ -333,6 +391,10 @@ struct TransposedStore {
             p.scale[int64_t(m_tile) * p.scale_ld + (Half ? n / 2 : n)] = s;
           }
         }
+        // the codes, transposed into shared memory (one byte each; values outside the problem are
+        // staged but never written out) ...
+        int const m_base = m_tile * TileM;
+        int const n_sub = n_tile * cute::size<1>(CtaTileShapeMNK{}) + epi_n * EpiN;   // the subtile's first column
         CUTLASS_PRAGMA_UNROLL
         for (int em = 0; em < EpiM; ++em) {
           Tensor b = buf(_, _, _, em);
@@ -340,10 +402,32 @@ struct TransposedStore {
           Tensor c = tCcD(_, _, _, em, epi_n);
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(b); ++i) {
-            auto crd = c(i);
-            if ((!Half || i % 2 == 0) && elem_less(crd, residue)) {
-              store(row0 + int(get<0>(crd)), col0 + int(get<1>(crd)), b(i) * a(i));
+            if (!Half || i % 2 == 0) {
+              auto crd = c(i);
+              int col = col0 + int(get<1>(crd)) - n_sub;
+              smem->codes[Half ? col / 2 : col][row0 + int(get<0>(crd)) - m_base] =
+                  quant::convert<Element>(b(i) * a(i)).storage;
             }
+          }
+        }
+        synchronize();
+        // ... then out with 16-byte stores: each output row's TileM codes are contiguous in global memory
+        int const M = int(get<0>(residue)) + row0;
+        int const out_n = Half ? N / 2 : N;
+        int const out_n0 = Half ? n_sub / 2 : n_sub;
+        bool const vec = p.ld % 16 == 0 && reinterpret_cast<uintptr_t>(p.ptr) % 16 == 0;
+        constexpr int Chunks = TileM / 16;
+        auto* out = reinterpret_cast<uint8_t*>(p.ptr);
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = warp * 32 + lane; t < OutCols * Chunks; t += Threads) {
+          int row = t / Chunks, m = m_base + (t % Chunks) * 16;
+          if (out_n0 + row >= out_n || m >= M) continue;
+          uint8_t const* src = &smem->codes[row][(t % Chunks) * 16];
+          uint8_t* dst = out + int64_t(out_n0 + row) * p.ld + m;
+          if (vec && m + 16 <= M) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(src);
+          } else {
+            for (int e = 0; e < 16 && m + e < M; ++e) dst[e] = src[e];
           }
         }
       }
