@@ -150,3 +150,16 @@ def test_an_fp8_block_copies_and_pickles():
     y = b(x)
     c = copy.deepcopy(b)
     assert torch.equal(c(x), y)
+
+
+def test_a_reused_step_keeps_one_stashed_gradient():
+    b = _block("blockwise")
+    step = b.step(1, 128)
+    x = torch.randn(128, 256).to(BF16).requires_grad_()
+    from coda_cutlass.nn.fp8.support import first_norm_fp8
+    with torch.no_grad():
+        h, r = first_norm_fp8(step, x.detach(), b.attn_norm)
+    for _ in range(3):
+        x2, _, _ = b.run(step, x, h, r, b.mlp_norm.detach(), next_fp8=True)
+        x2.float().sum().backward()
+    assert len(step.stash) == 1

@@ -25,6 +25,10 @@ def _stamp(t: torch.Tensor) -> tuple:
 
 
 def stash_put(step: Any, t: torch.Tensor, q: Fp8Operand) -> None:
+    # Blocks run their backward one after another, each taking the entry the next block put, so the
+    # stash holds one entry: clearing it drops the first block's, which nothing takes (a step reused
+    # across iterations, as a benchmark does, would otherwise keep every iteration's copies).
+    step.stash.clear()
     step.stash[id(t)] = (_stamp(t), q)
 
 
