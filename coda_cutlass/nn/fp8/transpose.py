@@ -9,7 +9,7 @@ whose largest value is 1.75 * 2^E, the smallest power of two s with s * fp8_max 
 the kernels' IEEE division and rounding up give, and it leaves nothing for a compiler to reorder.
 
 On a GPU the function runs compiled by torch.compile (one reduction and one fused quantise-and-
-transpose kernel, per shape); elsewhere eagerly. The map kernels do not yet write transposed
+transpose kernel, shapes dynamic); elsewhere eagerly. The map kernels do not yet write transposed
 outputs (docs/FP8.md): when they do, this module goes away.
 """
 
@@ -62,8 +62,9 @@ def transposed_copy(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
         raise CallError(f"transposed FP8 copy: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
     fn: Callable[..., Any] = _transposed
     if x.is_cuda:
+        # dynamic shapes: one compiled kernel pair serves every operand (o, dz, dqkv, h) and token count
         fn = _COMPILED.get(dtype) or _COMPILED.setdefault(dtype, torch.compile(_transposed, fullgraph=True,
-                                                                               dynamic=False))
+                                                                               dynamic=True))
     codes, s = fn(x.contiguous(), dtype)
     return codes, s.t()
 
