@@ -279,7 +279,8 @@ def energy_per_step(wl: Workload, names: list[str], times_ms: dict[str, float], 
     return out
 
 
-def site_times(wl: Workload, rounds: int, iters: int, backward: bool = True) -> dict[str, dict[str, float]]:
+def site_times(wl: Workload, rounds: int, iters: int, backward: bool = True, skip: tuple[str, ...] = ()
+               ) -> dict[str, dict[str, float]]:
     """Median time per site (us) of the coda block (and its plan before tuning) and the cuBLAS
     skeletons, fwd+bwd (or the forward alone: the coda sites are then "qkv.infer", ...), alternating."""
     rec = {"coda": Recorder(), "cublas": Recorder(), "coda-identity": Recorder()}
@@ -289,6 +290,8 @@ def site_times(wl: Workload, rounds: int, iters: int, backward: bool = True) -> 
     for name, part in wl.fp8_parts.items():     # --fp8: the FP8 coda blocks (their runners) and FP8 floor
         rec[name] = Recorder()
         skeletons[name] = part
+    for name in skip:
+        rec.pop(name, None)
     for _ in range(rounds):
         for name in rec:
             for _ in range(iters):
@@ -348,7 +351,7 @@ def device_breakdown(wl: Workload, names: list[str], iters: int, backward: bool 
 def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     t0 = time.monotonic()
     wl = Workload(width, M, device, args.max_autotune, args.fp8)
-    names = list(wl.variants())
+    names = [n for n in wl.variants() if n not in args.skip]
     print(f"[{width} M={M}] warm-up / compile ...", flush=True)
     for n in names:
         for backward in (False, True):
@@ -370,7 +373,7 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
         tuned_fwd = tune_in_sequence(wl.runner, lambda: wl.coda(False), only=forward_only_site, **tuning)
     if tuned or tuned_fwd:
         wl.plan_before = before     # timed beside the new plan (when equal: a control of the noise)
-        names = list(wl.variants())
+        names = [n for n in wl.variants() if n not in args.skip]
     res: dict[str, Any] = {"width": width, "M": M, "batch": wl.batch, "seq": wl.seq}
     for backward in (False, True):
         times = time_rounds(wl, names, backward, args.rounds, args.iters, seed=M + backward)
@@ -378,8 +381,8 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
                                                      "n": len(v)} for n, v in times.items()}
     res["energy"] = energy_per_step(wl, names, {n: v["median_ms"] for n, v in res["fwd_bwd"].items()},
                                     seconds=args.energy_seconds, seed=M) if args.energy_seconds > 0 else {}
-    res["sites"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4))
-    res["sites_fwd"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4), backward=False)
+    res["sites"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4), skip=tuple(args.skip))
+    res["sites_fwd"] = site_times(wl, rounds=2, iters=max(3, args.iters // 4), backward=False, skip=tuple(args.skip))
     res["device"] = device_breakdown(wl, names, iters=3)
     res["device_fwd"] = device_breakdown(wl, names, iters=3, backward=False)
     res["fp8_weight_quant_ms"] = {n: p.weight_quant_ms() for n, p in wl.fp8_parts.items() if hasattr(p, "weight_quant_ms")}
@@ -407,7 +410,7 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         comp = r["fwd_bwd"]["compile"]["median_ms"]
-        floor = r["device"]["cublas"]["non_attention"]
+        floor = r["device"].get("cublas", {}).get("non_attention", float("nan"))
         fwd = r.get("device_fwd", {})
         floor_fwd = fwd.get("cublas", {}).get("non_attention", float("nan"))
         for n in r["fwd_bwd"]:
@@ -425,7 +428,7 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for s in SITE_ORDER:
-            c, b = r["sites"]["coda"].get(s), r["sites"]["cublas"].get(s)
+            c, b = r["sites"].get("coda", {}).get(s), r["sites"].get("cublas", {}).get(s)
             if c is None or b is None:
                 continue
             plan = r["plan"].get(s)
@@ -519,6 +522,8 @@ def main() -> None:
                     help="sustained seconds per variant in the energy pass (NVML energy counter; 0 skips it). "
                          "Short windows are noisy: variants read 566-735 W at 0.5-1 s, 656-706 W at 1.5 s (H200)")
     ap.add_argument("--no-max-autotune", dest="max_autotune", action="store_false")
+    ap.add_argument("--skip", nargs="*", default=[], metavar="VARIANT",
+                    help="variants left out (e.g. coda coda-identity: no bf16 coda kernels to build)")
     ap.add_argument("--fp8", nargs="*", metavar="RECIPE", default=None,
                     help="also time FP8 variants: coda's FP8 block with these recipes (no names: blockwise), "
                          "torchao float8 tensorwise and rowwise + torch.compile (when importable) and the FP8 "

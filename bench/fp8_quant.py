@@ -9,6 +9,7 @@ interleaved one by one in a shuffled order over 2 rotating input sets (CUDA even
 Variants (A and W e4m3, blockwise scaling: 1 x 128 A, 128 x 128 W, CUTLASS's blockwise mainloop):
 - ``plain``: identity epilogue, bf16 D (the reference of the target);
 - ``q``: the output quantised per 1 x 128 run (codes + scales), no bf16 copy;
+- ``qt``: the transposed copy alone;
 - ``q+qt``: that and the transposed copy with 128 x 1 runs (what a weight-gradient GEMM reads);
 - ``norm_bf16`` / ``norm_q+qt``: an FP8 block's out-proj / down-proj epilogue (residual add, the
   next norm's h = x * g and its statistics) writing h in bf16, or quantised with its transposed copy;
@@ -61,7 +62,12 @@ def norm_quant(acc, resid: cc.Tile, g: cc.PerCol):
             "sumsq": cc.row_sum(x * x)}
 
 
-PROGRAMS = {"plain": (E.identity, ""), "q": (quant_rows, ""), "q+qt": (quant_rows_t, ""),
+@cc.epilogue
+def quant_t(acc):
+    return {"qt": cc.quantize(acc, block=128, transpose=True)}
+
+
+PROGRAMS = {"plain": (E.identity, ""), "q": (quant_rows, ""), "qt": (quant_t, ""), "q+qt": (quant_rows_t, ""),
             "norm_bf16": (E.residual_norm_stats, "norm"), "norm_q+qt": (norm_quant, "norm")}
 
 

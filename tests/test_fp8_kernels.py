@@ -94,3 +94,17 @@ def test_the_transposed_copy_is_bit_for_bit_the_quantisation_semantics():
         assert q.shape == (256, 384) and s.shape == (256, 3) and s.stride() == (1, 256)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), dtype
         assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32)), dtype
+
+
+def test_the_weight_copies_are_bit_for_bit_the_tile_quantisation():
+    from coda_cutlass.nn.fp8.transpose import weight_tiles
+    from coda_cutlass.quantization import quantize_tiles
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(384, 256, generator=g) * torch.logspace(-8, 8, 256)).to(BF16)
+    w[:128, :128] = 0.0
+    w[200, 130] = 448.0 * 2.0 ** 5
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q, s, qt, st = weight_tiles(w, dtype)
+        q_ref, s_ref = quantize_tiles(w, dtype, 128, True)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), dtype
+        assert torch.equal(qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8)) and torch.equal(st, s_ref.t())

@@ -13,8 +13,8 @@ namespace coda {
 namespace quant {
 
 template <class Element> struct Fp8Max;
-template <> struct Fp8Max<cutlass::float_e4m3_t> { static constexpr float value = 448.0f; };
-template <> struct Fp8Max<cutlass::float_e5m2_t> { static constexpr float value = 57344.0f; };
+template <> struct Fp8Max<cutlass::float_e4m3_t> { static constexpr float value = 448.0f; static constexpr int exp = 8; };
+template <> struct Fp8Max<cutlass::float_e5m2_t> { static constexpr float value = 57344.0f; static constexpr int exp = 15; };
 
 // max(a, b) where a NaN wins (torch's amax semantics).
 CUTLASS_DEVICE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
@@ -32,13 +32,15 @@ CUTLASS_DEVICE void scales(float amax, float& scale, float& inv) {
     return;
   }
   if constexpr (Pow2) {
-    float v = amax / fmax;
-    int e = 0;
-    float m = frexpf(v, &e);
-    float s = (m == 0.5f) ? v : ldexpf(1.0f, e);
-    s = fmaxf(s, 1.17549435e-38f);                        // 2^-126: keeps 1 / s finite
-    scale = s;
-    inv = 1.0f / s;
+    // The smallest power of two s with s * fp8_max >= amax, at least 2^-126 (keeps 1 / s finite),
+    // from the bits: fp8_max = 1.75 * 2^E, so for amax = m * 2^e (1 <= m < 2) s = 2^(e - E) when
+    // m <= 1.75, else 2^(e - E + 1). The same as rounding amax / fp8_max up to a power of two after
+    // an IEEE division (fp32 amax values are 2^-23 apart: none lands between), without a division.
+    int const bits = __float_as_int(amax);
+    int se = ((bits >> 23) & 0xff) - 127 - Fp8Max<Element>::exp + ((bits & 0x7fffff) > 0x600000 ? 1 : 0);
+    se = se < -126 ? -126 : se;
+    scale = __int_as_float((se + 127) << 23);
+    inv = __int_as_float((127 - se) << 23);
   } else {
     scale = amax / fmax;
     inv = fmax / amax;

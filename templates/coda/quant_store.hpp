@@ -273,6 +273,7 @@ struct TransposedStore {
                                                              // and neighbouring rows start in other banks
   struct SharedStorage {
     float amax[Block ? Warps : 1][Block ? EpiN : 1];
+    float inv[Block ? EpiN : 1];          // each column's multiplier, computed once per column
     alignas(16) uint8_t codes[Block ? OutCols : 1][Block ? Pitch : 16];
   };
   using Arguments = QuantStoreArguments<Element>;
@@ -378,19 +379,21 @@ struct TransposedStore {
         }
         synchronize();
         int const N = int(get<1>(residue)) + col0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size(ua); ++j) {
+        // one thread per column: the max over the warps, the scale (to global) and the multiplier
+        int const thread = warp * 32 + lane;
+        if (thread < EpiN) {
           float a = 0.0f;
           CUTLASS_PRAGMA_UNROLL
-          for (int w = 0; w < Warps; ++w) a = quant::nan_max(a, smem->amax[w][uo(j) % EpiN]);
+          for (int w = 0; w < Warps; ++w) a = quant::nan_max(a, smem->amax[w][thread]);
           float s, inv;
           quant::scales<Element, Pow2>(a, s, inv);
-          ua(j) = inv;
-          int n = n_tile * cute::size<1>(CtaTileShapeMNK{}) + uo(j);
-          if (warp == 0 && (lane & lane_mask) == 0 && n < N && (!Half || n % 2 == 0)) {
-            p.scale[int64_t(m_tile) * p.scale_ld + (Half ? n / 2 : n)] = s;
-          }
+          smem->inv[thread] = inv;
+          int n = n_tile * cute::size<1>(CtaTileShapeMNK{}) + epi_n * EpiN + thread;
+          if (n < N && (!Half || n % 2 == 0)) p.scale[int64_t(m_tile) * p.scale_ld + (Half ? n / 2 : n)] = s;
         }
+        synchronize();
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size(ua); ++j) ua(j) = smem->inv[uo(j) % EpiN];
         // the codes, transposed into shared memory (one byte each; values outside the problem are
         // staged but never written out) ...
         int const m_base = m_tile * TileM;

@@ -102,7 +102,7 @@ class TransposedStore(NodeKind):
 
     def smem_bytes(self, v: VisitorNode, staging: Staging) -> int:
         # per-warp column maxima of one subtile (at most), and its codes transposed (rows padded by 16)
-        return 8 * 64 * 4 + staging.elems + 64 * 16 if v.params["block"] else 0
+        return 8 * 64 * 4 + 64 * 4 + staging.elems + 64 * 16 if v.params["block"] else 0
 
 
 class BlockScales(NodeKind):

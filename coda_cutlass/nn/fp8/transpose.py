@@ -1,4 +1,6 @@
-"""The transposed FP8 copy of a tensor that no GEMM epilogue produced (the attention output, dz, dqkv,
+"""FP8 copies made in torch, bit for bit the kernels' power-of-two quantisation: the weights' 128 x 128
+tiles in both layouts (once per optimizer step), and the transposed copy of a tensor that no GEMM
+epilogue produced (the attention output, dz, dqkv,
 the first block's h): x (M, N) -> the codes of x^T (N, M) with one power-of-two scale per 128 x 1
 run down each column of x, i.e. per 1 x 128 run along x^T's rows (the weight-gradient GEMMs' K).
 
@@ -67,6 +69,27 @@ def transposed_copy(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
                                                                                dynamic=True))
     codes, s = fn(x.contiguous(), dtype)
     return codes, s.t()
+
+
+def _tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    R, C = w.shape
+    wb = w.view(R // BLOCK, BLOCK, C // BLOCK, BLOCK).float()
+    s, inv = _pow2_scales(wb.abs().amax(dim=(1, 3)), dtype)     # (R / 128, C / 128)
+    q = round_to(wb * inv[:, None, :, None], as_dtype(dtype)).view(R, C)
+    return q, s, q.t().contiguous(), s.t().contiguous()
+
+
+_COMPILED_TILES: dict[Any, Callable[..., Any]] = {}
+
+
+def weight_tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """W (R, C), both multiples of 128 -> (codes, scales (R/128, C/128), W^T's codes, W^T's scales):
+    ``quantize_tiles(w, dtype, 128, pow2=True)`` bit for bit, and its transpose (compiled on a GPU)."""
+    fn: Callable[..., Any] = _tiles
+    if w.is_cuda:
+        fn = _COMPILED_TILES.get(dtype) or _COMPILED_TILES.setdefault(dtype, torch.compile(_tiles, fullgraph=True,
+                                                                                          dynamic=True))
+    return fn(w.contiguous(), dtype)
 
 
 FP8_MAX_TORCH = {d.torch for d in FP8_MAX}

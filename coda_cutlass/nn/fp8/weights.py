@@ -16,6 +16,7 @@ import torch
 
 from ...quantization import quantize_tiles
 from .recipe import Fp8Recipe
+from .transpose import weight_tiles
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,11 @@ class Fp8Weights:
         if hit is not None and hit[0] == stamp:
             return hit[1]
         with torch.no_grad():
-            q, s = quantize_tiles(w.detach(), self.recipe.weight, 128, self.recipe.pow2)
-            entry = Fp8Weight(q, s, q.t().contiguous(), s.t().contiguous())
+            if self.recipe.pow2 and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0:
+                entry = Fp8Weight(*weight_tiles(w.detach(), self.recipe.weight))
+            else:
+                q, s = quantize_tiles(w.detach(), self.recipe.weight, 128, self.recipe.pow2)
+                entry = Fp8Weight(q, s, q.t().contiguous(), s.t().contiguous())
         self._cache[id(w)] = (stamp, entry)
         return entry
 
