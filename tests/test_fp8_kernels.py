@@ -79,7 +79,7 @@ def test_every_listed_fp8_kernel_has_a_configuration_that_plans():
 
 
 def test_the_transposed_copy_is_bit_for_bit_the_quantisation_semantics():
-    from coda_cutlass.nn.fp8.transpose import transposed_copy
+    from coda_cutlass.nn.fp8.copies import transposed_copy
     from coda_cutlass.quantization import quantize_blocks
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -97,7 +97,7 @@ def test_the_transposed_copy_is_bit_for_bit_the_quantisation_semantics():
 
 
 def test_the_weight_copies_are_bit_for_bit_the_tile_quantisation():
-    from coda_cutlass.nn.fp8.transpose import weight_tiles
+    from coda_cutlass.nn.fp8.copies import weight_tiles
     from coda_cutlass.quantization import quantize_tiles
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(384, 256, generator=g) * torch.logspace(-8, 8, 256)).to(BF16)

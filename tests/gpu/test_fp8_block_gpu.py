@@ -116,7 +116,7 @@ def test_fp8_model_trains_on_the_gpu_like_the_bf16_model():
 
 
 def test_the_compiled_transposed_copy_is_bit_for_bit_the_semantics():
-    from coda_cutlass.nn.fp8.transpose import transposed_copy
+    from coda_cutlass.nn.fp8.copies import transposed_copy
     from coda_cutlass.quantization import quantize_blocks
     x = (torch.randn(1024, 768, device="cuda") * torch.logspace(-20, 20, 768, device="cuda")).to(BF16)
     x[5, 1], x[7, 2] = float("nan"), float("inf")
@@ -129,7 +129,7 @@ def test_the_compiled_transposed_copy_is_bit_for_bit_the_semantics():
 
 
 def test_the_compiled_weight_copies_are_bit_for_bit_the_tile_quantisation():
-    from coda_cutlass.nn.fp8.transpose import weight_tiles
+    from coda_cutlass.nn.fp8.copies import weight_tiles
     from coda_cutlass.quantization import quantize_tiles
     w = (torch.randn(1024, 768, device="cuda") * torch.logspace(-8, 8, 768, device="cuda")).to(BF16)
     w[:128, :128] = 0.0

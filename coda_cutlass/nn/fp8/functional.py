@@ -9,7 +9,7 @@ GEMM, whose K is the token dimension: FP8 tensor cores read K-major operands onl
 FP8 copies (both layouts) come from ``weights.Fp8Weights``, once per optimizer step.
 
 Transposed copies that no GEMM epilogue produces (attention output, dz, dqkv, and the first
-block's h) are quantised in torch for now (``transposed_copy``, compiled on a GPU: nn/fp8/transpose.py):
+block's h) are quantised in torch for now (``transposed_copy``, compiled on a GPU: nn/fp8/copies.py):
 map kernels do not yet write transposed outputs (docs/FP8.md).
 """
 
@@ -24,7 +24,7 @@ from ... import epilogues as E
 from ...errors import CallError
 from ...quantization import quantize_blocks, run_major
 from ..stats import row_mean, rstd
-from . import transpose
+from . import copies
 from .recipe import Fp8Recipe
 from .weights import Fp8Weights
 
@@ -45,9 +45,9 @@ class Fp8Operand:
 
 def transposed_copy(x: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, N) -> (x^T codes (N, M), scales (N, M/128) in the kernels' run-major layout), in torch
-    (compiled on a GPU: nn/fp8/transpose.py)."""
+    (compiled on a GPU: nn/fp8/copies.py)."""
     if recipe.pow2:
-        return transpose.transposed_copy(x, dtype)
+        return copies.transposed_copy(x, dtype)
     q, s = quantize_blocks(x.t(), dtype, 128, recipe.pow2)
     return q, run_major(s)
 

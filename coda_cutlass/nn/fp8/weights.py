@@ -16,7 +16,7 @@ import torch
 
 from ...quantization import quantize_tiles
 from .recipe import Fp8Recipe
-from .transpose import weight_tiles
+from .copies import weight_tiles
 
 
 @dataclass(frozen=True)

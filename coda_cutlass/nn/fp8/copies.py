@@ -1,18 +1,19 @@
-"""FP8 copies made in torch, bit for bit the kernels' power-of-two quantisation: the weights' 128 x 128
-tiles in both layouts (once per optimizer step), and the transposed copy of a tensor that no GEMM
-epilogue produced (the attention output, dz, dqkv,
-the first block's h): x (M, N) -> the codes of x^T (N, M) with one power-of-two scale per 128 x 1
-run down each column of x, i.e. per 1 x 128 run along x^T's rows (the weight-gradient GEMMs' K).
+"""FP8 copies made in torch, bit for bit the kernels' power-of-two quantisation, for what no kernel
+writes yet:
 
-Bit for bit ``quantize_blocks(x.t(), dtype, 128, pow2=True)`` (coda_cutlass/quantization.py, the
-kernels' semantics), computed without a division: for amax = m * 2^e (1 <= m < 2) and an FP8 format
-whose largest value is 1.75 * 2^E, the smallest power of two s with s * fp8_max >= amax is
+- ``transposed_copy``: the transposed copy of a tensor that no GEMM epilogue produced (the attention
+  output, dz, dqkv, dx, the first block's h): x (M, N) -> the codes of x^T (N, M) with one scale per
+  128 x 1 run down each column of x, i.e. per 1 x 128 run along x^T's rows (the weight-gradient
+  GEMMs' K). Map kernels do not yet write transposed outputs (docs/FP8.md); when they do, it goes.
+- ``weight_tiles``: a weight's 128 x 128 tiles in both layouts (once per optimizer step).
+
+Bit for bit ``quantize_blocks`` / ``quantize_tiles`` with ``pow2=True`` (coda_cutlass/quantization.py,
+the kernels' semantics), computed without a division: for amax = m * 2^e (1 <= m < 2) and an FP8
+format whose largest value is 1.75 * 2^E, the smallest power of two s with s * fp8_max >= amax is
 2^(e - E) when m <= 1.75 and 2^(e - E + 1) otherwise; s is at least 2^-126. That is exactly what
 the kernels' IEEE division and rounding up give, and it leaves nothing for a compiler to reorder.
-
-On a GPU the function runs compiled by torch.compile (one reduction and one fused quantise-and-
-transpose kernel, shapes dynamic); elsewhere eagerly. The map kernels do not yet write transposed
-outputs (docs/FP8.md): when they do, this module goes away.
+On a GPU both run compiled by torch.compile (shapes dynamic: one graph serves every operand);
+elsewhere eagerly.
 """
 
 from __future__ import annotations
