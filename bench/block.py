@@ -4,6 +4,7 @@ bare cuBLAS GEMMs of the same block, all in one process.
 
     python bench/block.py --out bench/results_block                      # 8B and 70B widths, M 8192/16384
     python bench/block.py --widths 8b --tokens 8192 --tune --no-max-autotune
+    python bench/block.py --widths 8b 70b --tokens 8192 --fp8 --skip coda coda-identity  # FP8 rows only
 
 Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through SDPA):
 - eager / compile / max-autotune: a standard Llama block (separate q/k/v and gate/up weights,
@@ -15,6 +16,11 @@ Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through
 - coda-before (with --tune): the coda block with the plan it had before tuning (the stored or
   shipped plan, else the default configurations), timed in the same rounds as the tuned one: a new
   plan is judged against the old in one run, not across runs.
+- with --fp8 (bench/fp8_variants.py): coda-fp8-RECIPE (LlamaBlock(fp8=RECIPE) as a middle block of
+  a stack), torchao-tensorwise / torchao-rowwise (torchao float8 training + torch.compile, when
+  importable) and cublas-fp8 (the 12 GEMMs as torch._scaled_mm on operands quantised beforehand,
+  and the same attention: the FP8 floor); an FP8 table gives each against bf16 torch.compile and
+  torchao, the non-GEMM non-attention share, and the per-site times.
 The forward-only figures run under torch.no_grad(), as inference or evaluation does: torch.compile
 then compiles an inference graph, and the coda block runs its forward alone (nothing saved, the
 gate/up GEMM writes only the SwiGLU output).
