@@ -29,7 +29,7 @@ import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass import fp8  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
-from report import environment, require_hopper  # noqa: E402
+from report import environment, machine_line, require_hopper  # noqa: E402
 
 E4 = torch.float8_e4m3fn
 SHAPES = {  # name: (N, K) at the Llama-3 block widths
@@ -165,8 +165,7 @@ def run(M: int, shapes: list[str], variants: list[str], rounds: int, reps: int,
 
 def write_markdown(rows: list[dict], env: dict, unsupported: dict, path: Path) -> None:
     lines = [f"# FP8 GEMMs vs torch._scaled_mm ({env['date']})", "",
-             f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}; A and W e4m3, "
-             "bf16 outputs, M = tokens. Medians of CUDA-event-timed calls, all variants of a shape interleaved "
+             machine_line(env, "A and W e4m3, bf16 outputs") + "M = tokens. Medians of CUDA-event-timed calls, all variants of a shape interleaved "
              "one by one in a shuffled order over 2 rotating input sets. Ratio: time / torch._scaled_mm of the "
              "same scaling and accumulation (`fast`: use_fast_accum=True); block scaling also / _scaled_mm "
              "tensorwise. Real epilogues are compared with the bare _scaled_mm GEMM.", "",

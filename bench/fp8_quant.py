@@ -36,7 +36,7 @@ from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.quantization import quantize_blocks  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
 from fp8_gemm import SHAPES, make_set, references  # noqa: E402
-from report import environment, require_hopper  # noqa: E402
+from report import environment, machine_line, require_hopper  # noqa: E402
 
 E4 = torch.float8_e4m3fn
 DEFAULT_SHAPES = ["8b-out", "8b-down", "70b-down"]
@@ -134,8 +134,7 @@ def run(M: int, shapes: list[str], rounds: int, reps: int, done: Callable[[list[
 
 def write_markdown(rows: list[dict], env: dict, notes: dict, path: Path) -> None:
     lines = [f"# FP8 GEMMs that quantise their own outputs ({env['date']})", "",
-             f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}; A and W e4m3, "
-             "blockwise scaling (1x128 A, 128x128 W), M = tokens. Medians of CUDA-event-timed calls, all "
+             machine_line(env, "A and W e4m3, blockwise scaling (1x128 A, 128x128 W)") + "M = tokens. Medians of CUDA-event-timed calls, all "
              "variants of a shape interleaved one by one in a shuffled order over 2 rotating input sets.", "",
              "| shape (N x K) | variant | config | us | / plain | / scaled_mm+quant | / norm_bf16 |",
              "|---|---|---|---|---|---|---|"]

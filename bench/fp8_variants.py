@@ -26,6 +26,7 @@ from coda_cutlass.nn import KernelRunner, LlamaBlock
 from coda_cutlass.nn.fp8.support import first_norm_fp8
 from coda_cutlass.nn.reference import rotate_half
 from coda_cutlass.nn.runner import Runner
+from coda_cutlass.quantization import quantize_tensor
 
 E4M3 = torch.float8_e4m3fn
 
@@ -82,8 +83,8 @@ def torchao_layer(w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor,
 
 def _q(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t in e4m3 with a per-tensor scale (amax / 448), as torchao's tensorwise recipe makes it."""
-    s = (t.float().abs().amax().clamp(min=1e-12) / 448.0)
-    return (t.float() / s).to(E4M3), s
+    s = t.float().abs().amax().clamp(min=1e-12) / 448.0
+    return quantize_tensor(t, E4M3, s), s
 
 
 class Fp8Skeleton(Runner):

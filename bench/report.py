@@ -31,9 +31,9 @@ def environment() -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def machine_line(env: dict[str, Any]) -> str:
-    """The environment sentence that opens a results table."""
-    return f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, bf16. "
+def machine_line(env: dict[str, Any], what: str = "bf16") -> str:
+    """The environment sentence that opens a results table (``what``: the data types measured)."""
+    return f"{env['gpu']}, driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, {what}. "
 
 
 def config_label(choice: dict[str, Any] | None) -> str:

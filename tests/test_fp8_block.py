@@ -18,7 +18,7 @@ from coda_cutlass.errors import CallError, ConfigError
 from coda_cutlass.nn import LlamaBlock, LlamaModel
 from coda_cutlass.nn.fp8.recipe import RECIPES, Fp8Recipe, as_recipe
 from coda_cutlass.nn.fp8.weights import Fp8Weights
-from coda_cutlass.nn.runner import ReferenceRunner
+from fp8_helpers import blocks_step, losses
 
 BF16 = torch.bfloat16
 
@@ -61,21 +61,14 @@ def test_fp8_block_forward_and_every_gradient_track_the_bf16_block():
 
 
 def test_fp8_model_trains_like_the_bf16_model():
-    losses = {}
+    curves = {}
     for fp8 in (None, "blockwise"):
         torch.manual_seed(3)
         m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8=fp8, dtype=torch.float32, compute_dtype=BF16)
         opt = torch.optim.SGD(m.parameters(), lr=0.2)
         tok = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(4))
-        seq = []
-        for _ in range(3):
-            opt.zero_grad()
-            loss = m(tok, tok)
-            loss.backward()
-            opt.step()
-            seq.append(loss.item())
-        losses[fp8] = seq
-    bf, f8 = losses[None], losses["blockwise"]
+        curves[fp8] = losses(m, tok, opt, 3)
+    bf, f8 = curves[None], curves["blockwise"]
     assert f8[-1] < f8[0]                                   # it learns
     assert all(abs(a - b) / a < 0.02 for a, b in zip(bf, f8)), (bf, f8)
 
@@ -94,33 +87,12 @@ def test_weight_copies_are_remade_only_when_the_weight_changes():
     assert b is not a and torch.equal(b.scale, a.scale * 2)
 
 
-class CountingRunner(ReferenceRunner):
-    def __init__(self):
-        super().__init__(BF16)
-        self.sites: list[str] = []
-
-    def gemm(self, site, program, A, W, **kw):
-        self.sites.append(site)
-        assert A.dtype in (torch.float8_e4m3fn, torch.float8_e5m2), f"{site}: A is {A.dtype}"
-        assert W.dtype in (torch.float8_e4m3fn, torch.float8_e5m2), f"{site}: W is {W.dtype}"
-        return super().gemm(site, program, A, W, **kw)
-
-    def map(self, site, program, X, **kw):
-        self.sites.append(site)
-        return super().map(site, program, X, **kw)
-
-
 def test_every_gemm_of_a_two_block_step_is_fp8_and_gradients_travel_quantised():
-    torch.manual_seed(5)
-    m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
-    run = CountingRunner()
-    for b in m.blocks:
-        b.runner = run
-    tok = torch.randint(0, 512, (2, 128))
-    step, x, h, r = m.hidden(tok)          # the blocks alone (the LM head stays bf16)
-    loss = (x.float() ** 2).mean()
-    loss.backward()
-    gemms = [s for s in run.sites if not s.endswith((".quant", "norm0", "rope.dgrad"))]
+    run = blocks_step(seed=5)              # the blocks alone (the LM head stays bf16)
+    for site, *_, a_dtype, w_dtype in run.gemms:
+        assert a_dtype in (torch.float8_e4m3fn, torch.float8_e5m2), f"{site}: A is {a_dtype}"
+        assert w_dtype in (torch.float8_e4m3fn, torch.float8_e5m2), f"{site}: W is {w_dtype}"
+    gemms = [g[0] for g in run.gemms]
     for site in ("qkv", "o", "gate_up", "down", "down.dgrad", "down.wgrad", "gate_up.dgrad", "gate_up.wgrad",
                  "o.dgrad", "o.wgrad", "qkv.dgrad", "qkv.wgrad"):
         assert gemms.count(site) >= 1, site

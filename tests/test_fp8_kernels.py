@@ -11,43 +11,17 @@ from coda_cutlass.lower.plan import default_config, plan
 from coda_cutlass.nn import LlamaModel
 from coda_cutlass.nn.fp8 import RECIPES
 from coda_cutlass.nn.fp8.kernels import GEMM_SITES, MAP_SITES, map_items, prebuild_items
-from coda_cutlass.nn.runner import ReferenceRunner, gemm_options
+from coda_cutlass.nn.runner import gemm_options
+from fp8_helpers import RecordingRunner, blocks_step
 from coda_cutlass.pipeline import lower_program
 
 BF16 = torch.bfloat16
 RECIPE = RECIPES["blockwise"]
 
 
-class Recording(ReferenceRunner):
-    def __init__(self):
-        super().__init__(BF16)
-        self.gemms: list[tuple] = []
-        self.maps: list[tuple] = []
-
-    def gemm(self, site, program, A, W, *, layout="nk", partial=False, fp8=None, **kw):
-        self.gemms.append((site, program, layout, partial, fp8))
-        return super().gemm(site, program, A, W, layout=layout, partial=partial, fp8=fp8, **kw)
-
-    def map(self, site, program, X, *, partial=False, **kw):
-        self.maps.append((site, program, partial))
-        return super().map(site, program, X, partial=partial, **kw)
-
-
-def _step_launches() -> Recording:
-    torch.manual_seed(0)
-    m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
-    run = Recording()
-    for b in m.blocks:
-        b.runner = run
-    tok = torch.randint(0, 512, (2, 128))
-    step, x, h, r = m.hidden(tok)
-    (x.float() ** 2).mean().backward()
-    return run
-
-
 def test_every_launch_of_an_fp8_step_is_listed_with_its_program_and_formats():
-    run = _step_launches()
-    fp8_gemms = [g for g in run.gemms if g[4] is not None]
+    run = blocks_step()
+    fp8_gemms = [g[:5] for g in run.gemms if g[4] is not None]
     # the model's last block hands a bf16 h to the LM head; a block called alone ends with down.last
     assert {g[0] for g in fp8_gemms} == set(GEMM_SITES) - {"down.last"}
     for site, program, layout, partial, fp8 in fp8_gemms:
@@ -63,7 +37,7 @@ def test_every_launch_of_an_fp8_step_is_listed_with_its_program_and_formats():
 def test_a_block_called_alone_ends_with_the_listed_residual_add():
     torch.manual_seed(0)
     m = LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
-    run = Recording()
+    run = RecordingRunner()
     m.blocks[0].runner = run
     m.blocks[0](torch.randn(1, 128, 256).to(BF16))
     last = [g for g in run.gemms if g[0] == "down.last"]

@@ -15,6 +15,7 @@ import torch
 
 from coda_cutlass.nn import KernelRunner, LlamaBlock, LlamaModel, ReferenceRunner
 from conftest import hopper_available
+from fp8_helpers import losses
 
 pytestmark = pytest.mark.skipif(not hopper_available(), reason="needs an sm_90 GPU (H100/H200)")
 BF16 = torch.bfloat16
@@ -94,21 +95,13 @@ def test_the_backward_starts_every_way_with_the_same_gradients(outputs):
 
 
 def test_fp8_model_trains_on_the_gpu_like_the_bf16_model():
-    losses = {}
+    curves = {}
     tok = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
     for fp8 in (None, "blockwise"):
         torch.manual_seed(3)
         m = LlamaModel(1024, 512, 2, 4, 2, 1024, head_dim=128, fp8=fp8, device="cuda", dtype=BF16)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        seq = []
-        for _ in range(8):
-            opt.zero_grad()
-            loss = m(tok, tok)
-            loss.backward()
-            opt.step()
-            seq.append(loss.item())
-        losses[fp8] = seq
-    bf, f8 = losses[None], losses["blockwise"]
+        curves[fp8] = losses(m, tok, torch.optim.AdamW(m.parameters(), lr=1e-3), 8)
+    bf, f8 = curves[None], curves["blockwise"]
     assert all(map(lambda v: v == v and abs(v) < 1e4, f8)), f8
     assert f8[-1] < 0.9 * f8[0], f8
     # the losses fall towards 0 (the model memorises one batch): compare against the starting loss

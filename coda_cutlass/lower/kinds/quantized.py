@@ -22,6 +22,13 @@ def _bool(b: bool) -> str:
     return "true" if b else "false"
 
 
+def _store_arguments(p: dict[str, Any]) -> str:
+    """QuantStoreArguments of a quantised store: the codes' pointer and row stride, and the scales'
+    (nullptr for a store without block scales)."""
+    scale = "nullptr, 0" if p["scale"] is None else f"static_cast<float*>(p.tensors[{p['scale']}]), p.ld[{p['scale']}]"
+    return f"{{static_cast<{p['element'].cpp}*>(p.tensors[{p['slot']}]), p.ld[{p['slot']}], {scale}}}"
+
+
 class QuantRowStore(NodeKind):
     """Row-major FP8 codes with 1 x block scales computed in the tile."""
     name, header = "quant_row_store", "coda/quant_store.hpp"
@@ -59,9 +66,7 @@ class QuantRowStore(NodeKind):
                 f"{threads}, {p['block']}, /*Half=*/{_bool(p['half'])}, /*Pow2=*/{_bool(p['pow2'])}>")
 
     def arguments(self, v: VisitorNode, plan: "KernelPlan") -> str:
-        p = v.params
-        return (f"{{static_cast<{p['element'].cpp}*>(p.tensors[{p['slot']}]), p.ld[{p['slot']}], "
-                f"static_cast<float*>(p.tensors[{p['scale']}]), p.ld[{p['scale']}]}}")
+        return _store_arguments(v.params)
 
 
 class TransposedStore(NodeKind):
@@ -95,10 +100,7 @@ class TransposedStore(NodeKind):
                 f"{threads}, /*Block=*/{p['block']}, /*Half=*/{_bool(p['half'])}, /*Pow2=*/{_bool(p['pow2'])}>")
 
     def arguments(self, v: VisitorNode, plan: "KernelPlan") -> str:
-        p = v.params
-        scale = f"static_cast<float*>(p.tensors[{p['scale']}]), p.ld[{p['scale']}]" if p["scale"] is not None \
-            else "nullptr, 0"
-        return f"{{static_cast<{p['element'].cpp}*>(p.tensors[{p['slot']}]), p.ld[{p['slot']}], {scale}}}"
+        return _store_arguments(v.params)
 
     def smem_bytes(self, v: VisitorNode, staging: Staging) -> int:
         # per-warp column maxima of one subtile (at most), and its codes transposed (rows padded by 16)

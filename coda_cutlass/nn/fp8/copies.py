@@ -28,6 +28,7 @@ from ...errors import CallError
 BLOCK = 128
 _EXP = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}     # fp8_max = 1.75 * 2^E
 _MIN_EXP = -126
+FP8_MAX_TORCH = {d.torch for d in FP8_MAX}
 
 
 def _pow2_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +53,18 @@ def _transposed(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return codes, s
 
 
-_COMPILED: dict[Any, Callable[..., Any]] = {}
+_COMPILED: dict[tuple[Callable[..., Any], torch.dtype], Callable[..., Any]] = {}
+
+
+def _on_device(fn: Callable[..., Any], t: torch.Tensor, dtype: torch.dtype) -> Callable[..., Any]:
+    """``fn`` compiled (once per function and FP8 format; shapes dynamic: one graph serves every
+    operand and token count) when ``t`` is on a GPU; ``fn`` itself elsewhere."""
+    if not t.is_cuda:
+        return fn
+    key = (fn, dtype)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=True)
+    return _COMPILED[key]
 
 
 def transposed_copy(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,12 +75,7 @@ def transposed_copy(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
         raise CallError(f"transposed FP8 copy: the row count {M} must be a multiple of {BLOCK}")
     if dtype not in FP8_MAX_TORCH:
         raise CallError(f"transposed FP8 copy: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
-    fn: Callable[..., Any] = _transposed
-    if x.is_cuda:
-        # dynamic shapes: one compiled kernel pair serves every operand (o, dz, dqkv, h) and token count
-        fn = _COMPILED.get(dtype) or _COMPILED.setdefault(dtype, torch.compile(_transposed, fullgraph=True,
-                                                                               dynamic=True))
-    codes, s = fn(x.contiguous(), dtype)
+    codes, s = _on_device(_transposed, x, dtype)(x.contiguous(), dtype)
     return codes, s.t()
 
 
@@ -80,17 +87,8 @@ def _tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return q, s, q.t().contiguous(), s.t().contiguous()
 
 
-_COMPILED_TILES: dict[Any, Callable[..., Any]] = {}
-
-
 def weight_tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """W (R, C), both multiples of 128 -> (codes, scales (R/128, C/128), W^T's codes, W^T's scales):
     ``quantize_tiles(w, dtype, 128, pow2=True)`` bit for bit, and its transpose (compiled on a GPU)."""
-    fn: Callable[..., Any] = _tiles
-    if w.is_cuda:
-        fn = _COMPILED_TILES.get(dtype) or _COMPILED_TILES.setdefault(dtype, torch.compile(_tiles, fullgraph=True,
-                                                                                          dynamic=True))
-    return fn(w.contiguous(), dtype)
+    return _on_device(_tiles, w, dtype)(w.contiguous(), dtype)
 
-
-FP8_MAX_TORCH = {d.torch for d in FP8_MAX}

@@ -1,0 +1,58 @@
+"""Shared by the FP8 block tests (CPU and GPU): a runner that records every launch, the blocks of a
+two-block FP8 model run on their own, and a few optimizer steps' losses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from coda_cutlass.nn import LlamaModel
+from coda_cutlass.nn.runner import ReferenceRunner
+
+BF16 = torch.bfloat16
+
+
+class RecordingRunner(ReferenceRunner):
+    """The reference interpreter, recording each GEMM as (site, program, layout, partial, fp8, A dtype,
+    W dtype), each map kernel as (site, program, partial), and every site in launch order."""
+
+    def __init__(self) -> None:
+        super().__init__(BF16)
+        self.gemms: list[tuple] = []
+        self.maps: list[tuple] = []
+        self.sites: list[str] = []
+
+    def gemm(self, site, program, A, W, *, layout="nk", partial=False, fp8=None, **kw):
+        self.gemms.append((site, program, layout, partial, fp8, A.dtype, W.dtype))
+        self.sites.append(site)
+        return super().gemm(site, program, A, W, layout=layout, partial=partial, fp8=fp8, **kw)
+
+    def map(self, site, program, X, *, partial=False, **kw):
+        self.maps.append((site, program, partial))
+        self.sites.append(site)
+        return super().map(site, program, X, partial=partial, **kw)
+
+
+def blocks_step(seed: int = 0) -> RecordingRunner:
+    """The two blocks of a small FP8 model, forward and backward, without the (bf16) LM head."""
+    torch.manual_seed(seed)
+    m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
+    run = RecordingRunner()
+    for b in m.blocks:
+        b.runner = run
+    step, x, h, r = m.hidden(torch.randint(0, 512, (2, 128)))
+    (x.float() ** 2).mean().backward()
+    return run
+
+
+def losses(model: Any, tokens: torch.Tensor, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    """The loss of each of ``steps`` optimizer steps on one batch (the model memorises it)."""
+    out = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(tokens, tokens)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
