@@ -34,10 +34,10 @@ class RecordingRunner(ReferenceRunner):
         return super().map(site, program, X, partial=partial, **kw)
 
 
-def blocks_step(seed: int = 0) -> RecordingRunner:
+def blocks_step(seed: int = 0, fp8: str = "blockwise") -> RecordingRunner:
     """The two blocks of a small FP8 model, forward and backward, without the (bf16) LM head."""
     torch.manual_seed(seed)
-    m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
+    m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8=fp8, dtype=BF16)
     run = RecordingRunner()
     for b in m.blocks:
         b.runner = run

@@ -32,18 +32,21 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def test_fp8_block_forward_and_every_gradient_track_the_bf16_block():
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_block_forward_and_every_gradient_track_the_bf16_block(recipe):
     ref = _block(None)
-    blk = _block("blockwise")
+    blk = _block(recipe)
     blk.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 128, 256, generator=g).to(BF16)
     dy = torch.randn(2, 128, 256, generator=g).to(BF16)
     outs = {}
     for name, b in (("bf16", ref), ("fp8", blk)):
-        xi = x.clone().requires_grad_()
-        y = b(xi)
-        y.backward(dy)
+        for _ in range(2):                  # tensorwise: the second step runs on delayed scales
+            b.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = b(xi)
+            y.backward(dy)
         outs[name] = (y.detach(), xi.grad, {n: p.grad for n, p in b.named_parameters()})
     (y0, dx0, g0), (y1, dx1, g1) = outs["bf16"], outs["fp8"]
     # e4m3 keeps 3 mantissa bits (a rounding error of up to 2^-4 relative per operand): measured here
@@ -60,15 +63,16 @@ def test_fp8_block_forward_and_every_gradient_track_the_bf16_block():
     assert not torch.equal(y1, y0) and not torch.equal(g1["qkv"], g0["qkv"])
 
 
-def test_fp8_model_trains_like_the_bf16_model():
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp8_model_trains_like_the_bf16_model(recipe):
     curves = {}
-    for fp8 in (None, "blockwise"):
+    for fp8 in (None, recipe):
         torch.manual_seed(3)
         m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8=fp8, dtype=torch.float32, compute_dtype=BF16)
         opt = torch.optim.SGD(m.parameters(), lr=0.2)
         tok = torch.randint(0, 512, (2, 128), generator=torch.Generator().manual_seed(4))
         curves[fp8] = losses(m, tok, opt, 3)
-    bf, f8 = curves[None], curves["blockwise"]
+    bf, f8 = curves[None], curves[recipe]
     assert f8[-1] < f8[0]                                   # it learns
     assert all(abs(a - b) / a < 0.02 for a, b in zip(bf, f8)), (bf, f8)
 
@@ -87,8 +91,9 @@ def test_weight_copies_are_remade_only_when_the_weight_changes():
     assert b is not a and torch.equal(b.scale, a.scale * 2)
 
 
-def test_every_gemm_of_a_two_block_step_is_fp8_and_gradients_travel_quantised():
-    run = blocks_step(seed=5)              # the blocks alone (the LM head stays bf16)
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_every_gemm_of_a_two_block_step_is_fp8_and_gradients_travel_quantised(recipe):
+    run = blocks_step(seed=5, fp8=recipe)  # the blocks alone (the LM head stays bf16)
     for site, *_, a_dtype, w_dtype in run.gemms:
         assert a_dtype in (torch.float8_e4m3fn, torch.float8_e5m2), f"{site}: A is {a_dtype}"
         assert w_dtype in (torch.float8_e4m3fn, torch.float8_e5m2), f"{site}: W is {w_dtype}"
@@ -98,7 +103,7 @@ def test_every_gemm_of_a_two_block_step_is_fp8_and_gradients_travel_quantised():
         assert gemms.count(site) >= 1, site
     # the second block's input gradient reached the first block with its FP8 copies: only the last
     # block (whose gradient came from the loss) quantised its incoming gradient itself
-    assert run.sites.count("dx2.quant") == 1
+    assert run.sites.count("dx2.quant") == (1 if recipe == "blockwise" else 2)   # tensorwise: calibrated
 
 
 def test_what_the_fp8_path_does_not_cover_is_refused_by_name():
@@ -108,8 +113,12 @@ def test_what_the_fp8_path_does_not_cover_is_refused_by_name():
         LlamaBlock(192, 3, 1, 384, head_dim=64, fp8="blockwise")
     with pytest.raises(ConfigError, match="fp8 must be None"):
         LlamaBlock(256, 2, 1, 512, head_dim=128, fp8="tensorwise-ish")
-    with pytest.raises(ConfigError, match="scaling"):
-        Fp8Recipe("mine", scaling="tensor")
+    with pytest.raises(ConfigError, match="scaling 'row'"):
+        Fp8Recipe("mine", scaling="row")
+    with pytest.raises(ConfigError, match="history"):
+        Fp8Recipe("mine", scaling="tensor", history=0)
+    with pytest.raises(ConfigError, match="margin"):
+        Fp8Recipe("mine", scaling="tensor", margin=-1)
     b = _block("blockwise")
     with pytest.raises(CallError, match="multiple of 128"):
         b(torch.randn(1, 100, 256).to(BF16))

@@ -128,7 +128,7 @@ class LlamaBlock(nn.Module):
         self._runners: dict[tuple[str, torch.dtype], Runner] = {}
         # FP8 training (nn.fp8): every linear's GEMMs in FP8 with this recipe; None: bf16
         self.fp8 = fp8_support.check_block(self, as_recipe(fp8))
-        self._fp8_weights = None
+        self._fp8_path = None
         self.reset_parameters()
 
     # ------------------------------------------------------------------ RoPE and attention settings
@@ -222,7 +222,7 @@ class LlamaBlock(nn.Module):
         # kept (runners drop their own caches when pickled).
         state = super().__getstate__()
         state["_runners"] = {}
-        state["_fp8_weights"] = None        # FP8 weight copies: made again from the parameters
+        state["_fp8_path"] = None           # FP8 weight copies (and delayed scales): made again
         return state
 
     def get_runner(self, dtype: torch.dtype | None = None) -> Runner:
@@ -331,11 +331,23 @@ class LlamaBlock(nn.Module):
             h, r = norm0(step, x2d.detach(), cast(self.attn_gain().detach(), step.dtype))
         return self.run(step, x2d, h, r, None).view(B, S, D)
 
+    def fp8_path(self) -> Any:
+        """This block's FP8 state under its recipe (nn.fp8.paths): the weights' FP8 copies, made once
+        per optimizer step, and for per-tensor scaling the amax histories."""
+        if self._fp8_path is None:
+            self._fp8_path = fp8_support.new_path(self.fp8)
+        return self._fp8_path
+
     def fp8_weights(self) -> Any:
-        """The FP8 copies of this block's weights (nn.fp8.weights), made once per optimizer step."""
-        if self._fp8_weights is None:
-            self._fp8_weights = fp8_support.Fp8Weights(self.fp8)
-        return self._fp8_weights
+        """The FP8 copies of this block's weights (nn.fp8.weights)."""
+        return self.fp8_path().weights
+
+    def fp8_stats(self) -> dict[str, Any]:
+        """Per quantised tensor of a "tensorwise" block: its amax history, scale and format (host
+        values: this waits for the GPU; call it for logging). Empty for other recipes or before the
+        first step."""
+        scales = getattr(self.fp8_path(), "scales", None) if self.fp8 is not None else None
+        return {} if scales is None else scales.stats()
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:
         """Tune this block's kernels inside its own forward + backward on (batch, seq) tokens,

@@ -22,7 +22,7 @@ from .block import LlamaBlock
 from .checks import check_model_args, check_vocab_for_kernels, checked_targets
 from .checkpointing import check_stack
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
-from .fp8.functional import first_norm_fp8
+from .fp8.support import first_norm_fp8
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
 

@@ -1,7 +1,7 @@
-"""The FP8 Llama block and model (nn.fp8, recipe "blockwise") on a Hopper GPU (skips cleanly without
-an sm_90 GPU): the compiled kernels against the reference interpreter running the same FP8 math on
-the same GPU (the CPU tests' path), and against the bf16 block; the backward started every way users
-start it; a model that trains. The CPU halves are tests/test_fp8_block.py and test_fp8_kernels.py.
+"""The FP8 Llama block and model (nn.fp8, recipes "blockwise" and "tensorwise") on a Hopper GPU
+(skips cleanly without an sm_90 GPU): the compiled kernels against the reference interpreter running
+the same FP8 math on the same GPU (the CPU tests' path), and against the bf16 block; the backward
+started every way users start it; a model that trains. The CPU halves are tests/test_fp8_block.py and test_fp8_kernels.py.
 
 Tolerances: the kernels and the interpreter quantise the same values, but their fp32 sums differ in
 order, so a value near an e4m3 rounding boundary lands on the neighbouring code (up to 1/8 of
@@ -46,14 +46,18 @@ def run(block: LlamaBlock, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Ten
     return y.detach(), xi.grad, {n: p.grad.clone() for n, p in block.named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def outputs():
+RECIPES = ("blockwise", "tensorwise")
+
+
+@pytest.fixture(scope="module", params=RECIPES)
+def outputs(request):
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(2, 512, 512, device="cuda", generator=g).to(BF16)
     dy = torch.randn(2, 512, 512, device="cuda", generator=g).to(BF16)
-    blk = make_block("blockwise")
+    blk = make_block(request.param)
     assert isinstance(blk.get_runner(), KernelRunner)
-    out = {"kernels": run(blk, x, dy)}
+    run(blk, x, dy)                  # tensorwise: the first step calibrates, the second runs on delayed scales
+    out = {"kernels": run(blk, x, dy), "recipe": request.param}
     blk.runner = ReferenceRunner(BF16)
     out["interpreter"] = run(blk, x, dy)
     out["bf16"] = run(make_block(None), x, dy)
@@ -82,7 +86,8 @@ def test_fp8_block_kernels_match_the_interpreter_and_track_the_bf16_block(output
 
 def test_the_backward_starts_every_way_with_the_same_gradients(outputs):
     x, dy, out = outputs
-    blk = make_block("blockwise")
+    blk = make_block(out["recipe"])
+    run(blk, x, dy)
     ref_dx = run(blk, x, dy)[1]
     xi = x.clone().requires_grad_()
     (dx,) = torch.autograd.grad(blk(xi), xi, dy)
@@ -94,14 +99,15 @@ def test_the_backward_starts_every_way_with_the_same_gradients(outputs):
     assert torch.isfinite(xi.grad).all() and rel(xj.grad, xi.grad) < 0.02
 
 
-def test_fp8_model_trains_on_the_gpu_like_the_bf16_model():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_model_trains_on_the_gpu_like_the_bf16_model(recipe):
     curves = {}
     tok = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
-    for fp8 in (None, "blockwise"):
+    for fp8 in (None, recipe):
         torch.manual_seed(3)
         m = LlamaModel(1024, 512, 2, 4, 2, 1024, head_dim=128, fp8=fp8, device="cuda", dtype=BF16)
         curves[fp8] = losses(m, tok, torch.optim.AdamW(m.parameters(), lr=1e-3), 8)
-    bf, f8 = curves[None], curves["blockwise"]
+    bf, f8 = curves[None], curves[recipe]
     assert all(map(lambda v: v == v and abs(v) < 1e4, f8)), f8
     assert f8[-1] < 0.9 * f8[0], f8
     # the losses fall towards 0 (the model memorises one batch): compare against the starting loss

@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from .functional import Fp8Operand, block_backward_fp8, block_forward_fp8
-from .weights import Fp8Weights
+from .paths import Path
 
 WEIGHT_NAMES = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")
 
@@ -24,7 +23,7 @@ def _stamp(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-def stash_put(step: Any, t: torch.Tensor, q: Fp8Operand) -> None:
+def stash_put(step: Any, t: torch.Tensor, q: Any) -> None:
     # Blocks run their backward one after another, each taking the entry the next block put, so the
     # stash holds one entry: clearing it drops the first block's, which nothing takes (a step reused
     # across iterations, as a benchmark does, would otherwise keep every iteration's copies).
@@ -32,20 +31,20 @@ def stash_put(step: Any, t: torch.Tensor, q: Fp8Operand) -> None:
     step.stash[id(t)] = (_stamp(t), q)
 
 
-def stash_take(step: Any, t: torch.Tensor) -> Fp8Operand | None:
+def stash_take(step: Any, t: torch.Tensor) -> Any:
     hit = step.stash.pop(id(t), None)
     return hit[1] if hit is not None and hit[0] == _stamp(t) else None
 
 
 class Fp8BlockFunction(torch.autograd.Function):
     """(x, r, weights...) -> x2 [, h2, r2] for one FP8 block; h (the FP8 operand of the block's
-    first GEMM) and the step come in as plain arguments."""
+    first GEMM), the step and the recipe's path (paths.py) come in as plain arguments."""
 
     @staticmethod
-    def forward(ctx: Any, x, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, g_next, h: Fp8Operand, step: Any,  # type: ignore[override]
-                wq: Fp8Weights, next_fp8: bool, weights: Any):
-        x2, h2, r2, saved = block_forward_fp8(step, x, h, r, weights, wq, g_next, next_fp8)
-        ctx.step, ctx.saved, ctx.weights, ctx.wq = step, saved, weights, wq
+    def forward(ctx: Any, x, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, g_next, h: Any, step: Any,  # type: ignore[override]
+                path: Path, next_fp8: bool, weights: Any):
+        x2, h2, r2, saved = path.forward(step, x, h, r, weights, g_next, next_fp8)
+        ctx.step, ctx.saved, ctx.weights, ctx.path = step, saved, weights, path
         if h2 is None:
             return x2
         if isinstance(h2, torch.Tensor):
@@ -57,7 +56,7 @@ class Fp8BlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
         dx2 = dx2.contiguous()
-        dx, dxq, g = block_backward_fp8(ctx.step, ctx.saved, ctx.weights, ctx.wq, dx2, stash_take(ctx.step, dx2))
+        dx, dxq, g = ctx.path.backward(ctx.step, ctx.saved, ctx.weights, dx2, stash_take(ctx.step, dx2))
         stash_put(ctx.step, dx, dxq)
         ctx.saved = None
         w = ctx.weights

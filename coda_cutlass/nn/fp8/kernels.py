@@ -1,6 +1,7 @@
-"""Every kernel an FP8 block launches, by site (the FP8 twin of nn/kernels.py): for prebuilding them
-(a wheel, a build machine ahead of a GPU run) and for tuning. Every GEMM reads K-major operands
-("nk": the dX GEMMs read the weights' transposed FP8 copies), so one layout serves all sites."""
+"""Every kernel an FP8 block launches, by recipe scaling and site (the FP8 twin of nn/kernels.py): for
+prebuilding them (a wheel, a build machine ahead of a GPU run) and for tuning. Every GEMM reads
+K-major operands ("nk": the dX GEMMs read the weights' transposed FP8 copies), so one layout serves
+all sites."""
 
 from __future__ import annotations
 
@@ -30,12 +31,43 @@ GEMM_SITES: dict[str, tuple[Any, tuple[str, str], str, bool]] = {
     "qkv.wgrad": (E.identity, ("gradient", "activation"), "block_1x128", False),
 }
 
+# recipe "tensorwise" (nn/fp8/tensorwise.py): every GEMM per-tensor scaled
+TENSOR_GEMM_SITES: dict[str, tuple[Any, tuple[str, str], str, bool]] = {
+    "qkv": (E.rope, ("activation", "weight"), "tensor", False),
+    "o": (E.residual_norm_stats_t, ("activation", "weight"), "tensor", True),
+    "gate_up": (E.swiglu_t, ("activation", "weight"), "tensor", False),
+    "down": (E.residual_norm_stats_t, ("activation", "weight"), "tensor", True),
+    "down.to_bf16": (E.residual_norm_stats, ("activation", "weight"), "tensor", True),
+    "down.last": (E.residual_add, ("activation", "weight"), "tensor", False),
+    "down.dgrad": (E.swiglu_backward_t, ("gradient", "weight"), "tensor", True),
+    "gate_up.dgrad": (E.norm_backward_t, ("gradient", "weight"), "tensor", True),
+    "o.dgrad": (E.identity, ("gradient", "weight"), "tensor", False),
+    "qkv.dgrad": (E.norm_backward_t, ("gradient", "weight"), "tensor", True),
+    "down.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
+    "gate_up.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),    # twice: gate and up rows
+    "o.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
+    "qkv.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
+}
+
 # map kernels (16-bit input): site -> (program, partial reductions)
 MAP_SITES: dict[str, tuple[Any, bool]] = {
     "norm0": (E.norm_stats_fp8, True),
     "o.quant": (E.quantize_rows, False),          # every ".quant" site: o, y, dz, dqkv, an incoming gradient
     "rope.dgrad": (E.rope_backward, True),
 }
+TENSOR_MAP_SITES: dict[str, tuple[Any, bool]] = {
+    "norm0": (E.norm_stats, True),                # the first block quantises its h itself ("h.quant")
+    "o.quant": (E.quantize_tensor, False),        # every ".quant" site: o, h, an incoming gradient
+    "rope.dgrad": (E.rope_backward_t, True),
+}
+
+
+def gemm_sites(recipe: Fp8Recipe) -> dict[str, tuple[Any, tuple[str, str], str, bool]]:
+    return TENSOR_GEMM_SITES if recipe.scaling == "tensor" else GEMM_SITES
+
+
+def map_sites(recipe: Fp8Recipe) -> dict[str, tuple[Any, bool]]:
+    return TENSOR_MAP_SITES if recipe.scaling == "tensor" else MAP_SITES
 
 
 def prebuild_items(recipe: Fp8Recipe) -> list[tuple[Any, dict]]:
@@ -43,7 +75,7 @@ def prebuild_items(recipe: Fp8Recipe) -> list[tuple[Any, dict]]:
     for ``cc.compile_many``."""
     seen: set[tuple[str, Any, str, bool]] = set()
     items = []
-    for program, kinds, scaling, partial in GEMM_SITES.values():
+    for program, kinds, scaling, partial in gemm_sites(recipe).values():
         dtype = recipe.gemm_dtype(*kinds)
         key = (program.name, str(dtype), scaling, partial)
         if key not in seen:
@@ -52,6 +84,7 @@ def prebuild_items(recipe: Fp8Recipe) -> list[tuple[Any, dict]]:
     return items
 
 
-def map_items(dtype: torch.dtype = torch.bfloat16) -> list[tuple[Any, dict]]:
-    """(program, options) of every distinct map kernel, for ``cc.compile_map``."""
-    return [(p, {"dtype": dtype, "partial_reductions": partial}) for p, partial in dict(MAP_SITES.values()).items()]
+def map_items(recipe: Fp8Recipe, dtype: torch.dtype = torch.bfloat16) -> list[tuple[Any, dict]]:
+    """(program, options) of every distinct map kernel of ``recipe``, for ``cc.compile_map``."""
+    sites = map_sites(recipe).values()
+    return [(p, {"dtype": dtype, "partial_reductions": partial}) for p, partial in dict(sites).items()]

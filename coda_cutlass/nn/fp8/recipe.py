@@ -5,6 +5,11 @@ granularity and format), so the block code takes a recipe, never flags.
   weights in 128 x 128 tiles, fp32 dequantisation scales rounded up to powers of two; every scale
   is computed from the tensor it scales (nothing delayed), inside the epilogue that produces it
   where the run lies inside the tile (``cc.quantize(..., block=128)``).
+- ``"tensorwise"``: one scale per tensor, delayed (Transformer Engine's DelayedScaling): each
+  quantised tensor's scale comes from the largest amax of its last ``history`` steps, which the
+  epilogue that quantises it reports beside the codes; a tensor's first step runs its producing
+  kernel twice, the first time only for the amax (nn/fp8/delayed.py), so no step quantises with
+  a guessed scale. The transposed copies keep the scale. Every GEMM is a per-tensor FP8 GEMM.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from ...errors import ConfigError
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SCALINGS = ("block", "tensor")
 
 
 @dataclass(frozen=True)
@@ -24,20 +30,30 @@ class Fp8Recipe:
     """How the linears of a block run in FP8.
 
     ``scaling``: "block" (1 x 128 activations and gradients, 128 x 128 weights; the weight-gradient
-    GEMMs, whose K is the token dimension, read 1 x 128 runs of both transposed operands).
+    GEMMs, whose K is the token dimension, read 1 x 128 runs of both transposed operands) or
+    "tensor" (one scale per tensor; activations and gradients delayed, weights current).
     ``activation`` / ``gradient`` / ``weight``: the FP8 format of each kind of operand.
     ``pow2``: scales rounded up to powers of two (exact to apply; see docs/FP8.md for the measured
-    effect) or amax / fp8_max."""
+    effect) or amax / fp8_max.
+    ``history`` / ``margin`` ("tensor"): a delayed scale is the largest amax of the last ``history``
+    steps times 2^margin, over fp8_max."""
     name: str
     scaling: str = "block"
     activation: torch.dtype = E4M3
     gradient: torch.dtype = E4M3
     weight: torch.dtype = E4M3
     pow2: bool = True
+    history: int = 16
+    margin: int = 0
 
     def __post_init__(self) -> None:
-        if self.scaling != "block":
-            raise ConfigError(f"FP8 recipe {self.name!r}: scaling {self.scaling!r} is not supported; 'block'")
+        if self.scaling not in SCALINGS:
+            raise ConfigError(f"FP8 recipe {self.name!r}: scaling {self.scaling!r} is not supported; one of "
+                              f"{', '.join(map(repr, SCALINGS))}")
+        if isinstance(self.history, bool) or not isinstance(self.history, int) or self.history < 1:
+            raise ConfigError(f"FP8 recipe {self.name!r}: history must be a positive int, got {self.history!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= 8:
+            raise ConfigError(f"FP8 recipe {self.name!r}: margin must be an int in 0..8, got {self.margin!r}")
         for what in ("activation", "gradient", "weight"):
             if getattr(self, what) not in (E4M3, E5M2):
                 raise ConfigError(f"FP8 recipe {self.name!r}: {what} format must be torch.float8_e4m3fn or "
@@ -51,6 +67,7 @@ class Fp8Recipe:
 
 RECIPES: dict[str, Fp8Recipe] = {
     "blockwise": Fp8Recipe("blockwise"),
+    "tensorwise": Fp8Recipe("tensorwise", scaling="tensor"),
 }
 
 

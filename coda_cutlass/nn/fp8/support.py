@@ -8,14 +8,30 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from ..functional import BlockWeights
+from ..functional import BlockWeights, first_norm
 from ..precision import cast, no_autocast
+from . import functional as blockwise
 from .autograd import Fp8BlockFunction
-from .functional import block_forward_fp8, first_norm_fp8, quantize_operand
+from .paths import BlockwisePath, Path, TensorwisePath
 from .recipe import Fp8Recipe
+from .tensorwise import new_scales
 from .weights import Fp8Weights
 
-__all__ = ["Fp8Weights", "check_block", "first_norm_fp8", "run"]
+__all__ = ["check_block", "first_norm_fp8", "new_path", "run"]
+
+
+def new_path(recipe: Fp8Recipe) -> Path:
+    """A block's per-recipe state: its FP8 weight copies (and delayed scales)."""
+    weights = Fp8Weights(recipe)
+    return TensorwisePath(weights, new_scales(recipe)) if recipe.scaling == "tensor" else BlockwisePath(weights)
+
+
+def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    """(h, r) of the stream entering the first FP8 block: blockwise, h quantised by the norm's map
+    kernel; per tensor, h in bf16 (the block quantises it with its own delayed scale)."""
+    if step.fp8.scaling == "tensor":
+        return first_norm(step, x, g)
+    return blockwise.first_norm_fp8(step, x, g)
 
 
 def check_block(block: Any, recipe: Fp8Recipe | None) -> Fp8Recipe | None:
@@ -46,14 +62,15 @@ def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next:
         raise ConfigError("activation checkpointing of FP8 blocks is not implemented yet")
     step = block.local_step(step)
     dtype = step.dtype or torch.bfloat16
-    if isinstance(h, torch.Tensor):      # from a bf16 block or a caller: quantised here
-        h = quantize_operand(step, "h.quant", h, block.fp8.activation)
+    path = block.fp8_path()
+    path.begin_step(x.device)
+    h = path.quantize_input(step, h)     # from a bf16 block, a caller or another recipe: quantised here
     g_attn, g_mlp = (cast(g, dtype) for g in (block.gain(block.attn_norm), block.gain(block.mlp_norm)))
     gn = None if g_next is None else cast(g_next.detach(), dtype)
     w = BlockWeights(block.qkv, block.o, block.gate_up, block.down, g_attn, g_mlp)
     tensors = (block.qkv, block.o, block.gate_up, block.down, g_attn, g_mlp)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)):
-        return Fp8BlockFunction.apply(x, r, *tensors, gn, h, step, block.fp8_weights(), next_fp8, w)
+        return Fp8BlockFunction.apply(x, r, *tensors, gn, h, step, path, next_fp8, w)
     with no_autocast(x.device):
-        x2, h2, r2, _ = block_forward_fp8(step, x, h, r, w, block.fp8_weights(), gn, next_fp8)
+        x2, h2, r2, _ = path.forward(step, x, h, r, w, gn, next_fp8)
     return x2 if h2 is None else (x2, h2, r2)

@@ -1,0 +1,127 @@
+"""Delayed per-tensor scaling (recipe "tensorwise"): the scales of the tensors one FP8 block quantises,
+from a history of their amaxes, kept on the GPU (nothing waits for the host).
+
+Each quantising kernel takes its tensor's scale as a ``cc.DeviceScalar`` and reports the tensor's
+amax beside the codes. A step's amaxes are recorded as they come and folded into the history when
+the next forward begins; the scales are then ``pow2_up(max(history) * 2^margin / fp8_max)`` (or
+without the rounding, ``pow2=False``), one small batch of tensor ops per block and step.
+
+A tensor whose history is empty (its first step, or the first after ``reset``) is quantised with a
+current scale instead: its producing kernel runs once for the amax (codes discarded), then again with
+the scale that amax gives, so no step quantises with a guessed scale (Transformer Engine starts from
+scale 1, which flushes small gradients to zero on the first step). Later, a tensor that outgrows its
+history's range saturates at fp8_max for that step (as in Transformer Engine) and its amax moves
+the next step's scale; a NaN or inf amax makes the next scale NaN, so the overflow shows in the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ...dtypes import FP8_MAX, as_dtype
+from .recipe import Fp8Recipe
+
+# a kernel launch given its tensor's scale -> (its outputs, the tensor's amax: a 0-dim fp32 tensor)
+Launch = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def scales_from_amax(amax: torch.Tensor, fmax: torch.Tensor, margin: int, pow2: bool) -> torch.Tensor:
+    """fp32 scales for amaxes: v = amax * 2^margin / fmax, rounded up to a power of two (>= 2^-126)
+    with ``pow2`` (the block scales' rule, quantization.py); 1 for amax 0, NaN for inf or NaN."""
+    v = amax.float() * float(2 ** margin) / fmax
+    if pow2:
+        bits = v.view(torch.int32)
+        e = (bits >> 23) & 0xFF
+        up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        v = ((e + up).clamp(min=1) << 23).view(torch.float32)
+    ok = torch.isfinite(amax)
+    return torch.where(ok, torch.where(amax == 0, torch.ones_like(v), v), torch.full_like(v, float("nan")))
+
+
+class DelayedScales:
+    """The amax histories and scales of one block's quantised tensors, by name; each name has its
+    FP8 format (activation or gradient)."""
+
+    def __init__(self, recipe: Fp8Recipe, formats: dict[str, torch.dtype]):
+        self.recipe = recipe
+        self.names = tuple(formats)
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self._fmax = [float(FP8_MAX[as_dtype(formats[n])]) for n in self.names]
+        self.formats = dict(formats)
+        self._device: torch.device | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every history (the next step quantises each tensor with its current amax)."""
+        self._history: torch.Tensor | None = None      # (names, history) fp32
+        self._scales: torch.Tensor | None = None       # (names,) fp32
+        self._filled = [False] * len(self.names)       # a history entry exists
+        self._pending: dict[int, torch.Tensor] = {}    # this step's amaxes, not yet folded
+        self._slot = 0
+        self.steps = 0
+
+    def _ensure(self, device: torch.device) -> None:
+        if self._history is None or self._device != device:
+            n = len(self.names)
+            self._device = device
+            self._history = torch.zeros(n, self.recipe.history, dtype=torch.float32, device=device)
+            self._scales = torch.ones(n, dtype=torch.float32, device=device)
+            self._fmax_t = torch.tensor(self._fmax, dtype=torch.float32, device=device)
+            self._filled = [False] * n
+            self._pending.clear()
+
+    def _scale_of(self, amax: torch.Tensor, fmax: torch.Tensor) -> torch.Tensor:
+        return scales_from_amax(amax, fmax, self.recipe.margin, self.recipe.pow2)
+
+    def begin_step(self, device: torch.device) -> None:
+        """Fold the previous step's amaxes into the histories and make this step's scales (a
+        forward calls it once; the backward uses the forward's scales)."""
+        self._ensure(device)
+        if not self._pending:
+            return
+        idx = sorted(self._pending)
+        amax = torch.stack([self._pending[i].reshape(()).float() for i in idx])
+        rows = torch.tensor(idx, device=device)
+        col = self._history[:, self._slot].clone().zero_()
+        col.index_copy_(0, rows, amax)
+        self._history[:, self._slot] = col
+        self._slot = (self._slot + 1) % self.recipe.history
+        self._scales = self._scale_of(self._history.amax(1), self._fmax_t)
+        for i in idx:
+            self._filled[i] = True
+        self._pending.clear()
+        self.steps += 1
+
+    def scale(self, name: str) -> torch.Tensor:
+        """The tensor's scale this step: a 0-dim fp32 device tensor."""
+        return self._scales[self._index[name]]
+
+    def quantize(self, name: str, launch: Launch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Run ``launch`` with the tensor's scale and record its amax; with an empty history, run it
+        first for the amax alone and then with the scale that amax gives. ``launch`` makes the whole
+        tensor (all of its kernels, e.g. q, k and v's parts) and returns their largest amax.
+        Returns (the outputs, the scale they were quantised with)."""
+        i = self._index[name]
+        if not self._filled[i] and i not in self._pending:
+            _, amax = launch(torch.ones((), dtype=torch.float32, device=self._device))
+            s = self._scale_of(amax.reshape(1).float(), self._fmax_t[i:i + 1])
+            self._scales = self._scales.clone()          # a step's earlier launches keep their scales
+            self._scales[i] = s[0]
+        scale = self.scale(name)
+        out, amax = launch(scale)
+        prev = self._pending.get(i)
+        self._pending[i] = amax if prev is None else torch.maximum(prev, amax)
+        return out, scale
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per tensor: the amax history (newest first, unfilled entries 0), the current scale and
+        its FP8 format, as host values (this syncs: for logging, not for every step)."""
+        if self._history is None:
+            return {}
+        order = [(self._slot - 1 - k) % self.recipe.history for k in range(self.recipe.history)]
+        hist = self._history[:, order].tolist()
+        scales = self._scales.tolist()
+        return {n: {"amax_history": hist[i], "scale": scales[i], "format": str(self.formats[n]),
+                    "calibrated": self._filled[i]} for i, n in enumerate(self.names)}

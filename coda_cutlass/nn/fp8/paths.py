@@ -1,0 +1,80 @@
+"""How each recipe's block runs: its forward and backward functions with the per-block state they
+need (the weights' FP8 copies; for per-tensor scaling the amax histories too), and how an operand
+made under the other recipe is taken in (a model whose blocks mix recipes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...quantization import dequantize_blocks
+from . import functional as blockwise
+from . import tensorwise
+from .delayed import DelayedScales
+from .weights import Fp8Weights
+
+
+class Path:
+    """A recipe's block: ``forward`` -> (x2, h2, r2, saved), ``backward`` -> (dx, its FP8 copy, grads)."""
+
+    def __init__(self, weights: Fp8Weights):
+        self.weights = weights
+
+    def forward(self, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, w: Any, g_next: Any,
+                next_fp8: bool) -> tuple:
+        raise NotImplementedError
+
+    def backward(self, step: Any, saved: tuple, w: Any, dx2: torch.Tensor, dx2q: Any) -> tuple:
+        raise NotImplementedError
+
+    def quantize_input(self, step: Any, h: Any) -> Any:
+        """The block's first operand h: as it comes when this recipe made it, else quantised here."""
+        raise NotImplementedError
+
+    def begin_step(self, device: torch.device) -> None:
+        """A forward begins (the delayed scales move on)."""
+
+
+def _bf16(h: Any, dtype: torch.dtype) -> torch.Tensor:
+    """An operand of either recipe (or a 16-bit tensor) back in ``dtype``."""
+    if isinstance(h, torch.Tensor):
+        return h
+    if isinstance(h, blockwise.Fp8Operand):
+        return dequantize_blocks(h.q, h.s).to(dtype)
+    return (h.q.float() * h.s).to(dtype)
+
+
+class BlockwisePath(Path):
+    def forward(self, step, x, h, r, w, g_next, next_fp8):
+        return blockwise.block_forward_fp8(step, x, h, r, w, self.weights, g_next, next_fp8)
+
+    def backward(self, step, saved, w, dx2, dx2q):
+        q = dx2q if isinstance(dx2q, blockwise.Fp8Operand) else None
+        return blockwise.block_backward_fp8(step, saved, w, self.weights, dx2, q)
+
+    def quantize_input(self, step, h):
+        if isinstance(h, blockwise.Fp8Operand):
+            return h
+        return blockwise.quantize_operand(step, "h.quant", _bf16(h, step.dtype or torch.bfloat16),
+                                          step.fp8.activation)
+
+
+class TensorwisePath(Path):
+    def __init__(self, weights: Fp8Weights, scales: DelayedScales):
+        super().__init__(weights)
+        self.scales = scales
+
+    def forward(self, step, x, h, r, w, g_next, next_fp8):
+        return tensorwise.block_forward(step, x, h, r, w, self.weights, self.scales, g_next, next_fp8)
+
+    def backward(self, step, saved, w, dx2, dx2q):
+        return tensorwise.block_backward(step, saved, w, self.weights, self.scales, dx2, dx2q)
+
+    def begin_step(self, device):
+        self.scales.begin_step(device)
+
+    def quantize_input(self, step, h):
+        if isinstance(h, tensorwise.TensorOperand):
+            return h
+        return tensorwise.quantize_map(step, self.scales, "h", "h.quant", _bf16(h, step.dtype or torch.bfloat16))

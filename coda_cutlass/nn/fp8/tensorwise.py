@@ -1,0 +1,181 @@
+"""An FP8 Llama block's forward and backward under per-tensor scaling (recipe "tensorwise"), written
+once over a ``Runner`` as the blockwise block is (functional.py): every linear's forward, dX and dW
+GEMM is a per-tensor FP8 GEMM, and every operand is quantised by the kernel that produces it with a
+delayed scale (delayed.py), beside its amax:
+
+- forward: h1 and the next block's h by the out-proj / down-proj epilogues (with their transposed
+  copies), y by the gate/up epilogue (with its transposed copy), the attention output by a map kernel;
+- backward: dz by the down-proj dX epilogue as its gate and up halves with their transposed copies,
+  dx1 and dx by the norm-backward dX epilogues (in bf16 for the residual, in FP8, transposed), dqkv
+  by the RoPE-backward map kernels.
+
+A per-tensor scale survives a transpose, so the transposed copies that no epilogue writes (the
+attention output, dqkv, the first block's h, a gradient from outside) are the codes transposed, made
+when a weight-gradient GEMM first asks (``TensorOperand.t``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ... import epilogues as E
+from ..stats import row_mean, rstd
+from .delayed import DelayedScales
+from .functional import check_tokens
+from .weights import Fp8Weight, Fp8Weights
+
+# the tensors a block quantises, by name -> the recipe's format for them
+ACTIVATIONS = ("h", "o", "h1", "y", "h2")
+GRADIENTS = ("dx2", "dz", "dx1", "dqkv", "dx")
+
+
+@dataclass
+class TensorOperand:
+    """An (M, N) activation or gradient in FP8 with one scale ``s`` (0-dim fp32): codes ``q`` (M, N),
+    and the transposed copy ``qt`` (N, M), the same codes, written by the producing epilogue or made
+    on first use."""
+    q: torch.Tensor
+    s: torch.Tensor
+    qt: torch.Tensor | None = None
+
+    def t(self, step: Any, site: str) -> torch.Tensor:
+        if self.qt is None:
+            self.qt = step.runner.timed(site, lambda: transpose_codes(self.q))
+        return self.qt
+
+
+def transpose_codes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8).t().contiguous().view(q.dtype)
+
+
+def new_scales(recipe: Any) -> DelayedScales:
+    return DelayedScales(recipe, {**{n: recipe.activation for n in ACTIVATIONS},
+                                  **{n: recipe.gradient for n in GRADIENTS}})
+
+
+def _gemm(step: Any, site: str, program: Any, a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor,
+          sw: torch.Tensor, kinds: tuple[str, str], **operands: Any) -> dict:
+    return step.runner.gemm(site, program, a, w, fp8=(step.fp8.gemm_dtype(*kinds), "tensor"), scale_a=sa,
+                            scale_b=sw, **operands)
+
+
+def _fwd(step: Any, site: str, program: Any, a: TensorOperand, w: Fp8Weight, **operands: Any) -> dict:
+    return _gemm(step, site, program, a.q, a.s, w.w, w.scale, ("activation", "weight"), **operands)
+
+
+def _dgrad(step: Any, site: str, program: Any, grad: TensorOperand, w: Fp8Weight, **operands: Any) -> dict:
+    return _gemm(step, site, program, grad.q, grad.s, w.wt, w.scale_t, ("gradient", "weight"), **operands)
+
+
+def _wgrad(step: Any, site: str, grad: TensorOperand, a: TensorOperand, **operands: Any) -> dict:
+    """dW = grad^T a: K is the token dimension, both operands their transposed copies."""
+    return _gemm(step, site, E.identity, grad.t(step, site + ".gt"), grad.s, a.t(step, site + ".at"), a.s,
+                 ("gradient", "activation"), **operands)
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """A reported amax: 0-dim, or per-tile partials (a kernel run with ``partial``), finished here."""
+    return t if t.dim() == 0 else t.amax()
+
+
+def _with_amax(out: dict) -> tuple[dict, torch.Tensor]:
+    return out, _amax(out["amax"])
+
+
+def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Tensor) -> TensorOperand:
+    """A tensor no GEMM produced, by a map kernel (its transposed copy made when asked)."""
+    out, s = sc.quantize(name, lambda s: _with_amax(step.runner.map(site, E.quantize_tensor, x, s=s)))
+    return TensorOperand(out["q"], s)
+
+
+def block_forward(step: Any, x: torch.Tensor, h: TensorOperand, r: torch.Tensor, w: Any, wq: Fp8Weights,
+                  sc: DelayedScales, g_next: torch.Tensor | None, next_fp8: bool
+                  ) -> tuple[torch.Tensor, Any, torch.Tensor | None, tuple]:
+    """One block: (x2, h2, r2, saved); h2 a TensorOperand when the next consumer is an FP8 block."""
+    d = step.dims
+    check_tokens(x.shape[0])
+    wqkv, wo, wd = wq.get(w.qkv), wq.get(w.o), wq.get(w.down)
+    wgu = wq.get(w.gate_up, halves=True)
+    qkv = _fwd(step, "qkv", E.rope, h, wqkv, r=r, pos=step.pos, freq=step.freq)["D"]
+    o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
+    oq = quantize_map(step, sc, "o", "o.quant", o)
+    f1, s1 = sc.quantize("h1", lambda s: _with_amax(_fwd(step, "o", E.residual_norm_stats_t, oq, wo, partial=True,
+                                                         resid=x, g=w.mlp_norm, s=s)))
+    x1, h1, r1 = f1["D"], TensorOperand(f1["h"], s1, f1["ht"]), rstd(f1["sumsq"], d.dim, d.eps)
+    f2, sy = sc.quantize("y", lambda s: _with_amax(_fwd(step, "gate_up", E.swiglu_t, h1, wgu, r=r1, s=s)))
+    z, y = f2["z"], TensorOperand(f2["y"], sy, f2["yt"])
+    if g_next is None:
+        x2 = _fwd(step, "down.last", E.residual_add, y, wd, resid=x1)["D"]
+        h2 = r2 = None
+    elif next_fp8:
+        f3, s2 = sc.quantize("h2", lambda s: _with_amax(_fwd(step, "down", E.residual_norm_stats_t, y, wd,
+                                                             partial=True, resid=x1, g=g_next, s=s)))
+        x2, h2, r2 = f3["D"], TensorOperand(f3["h"], s2, f3["ht"]), rstd(f3["sumsq"], d.dim, d.eps)
+    else:
+        f3 = _fwd(step, "down.to_bf16", E.residual_norm_stats, y, wd, partial=True, resid=x1, g=g_next)
+        x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)
+    return x2, h2, r2, (x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx)
+
+
+def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedScales, dx2: torch.Tensor,
+                   dx2q: TensorOperand | None) -> tuple[torch.Tensor, TensorOperand, dict[str, torch.Tensor]]:
+    """(dx, its FP8 copy for the previous block, the weight gradients by name)."""
+    d, run = step.dims, step.runner
+    x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx = saved
+    wqkv, wo, wd = wq.get(w.qkv), wq.get(w.o), wq.get(w.down)
+    wgu = wq.get(w.gate_up, halves=True)
+    if not isinstance(dx2q, TensorOperand):      # a gradient no coda epilogue quantised (the LM head's, a user's)
+        dx2q = quantize_map(step, sc, "dx2", "dx2.quant", dx2)
+    M, f = dx2.shape[0], d.ffn_dim
+    # ---- MLP: dz as its gate and up halves (one M x 2f buffer; W_gu^T's columns in the same order)
+    dz8 = torch.empty(M, 2 * f, dtype=step.fp8.gradient, device=dx2.device)
+    dzt8 = torch.empty(2 * f, M, dtype=step.fp8.gradient, device=dx2.device)
+    halves = {"dg": dz8[:, :f], "du": dz8[:, f:], "dgt": dzt8[:f], "dut": dzt8[f:]}
+
+    def down_dgrad(s: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        out = _dgrad(step, "down.dgrad", E.swiglu_backward_t, dx2q, wd, partial=True, out=halves, z=z, r=r1, s=s)
+        return out, torch.maximum(_amax(out["amax_g"]), _amax(out["amax_u"]))
+
+    b4, sdz = sc.quantize("dz", down_dgrad)
+    dzq = TensorOperand(dz8, sdz, dzt8)
+    d_down = _wgrad(step, "down.wgrad", dx2q, y)["D"]
+    c1 = row_mean(b4["zdz"], d.dim)
+    b6, sdx1 = sc.quantize("dx1", lambda s: _with_amax(_dgrad(step, "gate_up.dgrad", E.norm_backward_t, dzq, wgu,
+                                                              partial=True, x=x1, r=r1, c=c1, g=w.mlp_norm,
+                                                              dres=dx2, s=s)))
+    dx1, dx1q = b6["dx"], TensorOperand(b6["dx8"], sdx1, b6["dx8t"])
+    d_gate_up = torch.empty(2 * f, d.dim, dtype=dx2.dtype, device=dx2.device)   # rows gate, up interleaved
+    for part, rows in (("gate", slice(0, f)), ("up", slice(f, 2 * f))):
+        g_half = TensorOperand(dz8[:, rows], sdz, dzt8[rows])
+        _wgrad(step, "gate_up.wgrad", g_half, h1, out={"D": d_gate_up[0 if part == "gate" else 1::2]})
+    # ---- attention: out-proj dX and dW, attention backward in bf16, the RoPE backward map kernels
+    d_attn = _dgrad(step, "o.dgrad", E.identity, dx1q, wo)["D"]
+    d_o = _wgrad(step, "o.wgrad", dx1q, oq)["D"]
+    grads = run.timed("attention.bwd", lambda: step.attention.backward(attn_ctx, d_attn))
+    dqkv8 = torch.empty(qkv.shape, dtype=step.fp8.gradient, device=qkv.device)
+
+    def rope_dgrad(s: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        zdz, amax, start = [], [], 0
+        for g4 in grads:
+            width = g4.shape[2] * g4.shape[3]
+            cols = slice(start, start + width)
+            res = run.map("rope.dgrad", E.rope_backward_t, g4, partial=True, out={"dz": dqkv8[:, cols]},
+                          y=qkv[:, cols], r=r, pos=step.pos, freq=step.freq[cols], s=s)
+            zdz.append(res["zdz"])
+            amax.append(_amax(res["amax"]))
+            start += width
+        return {"zdz": torch.cat(zdz)}, torch.stack(amax).amax()
+
+    b1, sdq = sc.quantize("dqkv", rope_dgrad)
+    dqkvq = TensorOperand(dqkv8, sdq)
+    c = row_mean(b1["zdz"], d.dim)
+    b2, sdx = sc.quantize("dx", lambda s: _with_amax(_dgrad(step, "qkv.dgrad", E.norm_backward_t, dqkvq, wqkv,
+                                                            partial=True, x=x, r=r, c=c, g=w.attn_norm, dres=dx1,
+                                                            s=s)))
+    d_qkv = _wgrad(step, "qkv.wgrad", dqkvq, h)["D"]
+    grads_w = {"qkv": d_qkv, "o": d_o, "gate_up": d_gate_up, "down": d_down,
+               "attn_norm": b2["dgamma"].sum(0), "mlp_norm": b6["dgamma"].sum(0)}
+    return b2["dx"], TensorOperand(b2["dx8"], sdx, b2["dx8t"]), grads_w

@@ -1,0 +1,85 @@
+"""The epilogue programs of an FP8 Llama block under per-tensor scaling (``coda_cutlass.nn.fp8``, recipe
+"tensorwise"): the block's bf16 programs where each output that feeds an FP8 GEMM is stored in FP8
+with a given per-tensor scale ``s`` (a ``cc.DeviceScalar``: delayed scaling, the scale comes from
+an amax history on the GPU), beside its amax (the history's next entry) and, where a weight-gradient
+GEMM reads it with the tokens as K, its transposed copy (same scale: a per-tensor scale survives
+the transpose). Per-tensor quantisation is elementwise, so no output here constrains the tile.
+
+Forward:  residual_norm_stats_t (out-proj and down-proj: h = x * g, the next GEMM's operand),
+          swiglu_t (gate/up: the SwiGLU output), quantize_tensor (map kernel: the attention output,
+          the first block's h, a gradient no epilogue produced).
+Backward: swiglu_backward_t (down-proj dX: dz as its gate and up halves, each with its transposed
+          copy), norm_backward_t (gate/up and QKV dX: dx in bf16 and in FP8), rope_backward_t (map
+          kernel: the RoPE backward of q, k and v, quantised).
+"""
+
+import torch
+
+import coda_cutlass as cc
+
+F32 = torch.float32
+
+
+@cc.epilogue
+def quantize_tensor(acc, s: cc.DeviceScalar):
+    """Map kernel: a tensor no GEMM produces, in FP8 with the given scale, and its amax."""
+    return {"q": cc.quantize(acc, scale=s), "amax": cc.amax(acc)}
+
+
+@cc.epilogue
+def residual_norm_stats_t(acc, resid: cc.Tile, g: cc.PerCol, s: cc.DeviceScalar):
+    """Out-proj / down-proj: x = acc + resid (D, bf16: the residual stream), h = x * g in FP8 (the
+    next GEMM's A) with its transposed copy (its weight gradient's operand), h's amax, and the
+    per-row partials of x^2 (the next norm's r)."""
+    x = acc + resid
+    h = x * g
+    return {"D": x, "h": cc.quantize(h, scale=s), "ht": cc.quantize(h, scale=s, transpose=True),
+            "amax": cc.amax(h), "sumsq": cc.row_sum(x * x)}
+
+
+@cc.epilogue
+def swiglu_t(acc, r: cc.PerRow(F32), s: cc.DeviceScalar):
+    """Gate/up: z = r * acc (bf16, saved for the backward), y = silu(gate) * up (half width) in FP8
+    with its transposed copy, and y's amax (v holds y's value on both columns of its pair)."""
+    z = acc * r
+    g, u = cc.pairs(z)
+    v = cc.silu(g) * u
+    y = cc.half_width(v)
+    return {"z": z, "y": cc.quantize(y, scale=s), "yt": cc.quantize(y, scale=s, transpose=True),
+            "amax": cc.amax(v)}
+
+
+@cc.epilogue
+def swiglu_backward_t(acc, z: cc.PairTile, r: cc.PerRow(F32), s: cc.DeviceScalar):
+    """Down-proj dX (acc = dy, M x f): the SwiGLU backward of swiglu_backward_scaled, with dz' = r * dz
+    written as its two halves, dg (gate) and du (up), each M x f in FP8 with its transposed copy
+    (the caller points them at the two halves of one M x 2f buffer: the gate/up dX GEMM reads it
+    against W^T's columns in the same order), their amaxes, and the per-row partials of z . dz."""
+    g, u = cc.unpack(z)
+    sg = cc.sigmoid(g)
+    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
+    du = acc * g * sg
+    dgr, dur = dg * r, du * r
+    return {"dg": cc.quantize(dgr, scale=s), "dgt": cc.quantize(dgr, scale=s, transpose=True),
+            "du": cc.quantize(dur, scale=s), "dut": cc.quantize(dur, scale=s, transpose=True),
+            "amax_g": cc.amax(dgr), "amax_u": cc.amax(dur), "zdz": cc.row_sum(g * dg + u * du)}
+
+
+@cc.epilogue
+def norm_backward_t(acc, x: cc.Tile, r: cc.PerRow(F32), c: cc.PerRow(F32), g: cc.PerCol, dres: cc.Tile,
+                    s: cc.DeviceScalar):
+    """Norm-backward dX (as norm_backward): dx = dres + acc * g - r^2 c x in bf16 (the next
+    accumulation's dres) and in FP8 with its transposed copy (the GEMMs that read it), dx's amax,
+    and the dgamma partials."""
+    dx = dres + acc * g - (r * r * c) * x
+    return {"dx": dx, "dx8": cc.quantize(dx, scale=s), "dx8t": cc.quantize(dx, scale=s, transpose=True),
+            "amax": cc.amax(dx), "dgamma": cc.col_sum(acc * x)}
+
+
+@cc.epilogue
+def rope_backward_t(acc, y: cc.Tile, r: cc.PerRow(F32), pos: cc.PerRow(F32), freq: cc.PerCol(F32),
+                    s: cc.DeviceScalar):
+    """Map kernel (as rope_backward): dz' = r * R(-theta) dy in FP8 with the given scale, its amax,
+    and the per-row partials of y . dy."""
+    dz = cc.rotate_pairs(acc, -(pos * freq)) * r
+    return {"dz": cc.quantize(dz, scale=s), "amax": cc.amax(dz), "zdz": cc.row_sum(acc * y)}

@@ -1,0 +1,171 @@
+"""The FP8 recipe "tensorwise" on the CPU: delayed per-tensor scales (nn/fp8/delayed.py), the weights'
+per-tensor copies, and the block through the interpreter against a plain-torch FP8 emulation written
+from the recipe's description (tests/fp8_emulation.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from coda_cutlass.nn import LlamaBlock, LlamaModel
+from coda_cutlass.nn.fp8 import RECIPES, Fp8Recipe
+from coda_cutlass.nn.fp8.delayed import DelayedScales, scales_from_amax
+from coda_cutlass.nn.fp8.weights import Fp8Weights
+from coda_cutlass.nn.reference import coda_grads_standard, standard_block, standard_weights
+from fp8_emulation import emulated_block
+from fp8_helpers import RecordingRunner
+
+BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_scales_from_amax_round_up_to_powers_of_two():
+    amax = torch.tensor([448.0, 449.0, 1.0, 0.0, float("inf"), float("nan"), 1e-42, 448.0 * 2 ** -3])
+    fmax = torch.full_like(amax, 448.0)
+    s = scales_from_amax(amax, fmax, 0, True)
+    assert s[0] == 1.0 and s[1] == 2.0 and s[2] == 2.0 ** -8 and s[3] == 1.0 and s[7] == 2.0 ** -3
+    assert math.isnan(s[4]) and math.isnan(s[5]) and s[6] == 2.0 ** -126
+    assert scales_from_amax(torch.tensor([449.0]), torch.tensor([448.0]), 2, True)[0] == 8.0        # margin 2^2
+    exact = scales_from_amax(torch.tensor([449.0]), torch.tensor([448.0]), 0, False)
+    assert exact[0] == torch.tensor(449.0) / 448.0
+
+
+class FakeKernel:
+    """A 'kernel' whose tensor has a given amax each step; records the scales it was launched with."""
+
+    def __init__(self) -> None:
+        self.amax = 1.0
+        self.scales: list[float] = []
+
+    def __call__(self, s: torch.Tensor):
+        self.scales.append(float(s))
+        return {"q": s.clone()}, torch.tensor(self.amax)
+
+
+def test_a_tensor_is_calibrated_on_its_first_step_then_scaled_from_its_history():
+    sc = DelayedScales(Fp8Recipe("t", scaling="tensor", history=3), {"a": E4M3, "g": E5M2})
+    k = FakeKernel()
+    for step, amax in enumerate([10.0, 3.0, 3.0, 3.0, 3.0]):
+        sc.begin_step(torch.device("cpu"))
+        k.amax = amax
+        k.scales.clear()
+        _, s = sc.quantize("a", k)
+        if step == 0:       # launched once for the amax, then with the scale it gives
+            assert k.scales == [1.0, 2.0 ** -5] and float(s) == 2.0 ** -5
+        else:               # once, with the largest amax of the last 3 steps: 10 ages out after step 3
+            assert len(k.scales) == 1
+            assert k.scales[0] == (2.0 ** -5 if step <= 3 else 2.0 ** -7), (step, k.scales)
+    stats = sc.stats()
+    assert stats["a"]["calibrated"] and stats["a"]["amax_history"][:3] == [3.0, 3.0, 3.0]
+    assert not stats["g"]["calibrated"] and stats["g"]["format"] == str(E5M2)
+
+
+def test_an_overflow_shows_as_a_nan_scale_on_the_next_step():
+    sc = DelayedScales(RECIPES["tensorwise"], {"a": E4M3})
+    k = FakeKernel()
+    sc.begin_step(torch.device("cpu"))
+    sc.quantize("a", k)
+    k.amax = float("inf")
+    sc.begin_step(torch.device("cpu"))
+    sc.quantize("a", k)
+    sc.begin_step(torch.device("cpu"))
+    assert math.isnan(float(sc.scale("a")))
+
+
+def test_per_tensor_weight_copies_and_the_gate_up_halves():
+    w = torch.nn.Parameter(torch.randn(256, 384) * 3)
+    cache = Fp8Weights(RECIPES["tensorwise"])
+    a, h = cache.get(w), cache.get(w, halves=True)
+    s = scales_from_amax(w.detach().abs().amax(), torch.tensor(448.0), 0, True)
+    assert a.scale.dim() == 0 and torch.equal(a.scale, s) and a.scale_t is a.scale
+    codes = (w.detach() / s).clamp(-448, 448).to(E4M3)
+    assert torch.equal(a.w.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(a.wt.view(torch.uint8), codes.t().contiguous().view(torch.uint8))
+    halves = torch.cat([codes[0::2], codes[1::2]]).t().contiguous()
+    assert torch.equal(h.wt.view(torch.uint8), halves.view(torch.uint8))
+    assert cache.get(w) is a and cache.get(w, halves=True) is h
+
+
+def _block(seed: int = 0) -> LlamaBlock:
+    torch.manual_seed(seed)
+    b = LlamaBlock(256, 2, 1, 512, head_dim=128, fp8="tensorwise", dtype=BF16)
+    with torch.no_grad():        # ~1/sqrt(fan_in) weights: attention far from uniform
+        for w in (b.qkv, b.o, b.gate_up, b.down):
+            w.normal_(0.0, w.shape[1] ** -0.5)
+        b.attn_norm.normal_(1.0, 0.2)
+        b.mlp_norm.normal_(1.0, 0.2)
+    return b
+
+
+def test_the_tensorwise_block_matches_an_fp8_emulation_of_the_recipe():
+    blk = _block()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 128, 256, generator=g).to(BF16)
+    dy = torch.randn(2, 128, 256, generator=g).to(BF16)
+    for _ in range(2):                   # the second step on delayed scales (same input: same scales)
+        blk.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = blk(xi)
+        y.backward(dy)
+    coda = (y.detach().float() - x.float(), xi.grad, coda_grads_standard(blk))
+    res = {}
+    for name, fn in (("emulated", lambda xx, w: emulated_block(xx, w, blk.dims, blk.inv_freq, (E4M3,) * 3)),
+                     ("exact", lambda xx, w: standard_block(xx, w, blk.dims, blk.inv_freq))):
+        w = {k: v.detach().float().requires_grad_() for k, v in standard_weights(blk).items()}
+        xx = x.float().requires_grad_()
+        ye = fn(xx, w)
+        ye.backward(dy.float())
+        res[name] = (ye.detach() - x.float(), xx.grad, {k: v.grad for k, v in w.items()})
+    pairs = [("branch", 0), ("dx", 1)] + [(n, None) for n in coda[2]]
+    for name, i in pairs:
+        c, e, x_ = ((t[i] if i is not None else t[2][name]) for t in (coda, res["emulated"], res["exact"]))
+        e_ce, e_ex, e_cx = rel(c, e), rel(e, x_), rel(c, x_)
+        # FP8 is in play (the emulation is 5-10% from exact); coda computes the emulated math: closer
+        # to it than FP8 is to exact (measured 0.45-0.7x: bf16 intermediates move values across e4m3
+        # rounding boundaries), and no further from exact than the emulation
+        assert e_ex > 0.03, (name, e_ex)
+        assert e_ce < 0.75 * e_ex, (name, e_ce, e_ex)
+        assert e_cx < 1.25 * e_ex, (name, e_cx, e_ex)
+
+
+def test_every_gemm_is_per_tensor_and_weight_gradients_read_the_epilogues_transposed_copies():
+    blk = _block(2)
+    run = RecordingRunner()
+    blk.runner = run
+    x = torch.randn(1, 256, 256).to(BF16).requires_grad_()
+    for _ in range(2):
+        run.gemms.clear()
+        run.maps.clear()
+        blk(x).sum().backward()
+    assert all(g[4] == (E4M3, "tensor") for g in run.gemms), run.gemms
+    sites = [g[0] for g in run.gemms]
+    # after calibration each GEMM runs once (gate/up's weight gradient twice: its gate and up rows)
+    assert sorted(sites) == sorted(["qkv", "o", "gate_up", "down.last", "down.dgrad", "down.wgrad",
+                                    "gate_up.dgrad", "gate_up.wgrad", "gate_up.wgrad", "o.dgrad", "o.wgrad",
+                                    "qkv.dgrad", "qkv.wgrad"])
+    assert sorted(m[0] for m in run.maps) == ["dx2.quant", "h.quant", "norm0", "o.quant", "rope.dgrad", "rope.dgrad",
+                                              "rope.dgrad"]
+    stats = blk.fp8_stats()
+    assert stats["dz"]["calibrated"] and stats["dz"]["scale"] > 0 and stats["h2"]["calibrated"] is False
+
+
+def test_a_model_mixing_recipes_hands_operands_across():
+    torch.manual_seed(0)
+    m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, dtype=BF16)
+    tok = torch.randint(0, 512, (2, 128))
+    ref = m(tok, tok)
+    m.blocks[0] = LlamaBlock(256, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
+    m.blocks[1] = LlamaBlock(256, 2, 1, 512, head_dim=128, fp8="tensorwise", dtype=BF16)
+    torch.manual_seed(0)
+    m2 = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, dtype=BF16)
+    for b, b2 in zip(m.blocks, m2.blocks):
+        b.load_state_dict(b2.state_dict())
+    loss = m(tok, tok)
+    loss.backward()
+    assert abs(float(loss) - float(ref)) < 0.02 * float(ref)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
