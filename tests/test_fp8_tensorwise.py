@@ -54,7 +54,7 @@ def test_a_tensor_is_calibrated_on_its_first_step_then_scaled_from_its_history()
         sc.begin_step(torch.device("cpu"))
         k.amax = amax
         k.scales.clear()
-        _, s = sc.quantize("a", k)
+        _, s = sc.quantize("a", k, torch.device("cpu"))
         if step == 0:       # launched once for the amax, then with the scale it gives
             assert k.scales == [1.0, 2.0 ** -5] and float(s) == 2.0 ** -5
         else:               # once, with the largest amax of the last 3 steps: 10 ages out after step 3
@@ -69,10 +69,10 @@ def test_an_overflow_shows_as_a_nan_scale_on_the_next_step():
     sc = DelayedScales(RECIPES["tensorwise"], {"a": E4M3})
     k = FakeKernel()
     sc.begin_step(torch.device("cpu"))
-    sc.quantize("a", k)
+    sc.quantize("a", k, torch.device("cpu"))
     k.amax = float("inf")
     sc.begin_step(torch.device("cpu"))
-    sc.quantize("a", k)
+    sc.quantize("a", k, torch.device("cpu"))
     sc.begin_step(torch.device("cpu"))
     assert math.isnan(float(sc.scale("a")))
 

@@ -69,3 +69,16 @@ def test_call_without_gpu_is_a_device_error_not_a_crash(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(cc.DeviceError, match="sm_90"):
         ensure_gpu(torch.device("cpu"), "k")
+
+
+def test_column_halves_of_one_matrix_are_not_an_overlap_but_shared_columns_are():
+    from coda_cutlass.runtime.checks import check_no_overlap
+    t = torch.empty(64, 256)
+    check_no_overlap({"a": t[:, :128], "b": t[:, 128:]}, {})          # interleaved extents, disjoint elements
+    check_no_overlap({"a": t[:, :100], "b": t[:, 100:]}, {"x": torch.empty(8)})
+    with pytest.raises(cc.CallError, match="a: is updated in place and overlaps the memory of b"):
+        check_no_overlap({"a": t[:, :129], "b": t[:, 128:]}, {})
+    with pytest.raises(cc.CallError, match="overlaps"):
+        check_no_overlap({"a": t[:, :128]}, {"b": t[1:, :128]})
+    with pytest.raises(cc.CallError, match="overlaps"):
+        check_no_overlap({"a": t[:, :128]}, {"b": t.t()})            # another stride: by extent

@@ -207,6 +207,21 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
 
 
+def _column_blocks_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two row-major matrices with the same row stride whose column ranges never meet within a row
+    (e.g. the two halves ``t[:, :n]`` and ``t[:, n:]`` of one matrix): disjoint though their extents
+    interleave."""
+    if a.dim() != 2 or b.dim() != 2 or a.element_size() != b.element_size() or 0 in (a.numel(), b.numel()):
+        return False
+    if a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) != b.stride(0):
+        return False
+    es, pitch = a.element_size(), a.stride(0) * a.element_size()
+    if a.data_ptr() > b.data_ptr():
+        a, b = b, a
+    shift = (b.data_ptr() - a.data_ptr()) % pitch
+    return shift >= a.shape[1] * es and shift + b.shape[1] * es <= pitch
+
+
 def check_no_overlap(written: dict[str, torch.Tensor], read: dict[str, torch.Tensor]) -> None:
     """An accumulated (read-then-written) tensor must not share memory with any other argument:
     tiles are read and written asynchronously by different CTAs."""
@@ -216,5 +231,5 @@ def check_no_overlap(written: dict[str, torch.Tensor], read: dict[str, torch.Ten
         others = [(n, t) for n, t in read.items() if n != wn] + items[i + 1:]
         for on, ot in others:
             o0, o1 = _extent(ot)
-            if w0 < o1 and o0 < w1:
+            if w0 < o1 and o0 < w1 and not _column_blocks_apart(wt, ot):
                 raise CallError(f"{wn}: is updated in place and overlaps the memory of {on}; pass a separate tensor")

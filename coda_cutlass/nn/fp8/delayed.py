@@ -98,11 +98,12 @@ class DelayedScales:
         """The tensor's scale this step: a 0-dim fp32 device tensor."""
         return self._scales[self._index[name]]
 
-    def quantize(self, name: str, launch: Launch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def quantize(self, name: str, launch: Launch, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Run ``launch`` with the tensor's scale and record its amax; with an empty history, run it
         first for the amax alone and then with the scale that amax gives. ``launch`` makes the whole
         tensor (all of its kernels, e.g. q, k and v's parts) and returns their largest amax.
-        Returns (the outputs, the scale they were quantised with)."""
+        Returns (the outputs, the scale they were quantised with). ``device``: the tensor's."""
+        self._ensure(device)
         i = self._index[name]
         if not self._filled[i] and i not in self._pending:
             _, amax = launch(torch.ones((), dtype=torch.float32, device=self._device))

@@ -85,9 +85,13 @@ def _with_amax(out: dict) -> tuple[dict, torch.Tensor]:
     return out, _amax(out["amax"])
 
 
+def _on(sc: DelayedScales, device: torch.device) -> Any:
+    return lambda name, launch: sc.quantize(name, launch, device)
+
+
 def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Tensor) -> TensorOperand:
     """A tensor no GEMM produced, by a map kernel (its transposed copy made when asked)."""
-    out, s = sc.quantize(name, lambda s: _with_amax(step.runner.map(site, E.quantize_tensor, x, s=s)))
+    out, s = sc.quantize(name, lambda s: _with_amax(step.runner.map(site, E.quantize_tensor, x, s=s)), x.device)
     return TensorOperand(out["q"], s)
 
 
@@ -97,21 +101,22 @@ def block_forward(step: Any, x: torch.Tensor, h: TensorOperand, r: torch.Tensor,
     """One block: (x2, h2, r2, saved); h2 a TensorOperand when the next consumer is an FP8 block."""
     d = step.dims
     check_tokens(x.shape[0])
+    quant = _on(sc, x.device)
     wqkv, wo, wd = wq.get(w.qkv), wq.get(w.o), wq.get(w.down)
     wgu = wq.get(w.gate_up, halves=True)
     qkv = _fwd(step, "qkv", E.rope, h, wqkv, r=r, pos=step.pos, freq=step.freq)["D"]
     o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
     oq = quantize_map(step, sc, "o", "o.quant", o)
-    f1, s1 = sc.quantize("h1", lambda s: _with_amax(_fwd(step, "o", E.residual_norm_stats_t, oq, wo, partial=True,
+    f1, s1 = quant("h1", lambda s: _with_amax(_fwd(step, "o", E.residual_norm_stats_t, oq, wo, partial=True,
                                                          resid=x, g=w.mlp_norm, s=s)))
     x1, h1, r1 = f1["D"], TensorOperand(f1["h"], s1, f1["ht"]), rstd(f1["sumsq"], d.dim, d.eps)
-    f2, sy = sc.quantize("y", lambda s: _with_amax(_fwd(step, "gate_up", E.swiglu_t, h1, wgu, r=r1, s=s)))
+    f2, sy = quant("y", lambda s: _with_amax(_fwd(step, "gate_up", E.swiglu_t, h1, wgu, r=r1, s=s)))
     z, y = f2["z"], TensorOperand(f2["y"], sy, f2["yt"])
     if g_next is None:
         x2 = _fwd(step, "down.last", E.residual_add, y, wd, resid=x1)["D"]
         h2 = r2 = None
     elif next_fp8:
-        f3, s2 = sc.quantize("h2", lambda s: _with_amax(_fwd(step, "down", E.residual_norm_stats_t, y, wd,
+        f3, s2 = quant("h2", lambda s: _with_amax(_fwd(step, "down", E.residual_norm_stats_t, y, wd,
                                                              partial=True, resid=x1, g=g_next, s=s)))
         x2, h2, r2 = f3["D"], TensorOperand(f3["h"], s2, f3["ht"]), rstd(f3["sumsq"], d.dim, d.eps)
     else:
@@ -124,6 +129,7 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
                    dx2q: TensorOperand | None) -> tuple[torch.Tensor, TensorOperand, dict[str, torch.Tensor]]:
     """(dx, its FP8 copy for the previous block, the weight gradients by name)."""
     d, run = step.dims, step.runner
+    quant = _on(sc, dx2.device)
     x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx = saved
     wqkv, wo, wd = wq.get(w.qkv), wq.get(w.o), wq.get(w.down)
     wgu = wq.get(w.gate_up, halves=True)
@@ -139,11 +145,11 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
         out = _dgrad(step, "down.dgrad", E.swiglu_backward_t, dx2q, wd, partial=True, out=halves, z=z, r=r1, s=s)
         return out, torch.maximum(_amax(out["amax_g"]), _amax(out["amax_u"]))
 
-    b4, sdz = sc.quantize("dz", down_dgrad)
+    b4, sdz = quant("dz", down_dgrad)
     dzq = TensorOperand(dz8, sdz, dzt8)
     d_down = _wgrad(step, "down.wgrad", dx2q, y)["D"]
     c1 = row_mean(b4["zdz"], d.dim)
-    b6, sdx1 = sc.quantize("dx1", lambda s: _with_amax(_dgrad(step, "gate_up.dgrad", E.norm_backward_t, dzq, wgu,
+    b6, sdx1 = quant("dx1", lambda s: _with_amax(_dgrad(step, "gate_up.dgrad", E.norm_backward_t, dzq, wgu,
                                                               partial=True, x=x1, r=r1, c=c1, g=w.mlp_norm,
                                                               dres=dx2, s=s)))
     dx1, dx1q = b6["dx"], TensorOperand(b6["dx8"], sdx1, b6["dx8t"])
@@ -169,10 +175,10 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
             start += width
         return {"zdz": torch.cat(zdz)}, torch.stack(amax).amax()
 
-    b1, sdq = sc.quantize("dqkv", rope_dgrad)
+    b1, sdq = quant("dqkv", rope_dgrad)
     dqkvq = TensorOperand(dqkv8, sdq)
     c = row_mean(b1["zdz"], d.dim)
-    b2, sdx = sc.quantize("dx", lambda s: _with_amax(_dgrad(step, "qkv.dgrad", E.norm_backward_t, dqkvq, wqkv,
+    b2, sdx = quant("dx", lambda s: _with_amax(_dgrad(step, "qkv.dgrad", E.norm_backward_t, dqkvq, wqkv,
                                                             partial=True, x=x, r=r, c=c, g=w.attn_norm, dres=dx1,
                                                             s=s)))
     d_qkv = _wgrad(step, "qkv.wgrad", dqkvq, h)["D"]
