@@ -5,8 +5,8 @@ Three precisions:
 - ``"kernel"``: what the fused kernel computes, up to fp32 summation order: the accumulator and all
   math in fp32, operands read exactly, ``cast`` rounds, tile outputs rounded once to their dtype,
   and values flowing past an output store keep their fp32 value (as CUTLASS's stores pass through).
-- ``"fp32"``: the same math with nothing rounded except explicit casts (give it fp32 copies of the
-  inputs for the exact reference).
+- ``"fp32"``: the same math with nothing rounded except explicit casts to a dtype (``cc.cast(x)``
+  rounds as a store does: not here); give it fp32 copies of the inputs for the exact reference.
 - ``"lowp"``: what eager torch does at the operand precision: the GEMM result and every op result
   rounded to the GEMM dtype. The error of this against ``"fp32"`` sets the test tolerance.
 
@@ -156,7 +156,10 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
         elif n.op == "const":
             vals[n.id] = torch.tensor(n.attr("value"), dtype=torch.float32, device=dev)
         elif n.op == "cast":
-            vals[n.id] = vals[n.inputs[0]].to(as_dtype(n.attr("dtype")).torch).float()
+            v = vals[n.inputs[0]]
+            if precision != "fp32" or not n.attr("as_stored"):     # cc.cast(x) rounds where a store does
+                v = v.to(as_dtype(n.attr("dtype")).torch).float()
+            vals[n.id] = v
         elif n.op in OPS:
             vals[n.id] = lowp(OPS[n.op].ref(*(vals[i] for i in n.inputs)))
         elif n.op == "store":

@@ -28,8 +28,9 @@ def lm_head_lse_softcap(acc, r: cc.PerRow(F32), target: cc.PerRow(torch.int64), 
 
 @cc.epilogue
 def lm_head_lse_logits_softcap(acc, r: cc.PerRow(F32), target: cc.PerRow(torch.int64), cap: cc.Scalar):
-    """As lm_head_lse_logits: writes the uncapped logits z (D) for cross_entropy_grad_softcap."""
-    z = acc * r
+    """As lm_head_lse_logits: writes the uncapped logits z (D) for cross_entropy_grad_softcap; the
+    log-sum-exp and target logit are of the capped logits as written (z rounded to the GEMM dtype)."""
+    z = cc.cast(acc * r)
     y = _cap(z, cap)
     return {"D": z, "lse": cc.row_logsumexp(y), "target_logit": cc.gather(y, target)}
 

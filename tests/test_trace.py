@@ -95,6 +95,20 @@ def test_accumulate_adds_an_inout_operand():
     assert p.nodes[st.inputs[0]].op == "add"
 
 
+def test_a_cast_without_dtype_rounds_as_a_store_does():
+    prog = cc.epilogue(lambda acc: {"D": cc.cast(acc), "s": cc.row_sum(cc.cast(acc))}, name="as_stored")
+    assert "cast %0 to the GEMM dtype (as stored)" in str(prog.ir)
+    A = torch.randn(8, 16) + 3.0
+    W = torch.randn(32, 16)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = cc.reference(prog, A.to(dtype), W.to(dtype))
+        torch.testing.assert_close(out["s"], out["D"].float().sum(1), rtol=1e-6, atol=1e-5)
+    exact = cc.reference(prog, A, W, dtype=torch.bfloat16, precision="fp32")
+    torch.testing.assert_close(exact["s"], (A @ W.T).sum(1))     # not rounded at fp32
+    with pytest.raises(cc.EpilogueError, match="needs a dtype"):
+        cc.cast(1.0)
+
+
 def test_constant_only_calls_fold():
     assert cc.exp(0.0) == 1.0
     assert cc.cast(1.0 + 2 ** -10, torch.bfloat16) == 1.0

@@ -144,8 +144,15 @@ def where(cond: Any, a: Any, b: Any) -> Any:
     return apply("where", cond, a, b)
 
 
-def cast(x: Any, dtype: Any) -> Any:
-    """Round ``x`` to ``dtype`` here (e.g. to model a bf16 intermediate); computation continues in fp32."""
+def cast(x: Any, dtype: Any = None) -> Any:
+    """Round ``x`` to ``dtype`` here (e.g. to model a bf16 intermediate); computation continues in fp32.
+    Without a dtype, round it as a tile output's store does (to the GEMM dtype bound at compile
+    time; not at the interpreter's "fp32" precision, which rounds no store): later math then sees
+    the value a kernel reading that output back will see."""
+    if dtype is None:
+        if isinstance(x, (int, float)):
+            raise EpilogueError("cc.cast of a Python number needs a dtype (it is rounded right away)")
+        return apply("cast", x, dtype=None, as_stored=True)
     try:
         d = as_dtype(dtype, what="cast dtype")
     except ConfigError as e:

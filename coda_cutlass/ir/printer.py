@@ -31,7 +31,9 @@ def node_text(n: Node) -> str:
     if n.op == "const":
         return f"const {format_value(n.attr('value'))}"
     if n.op in DTYPE_OPS:
-        return f"{n.op} {args} {'from' if n.op in UNPACK_OPS else 'to'} {n.attr('dtype')}"
+        dtype = n.attr("dtype") or "the GEMM dtype"     # cc.cast(x) before type binding
+        note = " (as stored)" if n.attr("as_stored") else ""
+        return f"{n.op} {args} {'from' if n.op in UNPACK_OPS else 'to'} {dtype}{note}"
     if n.op == "store":
         verb = "accumulate" if n.attr("accumulate") else "store"
         layout = n.attr("layout", "tile")

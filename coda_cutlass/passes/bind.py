@@ -3,7 +3,7 @@
 Rules (they mirror what the kernel does):
 - tensor operands default to the GEMM operand dtype, runtime scalars are fp32;
 - the accumulator and all compute nodes are fp32; ``cast`` rounds to its dtype (its value is then
-  used as fp32 again);
+  used as fp32 again); ``cc.cast(x)`` without one rounds as a tile output does, to the GEMM dtype;
 - tile outputs default to the GEMM operand dtype; reductions are fp32 partials, finished to fp32
   unless another dtype is asked for; an accumulated output has the dtype of the tensor it updates.
 """
@@ -71,7 +71,8 @@ def bind_types(program: Program, dtype: DType, operand_dtypes: Mapping[str, Any]
         if n.op in OPERAND_OPS:
             d = by_name[n.attr("operand")].dtype
         elif n.op == "cast":
-            d = as_dtype(n.attr("dtype"))
+            d = as_dtype(n.attr("dtype")) if n.attr("dtype") is not None else dtype
+            n = replace(n, attrs=make_attrs(**{**dict(n.attrs), "dtype": d.name}))
         elif n.op in PACK_OPS:
             if n.op in UNPACK_OPS:
                 pd = by_name[program.nodes[n.inputs[0]].attr("operand")].dtype
