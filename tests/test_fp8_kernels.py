@@ -32,7 +32,7 @@ def test_every_launch_of_an_fp8_step_is_listed_with_its_program_and_formats(name
     for site, program, layout, partial, fp8 in fp8_gemms:
         assert site in sites, f"{site} is launched but not listed"
         prog, kinds, scaling, part = sites[site]
-        assert (program, layout, partial, fp8) == (prog, "nk", part, (recipe.gemm_dtype(*kinds), scaling)), site
+        assert (program, layout, partial, fp8) == (prog, "nk", part, recipe.gemm(kinds, scaling)), site
     for site, program, partial in run.maps:
         if site.endswith(".quant"):
             site = "o.quant"                  # every quantisation map kernel is the same program
@@ -54,7 +54,7 @@ def test_a_block_called_alone_ends_with_the_listed_residual_add(name):
 def test_every_listed_fp8_kernel_has_a_configuration_that_plans(name):
     recipe = RECIPES[name]
     for program, opts in prebuild_items(recipe):
-        o = gemm_options(BF16, "nk", (opts["dtype"], opts["scaling"]))
+        o = gemm_options(BF16, "nk", (opts["dtype"], opts["scaling"], opts["fast_accum"]))
         graph = lower_program(program, o).graph
         plan(graph, default_config(graph), "nk")          # raises if nothing fits
     assert len(map_items(recipe)) == len(map_sites(recipe))

@@ -142,7 +142,7 @@ def test_every_gemm_is_per_tensor_and_weight_gradients_read_the_epilogues_transp
         run.gemms.clear()
         run.maps.clear()
         blk(x).sum().backward()
-    assert all(g[4] == (E4M3, "tensor") for g in run.gemms), run.gemms
+    assert all(g[4] == (E4M3, "tensor", True) for g in run.gemms), run.gemms     # fast accumulation
     sites = [g[0] for g in run.gemms]
     # after calibration each GEMM runs once (gate/up's weight gradient twice: its gate and up rows)
     assert sorted(sites) == sorted(["qkv", "o", "gate_up", "down.last", "down.dgrad", "down.wgrad",
@@ -167,5 +167,6 @@ def test_a_model_mixing_recipes_hands_operands_across():
         b.load_state_dict(b2.state_dict())
     loss = m(tok, tok)
     loss.backward()
+    assert set(m.fp8_stats()) == {1} and m.fp8_stats()[1]["dx"]["calibrated"]
     assert abs(float(loss) - float(ref)) < 0.02 * float(ref)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())

@@ -105,6 +105,11 @@ class LlamaModel(nn.Module):
     def dims(self) -> Any:
         return self.blocks[0].dims
 
+    def fp8_stats(self) -> dict[int, dict[str, Any]]:
+        """Per FP8 "tensorwise" block (by index): each quantised tensor's amax history, scale and format
+        (LlamaBlock.fp8_stats; host values, so this waits for the GPU: call it for logging)."""
+        return {i: st for i, b in enumerate(self.blocks) if b.fp8 is not None and (st := b.fp8_stats())}
+
     def final_gain(self) -> torch.Tensor:
         """The final norm's gain: its weight plus norm_offset."""
         return self.norm if self.norm_offset == 0.0 else self.norm + self.norm_offset

@@ -25,15 +25,22 @@ from ..tuning.store import m_bucket
 from .kernels import PLAN_FALLBACK
 from .plan_store import Choice, find_plan
 
-# An FP8 GEMM's (operand dtype or (A, W) dtypes, scaling); None: a 16-bit GEMM in the runner's dtype.
-Fp8Options = tuple[Any, str] | None
+# An FP8 GEMM's (operand dtype or (A, W) dtypes, scaling[, fast accumulation]); None: a 16-bit GEMM
+# in the runner's dtype.
+Fp8Options = tuple[Any, str] | tuple[Any, str, bool] | None
+
+
+def fp8_parts(fp8: tuple) -> tuple[Any, str, bool]:
+    """(operand dtype(s), scaling, fast accumulation) of an FP8 GEMM's options."""
+    return fp8[0], fp8[1], bool(fp8[2]) if len(fp8) > 2 else False
 
 
 def gemm_options(dtype: torch.dtype, layout: str, fp8: Fp8Options) -> Options:
     """The compile options of a runner's GEMM: its own dtype, or an FP8 GEMM's operands and scaling."""
     if fp8 is None:
         return Options.make(dtype, layout)
-    return Options.make(fp8[0], layout, scaling=fp8[1])
+    d, scaling, fast = fp8_parts(fp8)
+    return Options.make(d, layout, scaling=scaling, fast_accum=fast)
 
 
 REFERENCE_TILE = DEFAULT.tile   # partial-reduction layout the reference runner reproduces
@@ -194,9 +201,9 @@ class KernelRunner(Runner):
         key = self._kernel_key(program, layout, partial, config, fp8)
         k = self._gemms.get(key)
         if k is None:
-            dtype, scaling = fp8 if fp8 is not None else (self.dtype, None)
+            dtype, scaling, fast = fp8_parts(fp8) if fp8 is not None else (self.dtype, None, False)
             k = self._gemms[key] = compile_epilogue(program, dtype, weight_layout=layout, config=config,
-                                                    scaling=scaling, partial_reductions=partial,
+                                                    scaling=scaling, fast_accum=fast, partial_reductions=partial,
                                                     cache_dir=self.cache_dir, verbose=self.verbose)
         return k
 

@@ -4,7 +4,8 @@
 //                   of each row, the run's amax computed from the tile (the run lies inside it);
 // TransposedStore:  the transpose [cols, rows] (M contiguous: a K-major operand when K is the token
 //                   dimension), either of a value already scaled (per-tensor scale, Block == 0) or
-//                   quantised per Block x 1 run down each column (the tile's 128 rows).
+//                   quantised per Block x 1 run down each column (the tile's 128 rows). One-byte
+//                   codes are staged in shared memory either way; 16-bit values go out from registers.
 //
 // Both buffer the values they receive in registers until a run is complete (the collective visits
 // the tile in subtiles, columns outer, rows inner), then reduce |x| (NaN-propagating) with warp
@@ -271,10 +272,13 @@ struct TransposedStore {
   static constexpr int OutCols = Half ? EpiN / 2 : EpiN;    // output rows (tile columns) of one subtile
   static constexpr int Pitch = TileM + 16;                   // bytes per staged output row: 16-byte aligned,
                                                              // and neighbouring rows start in other banks
+  // one-byte codes leave through shared memory in 16-byte stores (a byte per thread at a stride of
+  // the row length, straight from registers, cost more than the GEMM: docs/RESULTS.md)
+  static constexpr bool Staged = Block != 0 || sizeof(Element) == 1;
   struct SharedStorage {
     float amax[Block ? Warps : 1][Block ? EpiN : 1];
     float inv[Block ? EpiN : 1];          // each column's multiplier, computed once per column
-    alignas(16) uint8_t codes[Block ? OutCols : 1][Block ? Pitch : 16];
+    alignas(16) uint8_t codes[Staged ? OutCols : 1][Staged ? Pitch : 16];
   };
   using Arguments = QuantStoreArguments<Element>;
   using Params = Arguments;
@@ -334,7 +338,7 @@ struct TransposedStore {
     visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
           cutlass::Array<ElementInput, FragmentSize> const& frg) {
       using namespace cute;
-      if constexpr (Block == 0) {
+      if constexpr (Block == 0 && !Staged) {
         Tensor c = tCcD(_, _, _, epi_m, epi_n);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < FragmentSize; ++i) {
@@ -342,6 +346,22 @@ struct TransposedStore {
           auto crd = c(idx);
           if ((!Half || idx % 2 == 0) && elem_less(crd, residue)) {
             store(row0 + int(get<0>(crd)), col0 + int(get<1>(crd)), float(frg[i]));
+          }
+        }
+      } else if constexpr (Block == 0) {
+        // already scaled: the codes go straight to shared memory, transposed (values outside the
+        // problem are staged but never written out); reduce() writes the subtile column out
+        Tensor c = tCcD(_, _, _, epi_m, epi_n);
+        int const m_base = m_tile * TileM;
+        int const n_sub = n_tile * cute::size<1>(CtaTileShapeMNK{}) + epi_n * EpiN;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i) {
+          int idx = epi_v * FragmentSize + i;
+          if (!Half || idx % 2 == 0) {
+            auto crd = c(idx);
+            int col = col0 + int(get<1>(crd)) - n_sub;
+            smem->codes[Half ? col / 2 : col][row0 + int(get<0>(crd)) - m_base] =
+                quant::convert<Element>(float(frg[i])).storage;
           }
         }
       } else {
@@ -355,61 +375,63 @@ struct TransposedStore {
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const& synchronize, int epi_m, int epi_n, bool, VTensor) {
       using namespace cute;
-      if constexpr (Block != 0) {
+      if constexpr (Staged) {
         if (epi_m != EpiM - 1) return;       // the subtile's columns are complete after its last rows
-        Tensor ua = filter(amax(_, _, _, _, epi_n));      // one register per column of this subtile
-        Tensor uo = filter(col_off(_, _, _, _, epi_n));
-        fill(ua, 0.0f);
-        CUTLASS_PRAGMA_UNROLL
-        for (int em = 0; em < EpiM; ++em) {
-          Tensor b = buf(_, _, _, em);
-          Tensor a = amax(_, _, _, em, epi_n);
-          Tensor c = tCcD(_, _, _, em, epi_n);
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(b); ++i) {
-            if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
-          }
-        }
-        // across the lanes of a column, then across the warps (each holds other rows) in shared memory
-        synchronize();                        // the previous subtile's readers are done
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size(ua); ++j) {
-          float v = quant::shuffle_max(ua(j), lane_mask);
-          if ((lane & lane_mask) == 0) smem->amax[warp][uo(j) % EpiN] = v;
-        }
-        synchronize();
-        int const N = int(get<1>(residue)) + col0;
-        // one thread per column: the max over the warps, the scale (to global) and the multiplier
-        int const thread = warp * 32 + lane;
-        if (thread < EpiN) {
-          float a = 0.0f;
-          CUTLASS_PRAGMA_UNROLL
-          for (int w = 0; w < Warps; ++w) a = quant::nan_max(a, smem->amax[w][thread]);
-          float s, inv;
-          quant::scales<Element, Pow2>(a, s, inv);
-          smem->inv[thread] = inv;
-          int n = n_tile * cute::size<1>(CtaTileShapeMNK{}) + epi_n * EpiN + thread;
-          if (n < N && (!Half || n % 2 == 0)) p.scale[int64_t(m_tile) * p.scale_ld + (Half ? n / 2 : n)] = s;
-        }
-        synchronize();
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size(ua); ++j) ua(j) = smem->inv[uo(j) % EpiN];
-        // the codes, transposed into shared memory (one byte each; values outside the problem are
-        // staged but never written out) ...
         int const m_base = m_tile * TileM;
         int const n_sub = n_tile * cute::size<1>(CtaTileShapeMNK{}) + epi_n * EpiN;   // the subtile's first column
-        CUTLASS_PRAGMA_UNROLL
-        for (int em = 0; em < EpiM; ++em) {
-          Tensor b = buf(_, _, _, em);
-          Tensor a = amax(_, _, _, em, epi_n);
-          Tensor c = tCcD(_, _, _, em, epi_n);
+        int const N = int(get<1>(residue)) + col0;
+        if constexpr (Block != 0) {
+          Tensor ua = filter(amax(_, _, _, _, epi_n));      // one register per column of this subtile
+          Tensor uo = filter(col_off(_, _, _, _, epi_n));
+          fill(ua, 0.0f);
           CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(b); ++i) {
-            if (!Half || i % 2 == 0) {
-              auto crd = c(i);
-              int col = col0 + int(get<1>(crd)) - n_sub;
-              smem->codes[Half ? col / 2 : col][row0 + int(get<0>(crd)) - m_base] =
-                  quant::convert<Element>(b(i) * a(i)).storage;
+          for (int em = 0; em < EpiM; ++em) {
+            Tensor b = buf(_, _, _, em);
+            Tensor a = amax(_, _, _, em, epi_n);
+            Tensor c = tCcD(_, _, _, em, epi_n);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(b); ++i) {
+              if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
+            }
+          }
+          // across the lanes of a column, then across the warps (each holds other rows) in shared memory
+          synchronize();                        // the previous subtile's readers are done
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(ua); ++j) {
+            float v = quant::shuffle_max(ua(j), lane_mask);
+            if ((lane & lane_mask) == 0) smem->amax[warp][uo(j) % EpiN] = v;
+          }
+          synchronize();
+          // one thread per column: the max over the warps, the scale (to global) and the multiplier
+          int const thread = warp * 32 + lane;
+          if (thread < EpiN) {
+            float a = 0.0f;
+            CUTLASS_PRAGMA_UNROLL
+            for (int w = 0; w < Warps; ++w) a = quant::nan_max(a, smem->amax[w][thread]);
+            float s, inv;
+            quant::scales<Element, Pow2>(a, s, inv);
+            smem->inv[thread] = inv;
+            int n = n_tile * cute::size<1>(CtaTileShapeMNK{}) + epi_n * EpiN + thread;
+            if (n < N && (!Half || n % 2 == 0)) p.scale[int64_t(m_tile) * p.scale_ld + (Half ? n / 2 : n)] = s;
+          }
+          synchronize();
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(ua); ++j) ua(j) = smem->inv[uo(j) % EpiN];
+          // the codes, transposed into shared memory (one byte each; values outside the problem are
+          // staged but never written out) ...
+          CUTLASS_PRAGMA_UNROLL
+          for (int em = 0; em < EpiM; ++em) {
+            Tensor b = buf(_, _, _, em);
+            Tensor a = amax(_, _, _, em, epi_n);
+            Tensor c = tCcD(_, _, _, em, epi_n);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(b); ++i) {
+              if (!Half || i % 2 == 0) {
+                auto crd = c(i);
+                int col = col0 + int(get<1>(crd)) - n_sub;
+                smem->codes[Half ? col / 2 : col][row0 + int(get<0>(crd)) - m_base] =
+                    quant::convert<Element>(b(i) * a(i)).storage;
+              }
             }
           }
         }
@@ -433,6 +455,7 @@ struct TransposedStore {
             for (int e = 0; e < 16 && m + e < M; ++e) dst[e] = src[e];
           }
         }
+        if constexpr (Block == 0) synchronize();   // read out before the next subtile stages its codes
       }
     }
   };

@@ -133,6 +133,29 @@ def test_per_tensor_quantisation_with_a_device_scale_and_amax():
 
 
 @cc.epilogue
+def per_tensor_half(acc, s: cc.DeviceScalar):
+    g, u = cc.pairs(acc)
+    y = g * u                 # exact on integer inputs (a transcendental could differ in its last bit)
+    return {"y": cc.quantize(cc.half_width(y), scale=s), "yt": cc.quantize(cc.half_width(y), scale=s, transpose=True),
+            "amax": cc.amax(y)}
+
+
+@pytest.mark.parametrize("config", [COOP, PING], ids=["cooperative", "pingpong"])
+@pytest.mark.parametrize("shape", [(1024, 512, 256), (1000, 392, 256)])
+def test_per_tensor_transposed_copies_staged_in_shared_memory_are_exact(shape, config):
+    M, N, K = shape
+    A, W, ops = _integer_inputs(M, N, K, seed=5)
+    s, sh = torch.tensor(4.0, device="cuda"), torch.tensor(64.0, device="cuda")    # |codes| mostly < 448
+    t = ops["t"]
+    k = cc.compile_epilogue(per_tensor, torch.bfloat16, config=config)
+    _check_exact(k(A, W, s=s, t=t), cc.reference(per_tensor, A, W, s=s, t=t), "per_tensor")
+    kh = cc.compile_epilogue(per_tensor_half, torch.bfloat16, config=config)
+    out, ref = kh(A, W, s=sh), cc.reference(per_tensor_half, A, W, s=sh)
+    _check_exact(out, ref, "per_tensor_half")
+    assert out["yt"].shape == (N // 2, M)
+
+
+@cc.epilogue
 def nonfinite(acc, t: cc.Tile, s: cc.DeviceScalar):
     y = acc + t
     return {"q": cc.quantize(y, block=128), "qt": cc.quantize(y, block=128, transpose=True),

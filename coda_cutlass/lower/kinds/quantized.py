@@ -91,7 +91,14 @@ class TransposedStore(NodeKind):
 
     def comment(self, v: VisitorNode, plan: "KernelPlan") -> str:
         b = v.params["block"]
-        return f"{v.comment}: transposed" + (f", {b}x1 scales, staged in shared memory" if b else " from registers")
+        if b:
+            return f"{v.comment}: transposed, {b}x1 scales, staged in shared memory"
+        return f"{v.comment}: transposed" + (", staged in shared memory" if self._staged(v) else " from registers")
+
+    @staticmethod
+    def _staged(v: VisitorNode) -> bool:
+        """One-byte codes leave through shared memory (quant_store.hpp: TransposedStore::Staged)."""
+        return bool(v.params["block"]) or v.params["element"].bits == 8
 
     def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
         p = v.params
@@ -104,7 +111,9 @@ class TransposedStore(NodeKind):
 
     def smem_bytes(self, v: VisitorNode, staging: Staging) -> int:
         # per-warp column maxima of one subtile (at most), and its codes transposed (rows padded by 16)
-        return 8 * 64 * 4 + 64 * 4 + staging.elems + 64 * 16 if v.params["block"] else 0
+        if v.params["block"]:
+            return 8 * 64 * 4 + 64 * 4 + staging.elems + 64 * 16
+        return staging.elems + 64 * 16 if self._staged(v) else 0
 
 
 class BlockScales(NodeKind):

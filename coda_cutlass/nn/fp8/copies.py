@@ -6,6 +6,8 @@ writes yet:
   128 x 1 run down each column of x, i.e. per 1 x 128 run along x^T's rows (the weight-gradient
   GEMMs' K). Map kernels do not yet write transposed outputs (docs/FP8.md); when they do, it goes.
 - ``weight_tiles``: a weight's 128 x 128 tiles in both layouts (once per optimizer step).
+- ``transpose_codes``: the transposed copy of per-tensor codes ("tensorwise": the scale survives);
+  ``tensor_copies``: a weight's per-tensor codes in both layouts.
 
 Bit for bit ``quantize_blocks`` / ``quantize_tiles`` with ``pow2=True`` (coda_cutlass/quantization.py,
 the kernels' semantics), computed without a division: for amax = m * 2^e (1 <= m < 2) and an FP8
@@ -24,6 +26,7 @@ import torch
 
 from ...dtypes import FP8_MAX, as_dtype, round_to
 from ...errors import CallError
+from .delayed import scales_from_amax
 
 BLOCK = 128
 _EXP = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}     # fp8_max = 1.75 * 2^E
@@ -77,6 +80,30 @@ def transposed_copy(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
         raise CallError(f"transposed FP8 copy: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
     codes, s = _on_device(_transposed, x, dtype)(x.contiguous(), dtype)
     return codes, s.t()
+
+
+def _transpose_bytes(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return q.t().contiguous()
+
+
+def _tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool) -> tuple[torch.Tensor, ...]:
+    scale = scales_from_amax(w.abs().amax().float(), float(FP8_MAX[as_dtype(dtype)]), 0, pow2)
+    q = round_to(w.float() * (1.0 / scale), as_dtype(dtype))
+    src = torch.cat([q[0::2], q[1::2]]) if halves else q
+    return q, scale, src.t().contiguous()
+
+
+def tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool) -> tuple[torch.Tensor, ...]:
+    """A weight W (R, C) with one scale: (codes, the 0-dim scale, W^T's codes); ``halves``: W^T's
+    columns are W's even rows, then its odd rows (nn/fp8/weights.py). Compiled on a GPU."""
+    return _on_device(_tensor_copies, w, dtype)(w.contiguous(), dtype, halves, pow2)
+
+
+def transpose_codes(q: torch.Tensor) -> torch.Tensor:
+    """FP8 codes (M, N) -> their transpose (N, M), contiguous: a per-tensor scaled operand's transposed
+    copy (the scale is the same). Compiled on a GPU (eager torch moves 1-byte elements at a fraction
+    of the bandwidth)."""
+    return _on_device(_transpose_bytes, q, q.dtype)(q.view(torch.uint8), q.dtype).view(q.dtype)
 
 
 def _tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

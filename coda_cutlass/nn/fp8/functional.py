@@ -84,7 +84,7 @@ def check_tokens(M: int) -> None:
 def _gemm(step: Any, site: str, program: Any, a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor,
           sw: torch.Tensor, kinds: tuple[str, str], scaling: str = "block", **operands: Any) -> dict:
     rec: Fp8Recipe = step.fp8
-    return step.runner.gemm(site, program, a, w, fp8=(rec.gemm_dtype(*kinds), scaling), scale_a=sa, scale_b=sw,
+    return step.runner.gemm(site, program, a, w, fp8=rec.gemm(kinds, scaling), scale_a=sa, scale_b=sw,
                             **operands)
 
 

@@ -80,7 +80,8 @@ def prebuild_items(recipe: Fp8Recipe) -> list[tuple[Any, dict]]:
         key = (program.name, str(dtype), scaling, partial)
         if key not in seen:
             seen.add(key)
-            items.append((program, {"dtype": dtype, "scaling": scaling, "partial_reductions": partial}))
+            items.append((program, {"dtype": dtype, "scaling": scaling, "partial_reductions": partial,
+                                    "fast_accum": recipe.fast_accum}))
     return items
 
 

@@ -23,6 +23,7 @@ import torch
 
 from ... import epilogues as E
 from ..stats import row_mean, rstd
+from .copies import transpose_codes
 from .delayed import DelayedScales
 from .functional import check_tokens
 from .weights import Fp8Weight, Fp8Weights
@@ -47,10 +48,6 @@ class TensorOperand:
         return self.qt
 
 
-def transpose_codes(q: torch.Tensor) -> torch.Tensor:
-    return q.view(torch.uint8).t().contiguous().view(q.dtype)
-
-
 def new_scales(recipe: Any) -> DelayedScales:
     return DelayedScales(recipe, {**{n: recipe.activation for n in ACTIVATIONS},
                                   **{n: recipe.gradient for n in GRADIENTS}})
@@ -58,8 +55,8 @@ def new_scales(recipe: Any) -> DelayedScales:
 
 def _gemm(step: Any, site: str, program: Any, a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor,
           sw: torch.Tensor, kinds: tuple[str, str], **operands: Any) -> dict:
-    return step.runner.gemm(site, program, a, w, fp8=(step.fp8.gemm_dtype(*kinds), "tensor"), scale_a=sa,
-                            scale_b=sw, **operands)
+    return step.runner.gemm(site, program, a, w, fp8=step.fp8.gemm(kinds, "tensor"), scale_a=sa, scale_b=sw,
+                            **operands)
 
 
 def _fwd(step: Any, site: str, program: Any, a: TensorOperand, w: Fp8Weight, **operands: Any) -> dict:

@@ -20,10 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...dtypes import FP8_MAX, as_dtype
-from ...quantization import quantize_tensor, quantize_tiles
-from .copies import weight_tiles
-from .delayed import scales_from_amax
+from ...quantization import quantize_tiles
+from .copies import tensor_copies, weight_tiles
 from .recipe import Fp8Recipe
 
 
@@ -66,8 +64,5 @@ class Fp8Weights:
 
 
 def _per_tensor(w: torch.Tensor, recipe: Fp8Recipe, halves: bool) -> Fp8Weight:
-    fmax = torch.tensor(float(FP8_MAX[as_dtype(recipe.weight)]), device=w.device)
-    scale = scales_from_amax(w.abs().amax().float(), fmax, 0, recipe.pow2)
-    q = quantize_tensor(w, recipe.weight, scale)
-    src = torch.cat([q[0::2], q[1::2]]) if halves else q
-    return Fp8Weight(q, scale, src.t().contiguous(), scale)
+    q, scale, qt = tensor_copies(w, recipe.weight, halves, recipe.pow2)
+    return Fp8Weight(q, scale, qt, scale)
