@@ -45,7 +45,7 @@ def test_guide_examples_run():
     assert namespace["on_hopper"] in (True, False)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/NN.md", "docs/DISTRIBUTED.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/NN.md", "docs/DISTRIBUTED.md", "docs/FP8.md"])
 def test_readme_and_nn_examples_run(doc, tmp_path, monkeypatch):
     """Every python block of the README and the other docs runs (in order, one namespace per file;
     the GPU-only lines are skipped by the snippets' own checks). What a snippet changes in the
@@ -69,7 +69,7 @@ def test_readme_and_nn_examples_run(doc, tmp_path, monkeypatch):
 
 
 def test_every_doc_with_python_blocks_is_run():
-    run = {GUIDE, REPO / "README.md", REPO / "docs" / "NN.md", REPO / "docs" / "DISTRIBUTED.md"}
+    run = {GUIDE, REPO / "README.md", REPO / "docs" / "NN.md", REPO / "docs" / "DISTRIBUTED.md", REPO / "docs" / "FP8.md"}
     with_code = {p for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")] if python_blocks(p)}
     assert with_code <= run, f"python blocks that no test runs: {sorted(str(p) for p in with_code - run)}"
 

@@ -119,6 +119,8 @@ def test_what_the_fp8_path_does_not_cover_is_refused_by_name():
         Fp8Recipe("mine", scaling="tensor", history=0)
     with pytest.raises(ConfigError, match="margin"):
         Fp8Recipe("mine", scaling="tensor", margin=-1)
+    with pytest.raises(ConfigError, match="compute in 16 bits"):
+        LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, fp8="tensorwise")(torch.randint(0, 512, (1, 128)))
     b = _block("blockwise")
     with pytest.raises(CallError, match="multiple of 128"):
         b(torch.randn(1, 100, 256).to(BF16))

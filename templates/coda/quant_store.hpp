@@ -472,22 +472,32 @@ struct TransposedStore {
     static_assert(detail::warps_keep_columns<FlatThr, decltype(size(FlatThr{}))::value>(),
                   "coda transposed store: warps split the tile along N");
     static_assert(decltype(size(FlatThr{}))::value == Threads, "coda transposed store: thread count mismatch");
-    constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
-    auto col_layout = make_layout(make_shape(Int<TileM>{}, Int<TileN>{}), make_stride(_0{}, _1{}));
-    Tensor tCoCol = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
-        make_tensor(counting_iterator<int>(0), col_layout), args.epi_tile, args.tiled_copy, args.thread_idx);
-    Tensor tCrAmax = make_tensor_like<float>(tCoCol);
     auto full = shape(args.tCcD);                                       // (CPY, CPY_M, CPY_N, EPI_M, EPI_N)
     constexpr int EpiM = decltype(size<3>(decltype(full){}))::value;
-    Tensor tCrBuf = make_tensor<float>(make_shape(get<0>(full), get<1>(full), get<2>(full), get<3>(full)));
     auto [M, N, K, L] = args.problem_shape_mnkl;
     auto [m, n, k, l] = args.tile_coord_mnkl;
     int row0 = int(M) - int(get<0>(args.residue_tCcD));
     int col0 = int(N) - int(get<1>(args.residue_tCcD));
-    return ConsumerStoreCallbacks<decltype(tCrBuf), decltype(tCrAmax), decltype(tCoCol), decltype(args.tCcD),
-                                  decltype(args.residue_tCcD), EpiM>(
-        tCrBuf, tCrAmax, tCoCol, args.tCcD, args.residue_tCcD, params, smem, row0, col0, int(m), int(n), mask,
-        args.thread_idx % 32, args.thread_idx / 32);
+    if constexpr (Block == 0) {
+      // no runs to reduce: no register buffers (a whole tile's worth per thread would sit in the
+      // callbacks object, which the compiler then keeps in a stack frame)
+      Tensor none = make_tensor<float>(make_shape(Int<1>{}));
+      return ConsumerStoreCallbacks<decltype(none), decltype(none), decltype(none), decltype(args.tCcD),
+                                    decltype(args.residue_tCcD), EpiM>(
+          none, none, none, args.tCcD, args.residue_tCcD, params, smem, row0, col0, int(m), int(n), mask,
+          args.thread_idx % 32, args.thread_idx / 32);
+    } else {
+      constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
+      auto col_layout = make_layout(make_shape(Int<TileM>{}, Int<TileN>{}), make_stride(_0{}, _1{}));
+      Tensor tCoCol = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+          make_tensor(counting_iterator<int>(0), col_layout), args.epi_tile, args.tiled_copy, args.thread_idx);
+      Tensor tCrAmax = make_tensor_like<float>(tCoCol);
+      Tensor tCrBuf = make_tensor<float>(make_shape(get<0>(full), get<1>(full), get<2>(full), get<3>(full)));
+      return ConsumerStoreCallbacks<decltype(tCrBuf), decltype(tCrAmax), decltype(tCoCol), decltype(args.tCcD),
+                                    decltype(args.residue_tCcD), EpiM>(
+          tCrBuf, tCrAmax, tCoCol, args.tCcD, args.residue_tCcD, params, smem, row0, col0, int(m), int(n), mask,
+          args.thread_idx % 32, args.thread_idx / 32);
+    }
   }
 };
 

@@ -60,6 +60,10 @@ def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next:
     the parameters themselves (fp32 masters included), the norm gains cast to the compute dtype."""
     if block.activation_checkpointing:
         raise ConfigError("activation checkpointing of FP8 blocks is not implemented yet")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(f"fp8={block.fp8.name!r}: FP8 blocks compute in 16 bits around their FP8 GEMMs, but the "
+                          f"stream is {x.dtype}; make the model with dtype=torch.bfloat16, or keep fp32 parameters "
+                          "with compute_dtype=torch.bfloat16 (or torch.autocast(dtype=torch.bfloat16))")
     step = block.local_step(step)
     dtype = step.dtype or torch.bfloat16
     path = block.fp8_path()
