@@ -61,6 +61,10 @@ QUICK = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
              num_key_value_heads=2, head_dim=64, vocab_size=4096, tie_word_embeddings=True,
              rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
 VARIANTS = ("eager", "compile", "liger", "coda")
+# opt-in (--variants ...,coda-fp8-tensorwise): from_hf(..., fp8=RECIPE); each holds its own weights,
+# gradients, optimizer states and FP8 weight copies, so at 3B widths not every variant fits beside the rest
+FP8_VARIANTS = ("coda-fp8-tensorwise", "coda-fp8-blockwise")
+ALL_VARIANTS = VARIANTS + FP8_VARIANTS
 
 
 def fail(msg: str) -> None:
@@ -178,6 +182,9 @@ def build_variants(fields: dict[str, Any], names: list[str], args: argparse.Name
     if "coda" in names:
         model = cnn.from_hf(base)
         out["coda"] = Variant("coda", model, model, list(model.parameters()), adamw(list(model.parameters())))
+    for name in (n for n in names if n in FP8_VARIANTS):
+        model = cnn.from_hf(base, fp8=name.removeprefix("coda-fp8-"))
+        out[name] = Variant(name, model, model, list(model.parameters()), adamw(list(model.parameters())))
     if "eager" not in names and "compile" not in names:
         del base
     return out
@@ -234,12 +241,13 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     v = r["variants"]
     if "coda" not in v:
         return {}
-    return {f"coda/{n}": v["coda"]["tokens_per_s"] / v[n]["tokens_per_s"] for n in v if n != "coda"}
+    return {f"{c}/{n}": v[c]["tokens_per_s"] / v[n]["tokens_per_s"]
+            for c in ("coda", *FP8_VARIANTS) if c in v for n in v if n != c and not n.startswith("coda")}
 
 
 def markdown(results: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
     from report import machine_line
-    names = [n for n in VARIANTS if any(n in r["variants"] for r in results)]
+    names = [n for n in ALL_VARIANTS if any(n in r["variants"] for r in results)]
     lines = [f"# Whole-model training step (forward + loss, backward, fused AdamW)\n",
              machine_line(env) + f"transformers {env.get('transformers')}, "
              f"liger-kernel {env.get('liger_kernel', '-')}.",
@@ -252,7 +260,7 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any], path: Path) -> 
             v = r["variants"].get(n)
             cells.append("-" if v is None else f"{v['ms']:.1f} ms, {v['tokens_per_s']:.0f} tok/s, "
                                                f"{v['peak_gib']:.1f} GiB, loss {v['first_loss']:.4f}")
-        vs = ", ".join(f"{k.split('/')[1]} {x:.3f}x" for k, x in ratios(r).items())
+        vs = ", ".join(f"{k.replace('/', ' vs ')} {x:.3f}x" for k, x in ratios(r).items())
         lines.append(f"| {r['config']} ({r['layers']} layers, {r['batch']} x {r['seq']}) | " + " | ".join(cells) +
                      f" | {vs} |")
     lines.append("\nTargets (issue 21): coda >= 1.05x Liger and >= 1.10x torch.compile tokens/s, peak memory <= "
@@ -264,7 +272,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = [n for n in VARIANTS if any(n in r["variants"] for r in results)]
+    names = [n for n in ALL_VARIANTS if any(n in r["variants"] for r in results)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(names)
     for i, n in enumerate(names):
@@ -285,7 +293,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="folder for results.json, results.md, results.png")
     p.add_argument("--configs", default="1b,3b,8b", help=f"comma list of {', '.join(CONFIGS)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma list of {', '.join(ALL_VARIANTS)} (the FP8 ones are opt-in)")
     p.add_argument("--layers", type=int, default=None, help="override every config's number of layers")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
@@ -298,9 +307,9 @@ def main() -> None:
                    "(the first coda run builds the kernels its cache lacks, about a minute each)")
     args = p.parse_args()
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    bad = [n for n in names if n not in VARIANTS]
+    bad = [n for n in names if n not in ALL_VARIANTS]
     if bad:
-        fail(f"unknown variant(s) {bad}; known: {', '.join(VARIANTS)}")
+        fail(f"unknown variant(s) {bad}; known: {', '.join(ALL_VARIANTS)}")
     configs = {"quick": dict(QUICK)} if args.quick else {}
     if not args.quick:
         for c in (c.strip() for c in args.configs.split(",") if c.strip()):

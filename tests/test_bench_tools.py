@@ -47,7 +47,24 @@ def test_model_bench_builds_its_variants_and_writes_its_report_without_a_gpu(tmp
     bench_model.markdown(results, {"gpu": "cpu", "driver": "-", "torch": torch.__version__, "cuda": None,
                                    "transformers": "5"}, tmp_path / "results.md")
     text = (tmp_path / "results.md").read_text()
-    assert "eager 1.100x" in text and "| quick (2 layers, 1 x 16) |" in text
+    assert "coda vs eager 1.100x" in text and "| quick (2 layers, 1 x 16) |" in text
+
+
+def test_model_bench_fp8_variant_builds_and_steps_without_a_gpu():
+    """The opt-in FP8 rows: from_hf(..., fp8=RECIPE) of the same weights, one training step."""
+    import argparse
+
+    import pytest
+    import torch
+    pytest.importorskip("transformers")
+    import model as bench_model
+    fields = dict(bench_model.QUICK, vocab_size=512)            # FP8 widths: multiples of 128
+    args = argparse.Namespace(seq=128, compile_mode=None, device="cpu")
+    variants = bench_model.build_variants(fields, ["eager", "coda-fp8-tensorwise"], args)
+    tokens = torch.randint(0, 512, (1, 128))
+    losses = {n: float(v.step(tokens)) for n, v in variants.items()}
+    assert abs(losses["eager"] - losses["coda-fp8-tensorwise"]) < 0.05 * losses["eager"], losses
+    assert all(b.fp8 is not None for b in variants["coda-fp8-tensorwise"].model.coda.blocks)
 
 
 def test_model_bench_plot(tmp_path):

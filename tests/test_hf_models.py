@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import coda_cutlass.nn as cnn
+from coda_cutlass.errors import ConfigError
 from coda_cutlass.nn.hf.checkpoint import to_hf_keys
 from coda_cutlass.nn.hf.fields import UnsupportedConfig
 from hf_models import config, draw, transformers
@@ -208,3 +209,26 @@ def test_gemma_tied_embedding_gradient_in_bf16_within_twice_eager_error():
     ours = model.coda.embed.grad.float()
     e_ours, e_eager = (ours - want).abs().max().item(), (eager_grad - want).abs().max().item()
     assert e_ours <= 2 * e_eager + 1e-3 * want.abs().max().item(), f"{e_ours:.3e} > 2 x eager's {e_eager:.3e}"
+
+
+def test_from_hf_runs_the_decoder_layers_in_fp8_and_refuses_what_fp8_does_not_cover():
+    dims = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 128, "vocab_size": 256}
+    torch.manual_seed(0)
+    hf = draw(transformers.AutoModelForCausalLM.from_config(config("llama", **dims)).float(), std=0.05)
+    hf = hf.to(torch.bfloat16)
+    tok = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(1))
+    bf16 = cnn.from_hf(hf)(input_ids=tok, labels=tok).loss
+    model = cnn.from_hf(hf, fp8="tensorwise")
+    assert all(b.fp8 is not None and b.fp8.name == "tensorwise" for b in model.coda.blocks)
+    out = model(input_ids=tok, labels=tok)
+    out.loss.backward()
+    assert abs(out.loss.item() - bf16.item()) < 0.02 * bf16.item()      # FP8 rounding, not another model
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    gemma = draw(transformers.AutoModelForCausalLM.from_config(config("gemma", **dims)).float()).to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="activation"):
+        cnn.from_hf(gemma, fp8="tensorwise")
+    keep = {n: p.clone() for n, p in gemma.named_parameters()}
+    with pytest.raises(ConfigError):
+        cnn.patch_hf(gemma, fp8="blockwise")                               # refused before any weight moves
+    assert all(torch.equal(p, keep[n]) for n, p in gemma.named_parameters())

@@ -41,9 +41,12 @@ def _transformers() -> Any:
 
 
 def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[str] = (),
-                     compute_dtype: torch.dtype | None = None, free: bool = False) -> tuple[LlamaModel, Family, bool]:
+                     compute_dtype: torch.dtype | None = None, free: bool = False, fp8: Any = None
+                     ) -> tuple[LlamaModel, Family, bool]:
     """A coda LlamaModel with the weights and settings of a transformers causal LM; (model, family,
-    tied). With ``free``, each transformers layer's weights are released once copied (in place)."""
+    tied). With ``free``, each transformers layer's weights are released once copied (in place).
+    ``fp8``: every decoder layer's linears in FP8 with this recipe (nn.fp8); a layer the FP8 block
+    does not cover is refused by name before any weight is touched."""
     config = hf_model.config
     family = family_of(config)
     family.check_config(config, ignore_fields)
@@ -63,7 +66,7 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
                        config.intermediate_size, head_dim=head_dim(config), eps=float(config.rms_norm_eps),
                        attention=attention, compute_dtype=compute_dtype, device="meta", dtype=dtype)
     model.blocks = nn.ModuleList(LlamaBlock(**family.block_options(config, i), attention=attention,
-                                            compute_dtype=compute_dtype, device="meta", dtype=dtype)
+                                            compute_dtype=compute_dtype, fp8=fp8, device="meta", dtype=dtype)
                                  for i in range(config.num_hidden_layers))
     model.to_empty(device=device)
     pad = getattr(config, "pad_token_id", None)
@@ -255,26 +258,27 @@ def __getattr__(name: str) -> Any:
 
 
 def from_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[str] = (),
-            compute_dtype: torch.dtype | None = None) -> Any:
+            compute_dtype: torch.dtype | None = None, fp8: Any = None) -> Any:
     """A coda model with the weights of a transformers causal LM (Llama, Mistral, Phi-3); the
     transformers model is left unchanged. Fields that change the math and are not implemented are
-    refused by name (``ignore_fields``: fields you know are inert)."""
+    refused by name (``ignore_fields``: fields you know are inert). ``fp8``: a recipe name
+    ("tensorwise", "blockwise") or an nn.fp8.Fp8Recipe for the decoder layers' GEMMs."""
     coda, family, tied = build_coda_model(hf_model, attention=attention, ignore_fields=ignore_fields,
-                                          compute_dtype=compute_dtype)
+                                          compute_dtype=compute_dtype, fp8=fp8)
     model = coda_class()(copy.deepcopy(hf_model.config), coda, family, tied, type(hf_model))
     model.train(hf_model.training)
     return model
 
 
 def patch_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[str] = (),
-             compute_dtype: torch.dtype | None = None) -> Any:
+             compute_dtype: torch.dtype | None = None, fp8: Any = None) -> Any:
     """In place: ``hf_model`` (the same object, still an instance of its class) runs coda from now
     on; its transformers submodules are replaced by ``hf_model.coda``, their memory released."""
     if isinstance(hf_model, CodaCausalLM):
         raise ValueError("this model already runs coda")
     cls = type(hf_model)
     coda, family, tied = build_coda_model(hf_model, attention=attention, ignore_fields=ignore_fields,
-                                          compute_dtype=compute_dtype, free=True)
+                                          compute_dtype=compute_dtype, free=True, fp8=fp8)
     for name, _ in list(hf_model.named_children()):
         delattr(hf_model, name)
     hf_model.__class__ = coda_class(cls)
