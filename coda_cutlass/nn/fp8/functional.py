@@ -71,8 +71,14 @@ def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Fp8Oper
 # The norm-backward dX GEMMs write dx in bf16 and a map kernel (+ the transposed copy) quantises it:
 # measured on the H200 (8B widths, M = 8192, in the block's sequence) the fused norm_backward_fp8
 # epilogue took 2000 us at the QKV dX site (the FP8 GEMM alone: ~300 us; its kernel keeps a 1.8 KB
-# stack frame), against ~350 + 245 us for this pair. docs/FP8.md.
-DGRAD_NORM = E.norm_backward
+# stack frame, from the dgamma column sum), against ~350 + 245 us for this pair. docs/FP8.md.
+# dgamma: the column sums of acc * x, in fp32 outside the epilogue (norm_backward_ax).
+DGRAD_NORM = E.norm_backward_ax
+
+
+def dgamma_of(step: Any, site: str, ax: torch.Tensor) -> torch.Tensor:
+    """dgamma: the column sums of a norm-backward epilogue's acc * x, accumulated in fp32."""
+    return step.runner.timed(site, lambda: ax.sum(0, dtype=torch.float32))
 
 
 def check_tokens(M: int) -> None:
@@ -166,5 +172,6 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
     d_qkv = _gemm(step, "qkv.wgrad", E.identity, dqkvq.qt, dqkvq.st, h.qt, h.st, ("gradient", "activation"),  # B3
                   scaling="block_1x128")["D"]
     grads_w = {"qkv": d_qkv, "o": d_o, "gate_up": d_gate_up, "down": d_down,
-               "attn_norm": b2["dgamma"].sum(0), "mlp_norm": b6["dgamma"].sum(0)}
+               "attn_norm": dgamma_of(step, "qkv.dgamma", b2["ax"]),
+               "mlp_norm": dgamma_of(step, "gate_up.dgamma", b6["ax"])}
     return b2["dx"], quantize_operand(step, "dx.quant", b2["dx"], rec.gradient), grads_w

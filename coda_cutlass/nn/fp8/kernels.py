@@ -21,9 +21,9 @@ GEMM_SITES: dict[str, tuple[Any, tuple[str, str], str, bool]] = {
     "down.to_bf16": (E.residual_norm_stats, ("activation", "weight"), "block", True),   # before the LM head
     "down.last": (E.residual_add, ("activation", "weight"), "block", False),
     "down.dgrad": (E.swiglu_backward_scaled, ("gradient", "weight"), "block", True),
-    "gate_up.dgrad": (E.norm_backward, ("gradient", "weight"), "block", True),    # dx quantised by a map kernel
+    "gate_up.dgrad": (E.norm_backward_ax, ("gradient", "weight"), "block", True),  # dx quantised by a map kernel
     "o.dgrad": (E.identity, ("gradient", "weight"), "block", False),
-    "qkv.dgrad": (E.norm_backward, ("gradient", "weight"), "block", True),
+    "qkv.dgrad": (E.norm_backward_ax, ("gradient", "weight"), "block", True),
     # weight gradients: K is the token dimension, both operands in 1 x 128 runs of their transposes
     "down.wgrad": (E.identity, ("gradient", "activation"), "block_1x128", False),
     "gate_up.wgrad": (E.identity, ("gradient", "activation"), "block_1x128", False),

@@ -25,7 +25,7 @@ from ... import epilogues as E
 from ..stats import row_mean, rstd
 from .copies import transpose_codes
 from .delayed import DelayedScales
-from .functional import check_tokens
+from .functional import check_tokens, dgamma_of
 from .weights import Fp8Weight, Fp8Weights
 
 # the tensors a block quantises, by name -> the recipe's format for them
@@ -80,11 +80,6 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
 
 def _with_amax(out: dict) -> tuple[dict, torch.Tensor]:
     return out, _amax(out["amax"])
-
-
-def _col_sum(step: Any, site: str, ax: torch.Tensor) -> torch.Tensor:
-    """dgamma: the column sums of the norm-backward epilogue's acc * x, accumulated in fp32."""
-    return step.runner.timed(site, lambda: ax.sum(0, dtype=torch.float32))
 
 
 def _on(sc: DelayedScales, device: torch.device) -> Any:
@@ -185,5 +180,6 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
                                                             s=s)))
     d_qkv = _wgrad(step, "qkv.wgrad", dqkvq, h)["D"]
     grads_w = {"qkv": d_qkv, "o": d_o, "gate_up": d_gate_up, "down": d_down,
-               "attn_norm": _col_sum(step, "qkv.dgamma", b2["ax"]), "mlp_norm": _col_sum(step, "gate_up.dgamma", b6["ax"])}
+               "attn_norm": dgamma_of(step, "qkv.dgamma", b2["ax"]),
+               "mlp_norm": dgamma_of(step, "gate_up.dgamma", b6["ax"])}
     return b2["dx"], TensorOperand(b2["dx8"], sdx, b2["dx8t"]), grads_w
