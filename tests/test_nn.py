@@ -525,3 +525,55 @@ def test_fused_lm_head_equals_the_recomputing_backward():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="handed out"):
         loss.backward()
+
+
+def test_in_sequence_tuning_of_fp8_sites_builds_fp8_candidates(monkeypatch):
+    """An FP8 site (a tensorwise block's) is tuned with the FP8 candidate space, its candidates built
+    with its operand format, scaling and accumulation, and handed to the runner under its FP8 key
+    (so the timed launches use them; nothing else is compiled)."""
+    from coda_cutlass import epilogues as E
+    from coda_cutlass.nn import tuning
+    from coda_cutlass.nn.runner import KernelRunner
+    from coda_cutlass.tuning.space import FP8_CANDIDATES
+    fp8 = (torch.float8_e4m3fn, "tensor", True)
+    runner = KernelRunner(torch.bfloat16)
+    built: list[dict] = []
+
+    def fake_compile(items, dtype, **kw):
+        built.extend(opts for _, opts in items)
+        return [lambda *a, **k: {} for _ in items]
+
+    class FakeRecorder:
+        def __init__(self):
+            self.times: dict[str, list[float]] = {}
+
+        def around(self, site, fn):
+            fn()
+            self.times.setdefault(site, []).append(100.0)
+
+        def times_us(self):
+            return self.times
+
+        def medians_us(self):
+            return {k: statistics.median(v) for k, v in self.times.items()}
+
+    monkeypatch.setattr(tuning, "Recorder", FakeRecorder)
+    monkeypatch.setattr(tuning, "timed_call", lambda fn: (fn(), 1000.0)[1])
+    monkeypatch.setattr(tuning, "_us", lambda t: t)
+    monkeypatch.setattr(tuning, "_sync", lambda: None)
+    monkeypatch.setattr(tuning, "compile_many", fake_compile)
+    monkeypatch.setattr(tuning, "plan_key", lambda context, dtype, M: f"inseq|fake|{context}|M{M}")
+    A = torch.empty(1)
+    default = runner.choice("o.dgrad", E.identity, "nk", fp8).config
+    runner.add_kernel(E.identity, "nk", False, default, lambda *a, **k: {}, fp8)
+
+    def step():
+        runner.gemm("o.dgrad", E.identity, A, A, fp8=fp8, scale_a=A, scale_b=A)
+
+    rec = tuning.tune_in_sequence(runner, step, context="fake:fp8-tensorwise", M=64, runtime=False, store=False,
+                                  confirm_rounds=0)
+    assert built and all(o["dtype"] == torch.float8_e4m3fn and o["scaling"] == "tensor" and o["fast_accum"]
+                         for o in built)
+    fast = {c.name() for c in FP8_CANDIDATES["fast"]}
+    assert {o["config"].name() for o in built} <= fast
+    assert rec["sites"]["o.dgrad"]["config"]["schedule"] in ("pingpong", "cooperative")

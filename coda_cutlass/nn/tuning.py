@@ -43,16 +43,18 @@ from ..timing import elapsed_us as _us
 from ..timing import timed_call
 from .kernels import forward_only_site
 from .plan_store import Choice, plan_key, store_plan
-from .runner import KernelRunner, Recorder
+from .runner import Fp8Options, KernelRunner, Recorder, fp8_parts, gemm_options
 
 
 @dataclass(frozen=True)
 class Site:
-    """One launch point of the step: its program, weight layout and reduction mode."""
+    """One launch point of the step: its program, weight layout, reduction mode and, for an FP8
+    GEMM, its FP8 options (the runner's: operand dtype(s), scaling[, fast accumulation])."""
     name: str
     program: Any
     layout: str
     partial: bool
+    fp8: Fp8Options = None
 
 
 def discover_sites(runner: KernelRunner, step: Callable[[], Any]) -> list[Site]:
@@ -60,9 +62,9 @@ def discover_sites(runner: KernelRunner, step: Callable[[], Any]) -> list[Site]:
     seen: dict[str, Site] = {}
     original = runner.gemm
 
-    def spy(site, program, A, W, *, layout="nk", partial=False, **ops):
-        seen.setdefault(site, Site(site, program, layout, partial))
-        return original(site, program, A, W, layout=layout, partial=partial, **ops)
+    def spy(site, program, A, W, *, layout="nk", partial=False, fp8=None, **ops):
+        seen.setdefault(site, Site(site, program, layout, partial, fp8))
+        return original(site, program, A, W, layout=layout, partial=partial, fp8=fp8, **ops)
 
     runner.gemm = spy  # type: ignore[method-assign]
     try:
@@ -185,7 +187,9 @@ def confirm(scored: list[Scored], margin: float) -> tuple[Scored, str]:
 
 def _site_candidates(site: Site, dtype: torch.dtype, candidates: Callable[[Site], list[KernelConfig]] | None,
                      extra: Sequence[KernelConfig]) -> list[KernelConfig]:
-    graph = lower_program(site.program, Options.make(dtype, site.layout)).graph
+    fp8 = getattr(site, "fp8", None)
+    options = Options.make(dtype, site.layout) if fp8 is None else gemm_options(dtype, site.layout, fp8)
+    graph = lower_program(site.program, options).graph
     out = candidates(site) if candidates else candidate_configs(graph)
     names = {c.name() for c in out}
     return out + [c for c in extra if c.name() not in names and fits(c, graph) and segments_fit(c, graph)]
@@ -215,7 +219,7 @@ def tune_in_sequence(runner: KernelRunner, step: Callable[[], Any], *, context: 
     sites = [s for s in discover_sites(runner, step) if only is None or only(s.name)]
     if not sites:
         raise ValueError("in-sequence tuning: the step launches no GEMM site to tune")
-    incumbents = {s.name: runner.choice(s.name, s.program, s.layout) for s in sites}
+    incumbents = {s.name: runner.choice(s.name, s.program, s.layout, s.fp8) for s in sites}
     usable = _build_candidates(runner, sites, {s.name: _site_candidates(s, runner.dtype, candidates, extra)
                                                for s in sites}, cache_dir, jobs, verbose)
     base = _site_medians(runner, step, iters + 2, warmup + 1)
@@ -244,19 +248,27 @@ def _build_candidates(runner: KernelRunner, sites: list[Site], cands: dict[str, 
     configurations that built, per site."""
     # sites that share a program, layout and reduction mode (the two norm backwards) share kernels
     key = KernelRunner._kernel_key
-    kernels = {key(s.program, s.layout, s.partial, c): (s, c) for s in sites for c in cands[s.name]}
+    kernels = {key(s.program, s.layout, s.partial, c, s.fp8): (s, c) for s in sites for c in cands[s.name]}
     items = [(s.program, {"weight_layout": s.layout, "config": c, "partial_reductions": s.partial,
-                          "cache_dir": cache_dir}) for s, c in kernels.values()]
+                          "cache_dir": cache_dir, **_fp8_compile_options(s.fp8)}) for s, c in kernels.values()]
     say(f"in-sequence tuning of {len(sites)} sites: building {len(items)} candidate kernels", verbose)
     built = dict(zip(kernels, compile_many(items, runner.dtype, jobs=jobs, verbose=verbose, skip_failed=True)))
     usable: dict[str, list[KernelConfig]] = {s.name: [] for s in sites}
     for s in sites:
         for c in cands[s.name]:
-            k = built[key(s.program, s.layout, s.partial, c)]
+            k = built[key(s.program, s.layout, s.partial, c, s.fp8)]
             if k is not None:
-                runner.add_kernel(s.program, s.layout, s.partial, c, k)
+                runner.add_kernel(s.program, s.layout, s.partial, c, k, s.fp8)
                 usable[s.name].append(c)
     return usable
+
+
+def _fp8_compile_options(fp8: Fp8Options) -> dict[str, Any]:
+    """compile_epilogue's options for an FP8 site (none for a 16-bit one: the runner's dtype)."""
+    if fp8 is None:
+        return {}
+    dtype, scaling, fast = fp8_parts(fp8)
+    return {"dtype": dtype, "scaling": scaling, "fast_accum": fast}
 
 
 def _first_pass(runner: KernelRunner, step: Callable[[], Any], order: list[Site], usable: dict[str, list[KernelConfig]],

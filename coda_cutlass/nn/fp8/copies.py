@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...build.progress import say
 from ...dtypes import FP8_MAX, as_dtype, round_to
 from ...errors import CallError
 from .delayed import scales_from_amax
@@ -66,6 +67,8 @@ def _on_device(fn: Callable[..., Any], t: torch.Tensor, dtype: torch.dtype) -> C
         return fn
     key = (fn, dtype)
     if key not in _COMPILED:
+        say(f"FP8 copies: {fn.__name__.lstrip('_')} ({dtype}) is compiled by torch.compile on its first call, "
+            "once per process (seconds)")
         _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=True)
     return _COMPILED[key]
 
