@@ -1,12 +1,16 @@
-"""A plain-torch emulation of the FP8 "tensorwise" Llama block, written from the recipe's description
-(docs/FP8.md), not from coda's code: the standard Llama layer in fp32 where every linear is an FP8
-linear (its input, weight and output gradient each quantised per tensor with a current power-of-two
-scale, dequantised, multiplied in fp32) and each RMSNorm's row scale r is applied after the linear
-(the quantised operand is x * g; the recipe keeps r in the consumer's epilogue). The fused weights
-(q|k|v, gate|up) are quantised as one tensor each, as the block stores them.
+"""A plain-torch emulation of the FP8 Llama block under each recipe, written from the recipes'
+description (docs/FP8.md), not from coda's code: the standard Llama layer in fp32 where every linear
+is an FP8 linear (its input, weight and output gradient quantised with power-of-two scales,
+dequantised, multiplied in fp32) and each RMSNorm's row scale r is applied after the linear (the
+quantised operand is x * g; the recipes keep r in the consumer's epilogue). The fused weights
+(q|k|v, gate|up) are quantised as one tensor each, as the block stores them (gate and up rows
+interleaved; RoPE's row order within a 128-wide head changes no 128-row tile).
 
-With the same input twice, coda's delayed scales equal these current ones, so a coda block running
-in fp32 through the interpreter matches this up to summation order."""
+- "tensorwise": one current scale per tensor (with the same input twice, coda's delayed scales
+  equal these);
+- "blockwise": activations and gradients in 1 x 128 runs along each GEMM's K (so a weight
+  gradient, whose K is the token dimension, reads 128 x 1 runs of both operands), weights in
+  128 x 128 tiles."""
 
 from __future__ import annotations
 
@@ -31,22 +35,60 @@ def fake_quant(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return round_to(t.detach().float() / s, d).float() * s
 
 
+def _pow2_up(v: torch.Tensor) -> torch.Tensor:
+    m, e = torch.frexp(v)
+    return torch.where(m == 0.5, v, torch.ldexp(torch.ones_like(v), e))
+
+
+def fake_quant_runs(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """t (R, C) through FP8 in runs of 128 along ``dim`` (1: along each row, 0: down each column)."""
+    x = t.detach().float()
+    if dim == 0:
+        return fake_quant_runs(x.t(), dtype, 1).t()
+    d = as_dtype(dtype)
+    R, C = x.shape
+    runs = x.reshape(R, C // 128, 128)
+    amax = runs.abs().amax(-1, keepdim=True)
+    s = torch.where(amax == 0, torch.ones_like(amax), _pow2_up(amax / float(FP8_MAX[d])))
+    return (round_to(runs / s, d).float() * s).reshape(R, C)
+
+
+def fake_quant_tiles(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w (R, C) through FP8 in 128 x 128 tiles."""
+    d = as_dtype(dtype)
+    R, C = w.shape
+    tiles = w.detach().float().reshape(R // 128, 128, C // 128, 128)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
+    s = torch.where(amax == 0, torch.ones_like(amax), _pow2_up(amax / float(FP8_MAX[d])))
+    return (round_to(tiles / s, d).float() * s).reshape(R, C)
+
+
 class Fp8Linear(torch.autograd.Function):
-    """a @ w.T with a, w and (in the backward) the output gradient each through fake_quant; both
-    weights' rows (fused q|k|v, gate|up) given as one tensor."""
+    """a @ w.T with a, w and (in the backward) the output gradient through FP8 as the recipe says;
+    both weights' rows (fused q|k|v, gate|up) given as one tensor. ``fmt``: (activation, gradient,
+    weight) formats; ``recipe``: "tensorwise" or "blockwise"."""
 
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, fmt: tuple) -> torch.Tensor:  # type: ignore[override]
-        qa, qw = fake_quant(a, fmt[0]), fake_quant(w, fmt[2])
-        ctx.save_for_backward(qa, qw)
-        ctx.fmt = fmt
-        return qa @ qw.t()
+    def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, fmt: tuple, recipe: str) -> torch.Tensor:  # type: ignore[override]
+        a2 = a.flatten(0, -2)
+        if recipe == "tensorwise":
+            qa, qw = fake_quant(a2, fmt[0]), fake_quant(w, fmt[2])
+            ctx.save_for_backward(qa, qw)
+        else:
+            qa, qw = fake_quant_runs(a2, fmt[0], 1), fake_quant_tiles(w, fmt[2])
+            ctx.save_for_backward(fake_quant_runs(a2, fmt[0], 0), qw)      # the weight gradient's operand
+        ctx.fmt, ctx.recipe, ctx.shape = fmt, recipe, a.shape
+        return (qa @ qw.t()).reshape(*a.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
         qa, qw = ctx.saved_tensors
-        qd = fake_quant(dy, ctx.fmt[1])
-        return qd @ qw, qd.flatten(0, -2).t() @ qa.flatten(0, -2), None
+        d2 = dy.flatten(0, -2)
+        if ctx.recipe == "tensorwise":
+            qd = qd_t = fake_quant(d2, ctx.fmt[1])
+        else:
+            qd, qd_t = fake_quant_runs(d2, ctx.fmt[1], 1), fake_quant_runs(d2, ctx.fmt[1], 0)
+        return (qd @ qw).reshape(ctx.shape), qd_t.t() @ qa, None, None
 
 
 def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,12 +96,12 @@ def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def emulated_block(x: torch.Tensor, w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor,
-                   fmt: tuple[torch.dtype, torch.dtype, torch.dtype]) -> torch.Tensor:
+                   fmt: tuple[torch.dtype, torch.dtype, torch.dtype], recipe: str = "tensorwise") -> torch.Tensor:
     """One FP8 Llama layer on x (B, S, D) fp32; ``w`` as reference.standard_weights; ``fmt`` the
     (activation, gradient, weight) formats."""
     B, S, D = x.shape
     hd, H, KV = dims.head_dim, dims.n_heads, dims.n_kv_heads
-    qkv = _rstd(x, dims.eps) * Fp8Linear.apply(x * w["attn_norm"], torch.cat([w["q"], w["k"], w["v"]]), fmt)
+    qkv = _rstd(x, dims.eps) * Fp8Linear.apply(x * w["attn_norm"], torch.cat([w["q"], w["k"], w["v"]]), fmt, recipe)
     q, k, v = qkv.split((H * hd, KV * hd, KV * hd), dim=-1)
     q, k, v = (t.reshape(B, S, -1, hd).transpose(1, 2) for t in (q, k, v))
     theta = torch.arange(S, dtype=torch.float32)[:, None] * inv_freq.float()[None]
@@ -67,7 +109,10 @@ def emulated_block(x: torch.Tensor, w: dict[str, torch.Tensor], dims: Any, inv_f
     cos, sin = emb.cos(), emb.sin()
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KV)
-    x1 = x + Fp8Linear.apply(o.transpose(1, 2).reshape(B, S, H * hd), w["o"], fmt)
-    z = _rstd(x1, dims.eps) * Fp8Linear.apply(x1 * w["mlp_norm"], torch.cat([w["gate"], w["up"]]), fmt)
-    gate, up = z.chunk(2, dim=-1)
-    return x1 + Fp8Linear.apply(F.silu(gate) * up, w["down"], fmt)
+    x1 = x + Fp8Linear.apply(o.transpose(1, 2).reshape(B, S, H * hd), w["o"], fmt, recipe)
+    # gate and up rows interleaved (gate 0, up 0, gate 1, ...): the 128-row weight tiles and 1 x 128
+    # gradient runs of "blockwise" cover the same elements as the block's (per tensor: either order)
+    w_gu = torch.stack([w["gate"], w["up"]], dim=1).reshape(-1, w["gate"].shape[1])
+    z = _rstd(x1, dims.eps) * Fp8Linear.apply(x1 * w["mlp_norm"], w_gu, fmt, recipe)
+    gate, up = z[..., 0::2], z[..., 1::2]
+    return x1 + Fp8Linear.apply(F.silu(gate) * up, w["down"], fmt, recipe)

@@ -1,6 +1,6 @@
 """The FP8 recipe "tensorwise" on the CPU: delayed per-tensor scales (nn/fp8/delayed.py), the weights'
-per-tensor copies, and the block through the interpreter against a plain-torch FP8 emulation written
-from the recipe's description (tests/fp8_emulation.py)."""
+per-tensor copies; and both recipes' blocks through the interpreter against a plain-torch FP8
+emulation written from the recipes' description (tests/fp8_emulation.py)."""
 
 from __future__ import annotations
 
@@ -91,9 +91,9 @@ def test_per_tensor_weight_copies_and_the_gate_up_halves():
     assert cache.get(w) is a and cache.get(w, halves=True) is h
 
 
-def _block(seed: int = 0) -> LlamaBlock:
+def _block(seed: int = 0, recipe: str = "tensorwise") -> LlamaBlock:
     torch.manual_seed(seed)
-    b = LlamaBlock(256, 2, 1, 512, head_dim=128, fp8="tensorwise", dtype=BF16)
+    b = LlamaBlock(256, 2, 1, 512, head_dim=128, fp8=recipe, dtype=BF16)
     with torch.no_grad():        # ~1/sqrt(fan_in) weights: attention far from uniform
         for w in (b.qkv, b.o, b.gate_up, b.down):
             w.normal_(0.0, w.shape[1] ** -0.5)
@@ -102,8 +102,9 @@ def _block(seed: int = 0) -> LlamaBlock:
     return b
 
 
-def test_the_tensorwise_block_matches_an_fp8_emulation_of_the_recipe():
-    blk = _block()
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_each_recipe_matches_an_fp8_emulation_of_it(recipe):
+    blk = _block(recipe=recipe)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 128, 256, generator=g).to(BF16)
     dy = torch.randn(2, 128, 256, generator=g).to(BF16)
@@ -114,7 +115,7 @@ def test_the_tensorwise_block_matches_an_fp8_emulation_of_the_recipe():
         y.backward(dy)
     coda = (y.detach().float() - x.float(), xi.grad, coda_grads_standard(blk))
     res = {}
-    for name, fn in (("emulated", lambda xx, w: emulated_block(xx, w, blk.dims, blk.inv_freq, (E4M3,) * 3)),
+    for name, fn in (("emulated", lambda xx, w: emulated_block(xx, w, blk.dims, blk.inv_freq, (E4M3,) * 3, recipe)),
                      ("exact", lambda xx, w: standard_block(xx, w, blk.dims, blk.inv_freq))):
         w = {k: v.detach().float().requires_grad_() for k, v in standard_weights(blk).items()}
         xx = x.float().requires_grad_()
