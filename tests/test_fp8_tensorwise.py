@@ -70,6 +70,11 @@ def test_an_overflow_shows_as_a_nan_scale_on_the_next_step():
     k = FakeKernel()
     sc.begin_step(torch.device("cpu"))
     sc.quantize("a", k, torch.device("cpu"))
+    assert sc.stats()["a"]["saturated"] is False
+    sc.begin_step(torch.device("cpu"))
+    k.amax = 1000.0                                  # outgrows the scale of amax 1 (2^-8 * 448 = 1.75)
+    sc.quantize("a", k, torch.device("cpu"))
+    assert sc.stats()["a"]["saturated"] is True
     k.amax = float("inf")
     sc.begin_step(torch.device("cpu"))
     sc.quantize("a", k, torch.device("cpu"))

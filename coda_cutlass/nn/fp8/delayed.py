@@ -119,14 +119,19 @@ class DelayedScales:
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per tensor: the amax history (newest first, unfilled entries 0; the last step's amax joins
         it when the next forward begins, until then it is ``last_amax``), the scale the last step
-        used, its FP8 format and whether it has been quantised yet, as host values (this syncs: for
-        logging, not for every step)."""
+        used, its FP8 format, whether it has been quantised yet and whether the last step saturated
+        it (its amax past scale * fp8_max, or NaN), as host values (this syncs: for logging, not
+        for every step)."""
         if self._history is None:
             return {}
         order = [(self._slot - 1 - k) % self.recipe.history for k in range(self.recipe.history)]
         hist = self._history[:, order].tolist()
         scales = self._scales.tolist()
         last = {i: float(a) for i, a in self._pending.items()}
+
+        def saturated(i: int) -> bool | None:     # the last step's values outgrew the scale it used
+            return None if i not in last else not last[i] <= scales[i] * self._fmax[i]
+
         return {n: {"amax_history": hist[i], "last_amax": last.get(i), "scale": scales[i],
-                    "format": str(self.formats[n]), "calibrated": self._filled[i] or i in last}
-                for i, n in enumerate(self.names)}
+                    "format": str(self.formats[n]), "calibrated": self._filled[i] or i in last,
+                    "saturated": saturated(i)} for i, n in enumerate(self.names)}
