@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from coda_cutlass.errors import ConfigError
 from coda_cutlass.nn import LlamaBlock, LlamaModel
 from coda_cutlass.nn.fp8 import RECIPES, Fp8Recipe
 from coda_cutlass.nn.fp8.delayed import DelayedScales, scales_from_amax
@@ -176,3 +177,31 @@ def test_a_model_mixing_recipes_hands_operands_across():
     assert set(m.fp8_stats()) == {1} and m.fp8_stats()[1]["dx"]["calibrated"]
     assert abs(float(loss) - float(ref)) < 0.02 * float(ref)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_the_amax_histories_travel_in_the_state_dict_and_resume_with_the_same_scales(tmp_path):
+    torch.manual_seed(0)
+    m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8="tensorwise", dtype=BF16)
+    tok = torch.randint(0, 512, (1, 128), generator=torch.Generator().manual_seed(2))
+    for _ in range(2):
+        m(tok, tok).backward()
+    torch.save(m.state_dict(), tmp_path / "ckpt.pt")
+    torch.manual_seed(1)
+    resumed = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8="tensorwise", dtype=BF16)
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False))
+    run = RecordingRunner()
+    for b in resumed.blocks:
+        b.runner = run
+    loss_r = resumed(tok, tok)
+    loss_m = m(tok, tok)
+    assert torch.equal(loss_r, loss_m)                   # the same scales: the same numbers
+    assert run.sites.count("o") == 2                     # one per block: nothing recalibrated
+    ref, got = m.fp8_stats(), resumed.fp8_stats()
+    assert all(got[i][n]["scale"] == ref[i][n]["scale"] for i in ref for n in ref[i])
+    # a bf16 or blockwise model loads the same checkpoint (it keeps no histories)
+    LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16).load_state_dict(m.state_dict())
+    LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, dtype=BF16).load_state_dict(m.state_dict())
+    other = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, dtype=BF16,
+                       fp8=Fp8Recipe("long", scaling="tensor", history=32))
+    with pytest.raises(ConfigError, match="history of shape"):
+        other.load_state_dict(m.state_dict())

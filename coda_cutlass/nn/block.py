@@ -166,10 +166,15 @@ class LlamaBlock(nn.Module):
         return f
 
     def get_extra_state(self) -> dict[str, Any]:
-        """The settings a state_dict keeps besides the tensors: RoPE, softmax scale, sliding window."""
+        """The settings a state_dict keeps besides the tensors: RoPE, softmax scale, sliding window,
+        and a "tensorwise" FP8 block's amax histories (so a resumed run keeps its scales)."""
         backend, scale, window = self._attention_args
-        return {"rope": self.rope.to_dict(), "attention_scale": scale, "sliding_window": window,
-                "attention_softcap": self._softcap}
+        state = {"rope": self.rope.to_dict(), "attention_scale": scale, "sliding_window": window,
+                 "attention_softcap": self._softcap}
+        scales = self._fp8_scales()
+        if scales is not None:
+            state["fp8_scales"] = scales.state()
+        return state
 
     def set_extra_state(self, state: Any) -> None:
         if not isinstance(state, dict) or "rope" not in state:
@@ -177,6 +182,13 @@ class LlamaBlock(nn.Module):
         self._attention_args = (self._attention_args[0], state.get("attention_scale"), state.get("sliding_window"))
         self._softcap = state.get("attention_softcap")
         self._set_rope(Rope.from_dict(state["rope"]), self.rope_freq.device)
+        scales = self._fp8_scales()
+        if scales is not None and state.get("fp8_scales") is not None:   # other recipes keep no histories
+            scales.load_state(state["fp8_scales"])
+
+    def _fp8_scales(self) -> Any:
+        """The delayed scales of a "tensorwise" block, else None."""
+        return None if self.fp8 is None else getattr(self.fp8_path(), "scales", None)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "LlamaBlock":
         # module.to(dtype) would round the RoPE frequencies to bf16: keep them fp32, from their source
@@ -346,7 +358,7 @@ class LlamaBlock(nn.Module):
         """Per quantised tensor of a "tensorwise" block: its amax history, scale and format (host
         values: this waits for the GPU; call it for logging). Empty for other recipes or before the
         first step."""
-        scales = getattr(self.fp8_path(), "scales", None) if self.fp8 is not None else None
+        scales = self._fp8_scales()
         return {} if scales is None else scales.stats()
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:

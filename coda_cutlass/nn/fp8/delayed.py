@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ...dtypes import FP8_MAX, as_dtype
+from ...errors import ConfigError
 from .recipe import Fp8Recipe
 
 # a kernel launch given its tensor's scale -> (its outputs, the tensor's amax: a 0-dim fp32 tensor)
@@ -63,14 +64,49 @@ class DelayedScales:
         self.steps = 0
 
     def _ensure(self, device: torch.device) -> None:
-        if self._history is None or self._device != device:
+        if self._history is None:
             n = len(self.names)
-            self._device = device
             self._history = torch.zeros(n, self.recipe.history, dtype=torch.float32, device=device)
             self._scales = torch.ones(n, dtype=torch.float32, device=device)
-            self._fmax_t = torch.tensor(self._fmax, dtype=torch.float32, device=device)
             self._filled = [False] * n
             self._pending.clear()
+        elif self._device != device:         # the block moved: its histories move with it
+            self._history, self._scales = self._history.to(device), self._scales.to(device)
+            self._pending = {i: a.to(device) for i, a in self._pending.items()}
+        if self._device != device:
+            self._device = device
+            self._fmax_t = torch.tensor(self._fmax, dtype=torch.float32, device=device)
+
+    def state(self) -> dict[str, Any]:
+        """The histories as plain data (tensors on the CPU), for a checkpoint: ``load_state`` takes
+        it back, so a resumed run continues with the same scales instead of calibrating again."""
+        if self._history is None:
+            return {"names": list(self.names), "history": None}
+        return {"names": list(self.names), "history": self._history.cpu().clone(), "slot": self._slot,
+                "filled": list(self._filled), "steps": self.steps,
+                "pending": {self.names[i]: float(a) for i, a in self._pending.items()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take back what ``state`` returned (the same tensor names and history length)."""
+        if list(state.get("names", ())) != list(self.names):
+            raise ConfigError(f"FP8 scale state: tensor names {state.get('names')} do not match this block's "
+                              f"{list(self.names)}")
+        self.reset()
+        history = state["history"]
+        if history is None:
+            return
+        if tuple(history.shape) != (len(self.names), self.recipe.history):
+            raise ConfigError(f"FP8 scale state: history of shape {tuple(history.shape)}, this recipe keeps "
+                              f"({len(self.names)}, {self.recipe.history})")
+        device = self._device or history.device
+        self._history = history.to(device=device, dtype=torch.float32).clone()
+        self._scales = torch.ones(len(self.names), dtype=torch.float32, device=device)
+        self._device = None
+        self._ensure(device)
+        self._slot, self._filled, self.steps = int(state["slot"]), [bool(f) for f in state["filled"]], int(state["steps"])
+        self._pending = {self._index[n]: torch.tensor(a, device=device) for n, a in state["pending"].items()}
+        if any(self._filled):
+            self._scales = self._scale_of(self._history.amax(1), self._fmax_t)
 
     def _scale_of(self, amax: torch.Tensor, fmax: torch.Tensor) -> torch.Tensor:
         return scales_from_amax(amax, fmax, self.recipe.margin, self.recipe.pow2)
