@@ -387,3 +387,20 @@ def test_progress_and_warnings_reach_the_coda_cutlass_logger(fake_nvcc, caplog, 
                for n, lv, m in got), got
     assert any(n == "coda_cutlass" and lv == logging.WARNING and "discarded cache entry" in m
                for n, lv, m in got), got
+
+
+def test_a_marker_renamed_into_place_while_the_folder_is_read_is_not_a_stray(tmp_path, monkeypatch):
+    """Parallel builds claim a new cache at once: one lists the root while another renames the
+    marker's temporary file (.CACHEDIR.TAG-<hex>) to CACHEDIR.TAG. A name gone between the listing
+    and its lstat is not someone's file (this refused the cache in a CI-like run of the tests)."""
+    from coda_cutlass.build import layout
+    root = tmp_path / "cache"
+    (root / "kernels").mkdir(parents=True)
+    gone = ".CACHEDIR.TAG-" + "a" * 32
+    real_listdir = os.listdir
+    monkeypatch.setattr(layout.os, "listdir",
+                        lambda p: real_listdir(p) + ([gone] if Path(p) == root else []))
+    assert layout.inspect(root).kind == "old cache"
+    (root / "notes.txt").write_text("mine")
+    found = layout.inspect(root)
+    assert found.kind == "foreign" and "notes.txt" in found.detail and gone not in found.detail

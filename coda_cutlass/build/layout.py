@@ -99,6 +99,10 @@ def _strays(root: Path, names: list[str], owner: int) -> list[str]:
         """None if ``rel`` is a folder (a file) of the root's owner, else how it differs."""
         try:
             st = os.lstat(root / rel)
+        except FileNotFoundError:
+            # gone since the folder was listed: another process of the cache renamed or removed it
+            # (its marker's temporary file becomes CACHEDIR.TAG); what is not there is no one's folder
+            return None
         except OSError as e:
             return f"{rel} ({e.strerror})"
         if st.st_uid != owner:
