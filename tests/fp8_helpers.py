@@ -1,5 +1,6 @@
-"""Shared by the FP8 block tests (CPU and GPU): a runner that records every launch, the blocks of a
-two-block FP8 model run on their own, and a few optimizer steps' losses."""
+"""Shared by the FP8 block tests (CPU and GPU): a runner that records every launch, weights drawn so
+errors show, the blocks of a two-block FP8 model run on their own, and a few optimizer steps'
+losses."""
 
 from __future__ import annotations
 
@@ -32,6 +33,17 @@ class RecordingRunner(ReferenceRunner):
         self.maps.append((site, program, partial))
         self.sites.append(site)
         return super().map(site, program, X, partial=partial, **kw)
+
+
+def draw_weights(block: Any) -> Any:
+    """~1/sqrt(fan_in) weights and norm gains around 1: attention far from uniform, so RoPE, scale
+    or operand mistakes show (transformers' 0.02 initialisation hides them)."""
+    with torch.no_grad():
+        for w in (block.qkv, block.o, block.gate_up, block.down):
+            w.normal_(0.0, w.shape[1] ** -0.5)
+        block.attn_norm.normal_(1.0, 0.2)
+        block.mlp_norm.normal_(1.0, 0.2)
+    return block
 
 
 def blocks_step(seed: int = 0, fp8: str = "blockwise") -> RecordingRunner:

@@ -16,7 +16,7 @@ from coda_cutlass.nn.fp8.delayed import DelayedScales, scales_from_amax
 from coda_cutlass.nn.fp8.weights import Fp8Weights
 from coda_cutlass.nn.reference import coda_grads_standard, standard_block, standard_weights
 from fp8_emulation import emulated_block
-from fp8_helpers import RecordingRunner
+from fp8_helpers import RecordingRunner, draw_weights
 
 BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -100,12 +100,7 @@ def test_per_tensor_weight_copies_and_the_gate_up_halves():
 def _block(seed: int = 0, recipe: str = "tensorwise") -> LlamaBlock:
     torch.manual_seed(seed)
     b = LlamaBlock(256, 2, 1, 512, head_dim=128, fp8=recipe, dtype=BF16)
-    with torch.no_grad():        # ~1/sqrt(fan_in) weights: attention far from uniform
-        for w in (b.qkv, b.o, b.gate_up, b.down):
-            w.normal_(0.0, w.shape[1] ** -0.5)
-        b.attn_norm.normal_(1.0, 0.2)
-        b.mlp_norm.normal_(1.0, 0.2)
-    return b
+    return draw_weights(b)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])

@@ -350,6 +350,32 @@ def test_confirmation_finalists_are_the_incumbent_and_the_fastest_others():
     assert finalists([a], b.choice, 3) == [b.choice, a.choice]
 
 
+def fake_clock(monkeypatch, tuning, site_us, compile_many) -> None:
+    """The tuner without a GPU: each launch of a site takes ``site_us(site)``, every step 1000 us,
+    kernels come from ``compile_many``, plans are keyed without a device."""
+
+    class FakeRecorder:
+        def __init__(self):
+            self.times: dict[str, list[float]] = {}
+
+        def around(self, site, fn):
+            fn()
+            self.times.setdefault(site, []).append(site_us(site))
+
+        def times_us(self):
+            return self.times
+
+        def medians_us(self):
+            return {k: statistics.median(v) for k, v in self.times.items()}
+
+    monkeypatch.setattr(tuning, "Recorder", FakeRecorder)
+    monkeypatch.setattr(tuning, "timed_call", lambda fn: (fn(), 1000.0)[1])
+    monkeypatch.setattr(tuning, "_us", lambda t: t)
+    monkeypatch.setattr(tuning, "_sync", lambda: None)
+    monkeypatch.setattr(tuning, "compile_many", compile_many)
+    monkeypatch.setattr(tuning, "plan_key", lambda context, dtype, M: f"inseq|fake|{context}|M{M}")
+
+
 def test_tuning_end_to_end_with_a_fake_clock(monkeypatch):
     """tune_in_sequence's whole flow without a GPU: kernels are stand-ins and each site's time comes
     from a table. Site "a": the other configuration is 10% faster, so the first pass picks it and
@@ -369,26 +395,8 @@ def test_tuning_end_to_end_with_a_fake_clock(monkeypatch):
             "c": {default.name(): 50.0, other.name(): 10.0}}
     runner = KernelRunner(torch.bfloat16)
 
-    class FakeRecorder:
-        def __init__(self):
-            self.times: dict[str, list[float]] = {}
-
-        def around(self, site, fn):
-            fn()
-            self.times.setdefault(site, []).append(cost[site][runner.choice(site, E.identity, "nk").config.name()])
-
-        def times_us(self):
-            return self.times
-
-        def medians_us(self):
-            return {k: statistics.median(v) for k, v in self.times.items()}
-
-    monkeypatch.setattr(tuning, "Recorder", FakeRecorder)
-    monkeypatch.setattr(tuning, "timed_call", lambda fn: (fn(), 1000.0)[1])
-    monkeypatch.setattr(tuning, "_us", lambda t: t)
-    monkeypatch.setattr(tuning, "_sync", lambda: None)
-    monkeypatch.setattr(tuning, "compile_many", lambda items, dtype, **kw: [lambda *a, **k: {} for _ in items])
-    monkeypatch.setattr(tuning, "plan_key", lambda context, dtype, M: f"inseq|fake|{context}|M{M}")
+    fake_clock(monkeypatch, tuning, lambda site: cost[site][runner.choice(site, E.identity, "nk").config.name()],
+               lambda items, dtype, **kw: [lambda *a, **k: {} for _ in items])
     A = torch.empty(1)
     for cfg in (default, other):        # stand-ins already built: nothing is compiled
         runner.add_kernel(E.identity, "nk", False, cfg, lambda *a, **k: {})
@@ -543,26 +551,7 @@ def test_in_sequence_tuning_of_fp8_sites_builds_fp8_candidates(monkeypatch):
         built.extend(opts for _, opts in items)
         return [lambda *a, **k: {} for _ in items]
 
-    class FakeRecorder:
-        def __init__(self):
-            self.times: dict[str, list[float]] = {}
-
-        def around(self, site, fn):
-            fn()
-            self.times.setdefault(site, []).append(100.0)
-
-        def times_us(self):
-            return self.times
-
-        def medians_us(self):
-            return {k: statistics.median(v) for k, v in self.times.items()}
-
-    monkeypatch.setattr(tuning, "Recorder", FakeRecorder)
-    monkeypatch.setattr(tuning, "timed_call", lambda fn: (fn(), 1000.0)[1])
-    monkeypatch.setattr(tuning, "_us", lambda t: t)
-    monkeypatch.setattr(tuning, "_sync", lambda: None)
-    monkeypatch.setattr(tuning, "compile_many", fake_compile)
-    monkeypatch.setattr(tuning, "plan_key", lambda context, dtype, M: f"inseq|fake|{context}|M{M}")
+    fake_clock(monkeypatch, tuning, lambda site: 100.0, fake_compile)
     A = torch.empty(1)
     default = runner.choice("o.dgrad", E.identity, "nk", fp8).config
     runner.add_kernel(E.identity, "nk", False, default, lambda *a, **k: {}, fp8)

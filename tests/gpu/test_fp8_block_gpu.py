@@ -15,7 +15,7 @@ import torch
 
 from coda_cutlass.nn import KernelRunner, LlamaBlock, LlamaModel, ReferenceRunner
 from conftest import hopper_available
-from fp8_helpers import losses
+from fp8_helpers import draw_weights, losses
 
 pytestmark = pytest.mark.skipif(not hopper_available(), reason="needs an sm_90 GPU (H100/H200)")
 BF16 = torch.bfloat16
@@ -28,12 +28,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def make_block(fp8, seed: int = 0) -> LlamaBlock:
     torch.manual_seed(seed)
     b = LlamaBlock(512, 4, 2, 1024, head_dim=128, rope_theta=500000.0, fp8=fp8, device="cuda", dtype=BF16)
-    with torch.no_grad():            # ~1/sqrt(fan_in) weights: attention far from uniform
-        for w in (b.qkv, b.o, b.gate_up, b.down):
-            w.normal_(0.0, w.shape[1] ** -0.5)
-        b.attn_norm.normal_(1.0, 0.2)
-        b.mlp_norm.normal_(1.0, 0.2)
-    return b
+    return draw_weights(b)
 
 
 def run(block: LlamaBlock, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
