@@ -190,3 +190,61 @@ def test_map_empty_shapes_return_what_the_reference_returns(fake_nvcc, shape, pa
         torch.testing.assert_close(results[name], ref[name])
     if partial and M == 0:
         assert results["mx"].shape == (2, 0)
+
+
+# ---------------------------------------------------------------- transposed outputs
+@cc.epilogue
+def _transposed(acc, s: cc.DeviceScalar):
+    return {"q": cc.quantize(acc, scale=s), "qt": cc.quantize(acc, scale=s, transpose=True), "amax": cc.amax(acc)}
+
+
+@cc.epilogue
+def _transposed_blocks(acc):
+    return {"qt": cc.quantize(acc, block=128, transpose=True)}
+
+
+@cc.epilogue
+def _transposed_half(acc, s: cc.DeviceScalar):
+    return {"qt": cc.quantize(cc.half_width(acc), scale=s, transpose=True)}
+
+
+def test_transposed_outputs_are_staged_in_shared_memory_and_written_as_rows_of_the_transpose():
+    src = cc.emit_map(_transposed)
+    assert "__shared__ coda::map::TransposedTile<cutlass::float_e4m3_t> t3;" in src
+    assert "t3.stage(int(m % coda::map::kRowsPerBlock), lane * coda::map::kVec, out);" in src
+    assert "__syncthreads();" in src and "t3.write(p.tensors[3], n * p.views[3].stride_m + m0" in src
+    assert "tensors[3]  qt: output e4m3 [N, M] (transposed" in src
+    # a program without transposed outputs renders as before: no shared memory, no barrier
+    plain = cc.emit_map(E.rope_backward)
+    assert "TransposedTile" not in plain and "__syncthreads" not in plain
+
+
+def test_the_reference_of_a_transposed_output_is_the_transposed_codes():
+    X = (torch.randn(64, 48) * 4).to(BF)
+    out = cc.map_reference(_transposed, X, s=torch.tensor(0.01))
+    assert out["qt"].shape == (48, 64) and torch.equal(out["qt"].view(torch.uint8), out["q"].t().view(torch.uint8))
+
+
+@pytest.mark.parametrize("program,what", [(_transposed_blocks, "128 x 1 block scales"),
+                                          (_transposed_half, "half-width transposed")])
+def test_transposed_outputs_the_map_kernel_cannot_write_are_refused_by_name(program, what):
+    with pytest.raises(cc.EpilogueError, match=what):
+        cc.emit_map(program)
+
+
+def test_map_transposed_outputs_are_n_by_m_and_out_is_checked(fake_nvcc):
+    k = cc.compile_map(_transposed, BF)
+    X, s = torch.randn(96, 64).to(BF), torch.tensor(0.5)
+    *_, results, _ = k._prepare(X, {"s": s}, None)
+    assert results["qt"].shape == (64, 96) and results["qt"].dtype == torch.float8_e4m3fn
+    buf = torch.empty(128, 96 + 16, dtype=torch.float8_e4m3fn)        # the rows of a larger buffer
+    view = buf[32:96, :96]
+    assert k._prepare(X, {"s": s}, {"qt": view})[5]["qt"] is view
+    assert "expected the transpose of X: (64, 96)" in _message(
+        lambda: k._prepare(X, {"s": s}, {"qt": torch.empty(96, 64, dtype=torch.float8_e4m3fn)}))
+    assert "leading dimension that is a multiple of 16" in _message(
+        lambda: k._prepare(X, {"s": s}, {"qt": torch.empty(64, 104, dtype=torch.float8_e4m3fn)[:, :96]}))
+    assert "dtype is torch.float8_e5m2, the kernel was compiled for torch.float8_e4m3fn" in _message(
+        lambda: k._prepare(X, {"s": s}, {"qt": torch.empty(64, 96, dtype=torch.float8_e5m2)}))
+    assert "a transposed output is a 2-D (N, M) = (64, 96) tensor" in _message(
+        lambda: k._prepare(X, {"s": s}, {"qt": torch.empty(64, 96, 1, dtype=torch.float8_e4m3fn)}))

@@ -14,9 +14,12 @@ A value that varies along N is an 8-element array, one that does not is a single
 Supported: every elementwise op and cast, the pair ops (pairs, interleave, pair_map, rotate_pairs),
 row/col indices, tile / per-row / per-column / scalar / device-scalar operands, tile outputs (full
 or half width, FP8 included), FP8 outputs quantised per tensor or per 1 x 128 run (the 16 lanes of
-a run reduce its amax with shuffles), accumulated outputs, and row reductions (sum, max, min,
-gather) and total sums as per-(row, 256-column tile) partials. Refused with an error naming the
-node: packed pairs, log-sum-exp, segment sums, column reductions and transposed outputs.
+a run reduce its amax with shuffles), transposed outputs (N x M: the block's 32 x 256 tile staged
+in shared memory, written as 32-element runs of its 256 rows; a per-tensor scale survives the
+transpose, so ``cc.quantize(..., scale=s, transpose=True)`` is one), accumulated outputs, and row
+reductions (sum, max, min, gather) and total sums as per-(row, 256-column tile) partials. Refused
+with an error naming the node: packed pairs, log-sum-exp, segment sums, column reductions,
+half-width transposed outputs and transposed outputs with 128 x 1 block scales.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ class MapSlot:
     role: str          # "acc" (the input X), "input", "output", "inout", "partials"
     kind: Kind         # TILE, ROW (length M), COL (length N); partials: ROW
     dtype: DType
-    layout: str = "tile"          # tile outputs: "tile" (M x N), "half" (M x N/2) or "scale" (block scales)
+    layout: str = "tile"          # tile outputs: "tile" (M x N), "half" (M x N/2), "t" (N x M) or "scale"
+                                  # (block scales)
     partials: PartialLayout | None = None   # role "partials" (with PARTIALS_TILE)
     scale_of: str | None = None   # layout "scale": the layout of the quantised output it scales
 
@@ -85,6 +89,11 @@ class MapGraph:
     scalars: tuple[str, ...]
     nodes: tuple[MapNode, ...]
     headers: tuple[str, ...]
+
+    @property
+    def transposed(self) -> tuple[MapSlot, ...]:
+        """The transposed (N x M) outputs: each stages the block's tile in shared memory."""
+        return tuple(s for s in self.slots if s.role == "output" and s.layout == "t")
 
     def describe(self) -> dict[str, Any]:
         return json.loads(json.dumps({
@@ -175,8 +184,13 @@ def _node(program: Program, n: Node, slot_of: dict[str, int], scalars: tuple[str
         return "fn", {"functor": f"coda::scalar::{OPS[n.op].functor}"}
     if n.op == "store":
         layout = n.attr("layout", "tile")
-        if layout not in ("tile", "half"):
-            raise _refuse(program, n, f"transposed ('{layout}') outputs (cc.quantize(..., transpose=True))")
+        if layout not in ("tile", "half", "t"):
+            raise _refuse(program, n, f"half-width transposed ('{layout}') outputs")
+        if layout == "t":
+            if n.attr("quant") == "block":
+                raise _refuse(program, n, "transposed outputs with 128 x 1 block scales (a per-tensor scale, "
+                                          "cc.quantize(..., scale=s, transpose=True), is supported)")
+            return "t_store", {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype)}
         if n.attr("quant") == "block":
             return "quant_store", {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype),
                                    "scale": slot_of[f"{n.attr('name')}_scale"], "half": layout == "half",

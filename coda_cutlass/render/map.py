@@ -24,13 +24,17 @@ def map_slot_doc(s: MapSlot) -> str:
     if s.layout == "scale":
         return ("output f32 block scales of a quantised output, stored [runs, M] (run-major: views.stride_m "
                 "= ld): one per 1 x 128 run of each row")
+    if s.layout == "t":
+        return (f"output {s.dtype.name} [N, M] (transposed: row n holds column n of the tile; views.stride_m "
+                "= its leading dimension)")
     role = {"input": "input", "output": "output", "inout": "accumulated output (read, then written)"}[s.role]
     width = "[M, N/2] (half width: column i from the pair 2i, 2i+1)" if s.layout == "half" else "[M, N]"
     return f"{role} {s.dtype.name} {width} (strided view)"
 
 
 def render_map_kernel(graph: MapGraph) -> str:
-    tile_slots = [s for s in graph.slots if s.kind == Kind.TILE and s.role != "partials" and s.layout != "scale"]
+    tile_slots = [s for s in graph.slots if s.kind == Kind.TILE and s.role != "partials"
+                  and s.layout not in ("scale", "t")]
     return environment().get_template("map.cu.j2").render(
         name=graph.program.name,
         version=__version__,

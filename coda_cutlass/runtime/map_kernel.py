@@ -5,7 +5,8 @@ stream, finishes the row reductions (one small deterministic call each) and retu
 outputs, like a GEMM epilogue kernel. ``X`` and the tile operands may be 2-D (M, N), 3-D (B, S, N)
 or 4-D (B, S, H, D) strided tensors (unit innermost stride): a 4-D one is read as the
 (B * S) x (H * D) matrix, so e.g. attention gradients laid out (B, H, S, D) and transposed to
-(B, S, H, D) need no copy. Outputs are returned as (M, N) matrices (or written into ``out=``).
+(B, S, H, D) need no copy. Outputs are returned as (M, N) matrices, transposed ones as (N, M) (or
+written into ``out=``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,28 @@ def tile_view(name: str, t: torch.Tensor, M: int, N: int, dtype: torch.dtype, de
         raise CallError(f"{name}: data pointer is not {vec * t.element_size()}-byte aligned (a view at an element "
                         "offset?)")
     return view
+
+
+def transposed_view(name: str, t: Any, M: int, N: int, dtype: torch.dtype, device: torch.device) -> list[int]:
+    """The view of a transposed output: an (N, M) matrix with unit inner stride whose rows start on
+    16-byte boundaries (each thread writes its row's 32-element runs as 16-byte stores)."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise CallError(f"{name}: a transposed output is a 2-D (N, M) = ({N}, {M}) tensor"
+                        + ("" if not isinstance(t, torch.Tensor) else f", got shape {tuple(t.shape)}"))
+    if t.dtype != dtype:
+        raise CallError(f"{name}: dtype is {t.dtype}, the kernel was compiled for {dtype}")
+    if t.device != device:
+        raise CallError(f"{name}: is on {t.device}, but X is on {device}; all tensors must be on the same GPU")
+    if tuple(t.shape) != (N, M):
+        raise CallError(f"{name}: shape {tuple(t.shape)}, expected the transpose of X: ({N}, {M})")
+    if M == 0 or N == 0:
+        return [0, 1, max(N, 1), 0, max(M, 1)]
+    ld = t.stride(0)
+    vec = 16 // t.element_size()
+    if (M > 1 and t.stride(1) != 1) or ld % vec or t.data_ptr() % 16:
+        raise CallError(f"{name}: rows must be contiguous, 16-byte aligned, with a leading dimension that is a "
+                        f"multiple of {vec} elements; got strides {t.stride()}")
+    return [0, ld, N, 0, M]
 
 
 class CompiledMap(ReductionOutputs):
@@ -198,6 +221,15 @@ class CompiledMap(ReductionOutputs):
                 t = new_buffer((-(-cols // 128), ld), torch.float32, device, poison)
                 view = (0, ld, max(M, 1), 0, 1)
                 results[s.name] = t[:, :M].t()
+            elif s.role == "output" and s.layout == "t":
+                t = out.get(s.name) if out else None
+                if t is None:
+                    t = new_buffer((N, M), s.dtype.torch, device, poison)
+                else:
+                    written = written or {}
+                    written[s.name] = t
+                view = transposed_view(f"out['{s.name}']", t, M, N, s.dtype.torch, device)
+                results[s.name] = t
             elif s.role == "output":
                 cols = N // 2 if s.layout == "half" else N
                 t = out.get(s.name) if out else None
@@ -244,4 +276,4 @@ class CompiledMap(ReductionOutputs):
 _NO_VIEW = (0, 0, 1, 0, 1)      # the view of a slot that is not a tile (vectors, partials)
 
 
-__all__ = ["CompiledMap", "MapLibrary", "logical_shape", "tile_view"]
+__all__ = ["CompiledMap", "MapLibrary", "logical_shape", "tile_view", "transposed_view"]

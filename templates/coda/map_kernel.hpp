@@ -103,6 +103,39 @@ CUTLASS_DEVICE void store_even4(void* base, int64_t offset, float const (&in)[kV
   }
 }
 
+// A transposed output's staging tile: the block's 32 rows x 256 columns of FP8 codes. Each lane
+// stages its 8 columns of a row (8 contiguous bytes); after the row loop thread t reads column t
+// down the 32 rows and writes them as one contiguous 32-byte run of the N x M output's row t (two
+// 16-byte stores; a last, partial block of rows byte by byte). The 16-byte row pad keeps the
+// lanes' 8-byte stores aligned; the column reads of a warp fall in 8 distinct banks.
+template <class T>
+struct TransposedTile {
+  static_assert(sizeof(T) == 1, "transposed outputs are FP8 codes (cc.quantize(..., transpose=True))");
+  alignas(16) T tile[kRowsPerBlock][kTileN + 16];
+
+  CUTLASS_DEVICE void stage(int row, int col, float const (&in)[kVec]) {
+    alignas(8) T v[kVec];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVec; ++i) v[i] = from_float<T>(in[i]);     // saturating, as store8
+    *reinterpret_cast<uint2*>(&tile[row][col]) = *reinterpret_cast<uint2 const*>(v);
+  }
+
+  // Column ``col`` of the tile (its first ``rows`` rows) to ``base + offset`` (elements; 16-byte
+  // aligned: the host checks the leading dimension and the pointer, and m0 is a multiple of 32).
+  CUTLASS_DEVICE void write(void* base, int64_t offset, int col, int rows) const {
+    T* p = static_cast<T*>(base) + offset;
+    if (rows == kRowsPerBlock) {
+      alignas(16) T v[kRowsPerBlock];
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRowsPerBlock; ++r) v[r] = tile[r][col];
+      reinterpret_cast<uint4*>(p)[0] = reinterpret_cast<uint4 const*>(v)[0];
+      reinterpret_cast<uint4*>(p)[1] = reinterpret_cast<uint4 const*>(v)[1];
+    } else {
+      for (int r = 0; r < rows; ++r) p[r] = tile[r][col];
+    }
+  }
+};
+
 // One element of a per-row or per-column vector (any dtype: index vectors are read as fp32).
 template <class T>
 CUTLASS_DEVICE float load1(void const* base, int64_t i) {

@@ -200,3 +200,31 @@ def test_map_kernel_quantised_outputs_are_exact(shape):
     out = k(X, **ops)
     ref = cc.map_reference(map_quant, X, **ops)
     _check_exact(out, ref, f"map {shape}")
+
+
+@cc.epilogue
+def map_transposed(acc, s: cc.DeviceScalar, g: cc.PerCol):
+    y = acc * g
+    return {"q": cc.quantize(y, scale=s), "qt": cc.quantize(y, scale=s, transpose=True),
+            "pt": cc.quantize(y, E5M2, scale=s, transpose=True), "amax": cc.amax(y)}
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (1008, 392), (32, 8)])
+def test_map_kernel_transposed_outputs_are_exact(shape):
+    """Transposed map outputs (the tile staged in shared memory): every block of rows and columns,
+    a last partial block of rows (1008 = 31 x 32 + 16) and of columns (392 = 256 + 136), into a
+    fresh (N, M) tensor and into the rows of a larger buffer with a longer leading dimension."""
+    M, N = shape
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    X = (torch.randn(M, N, device="cuda", generator=g) * 300).to(torch.bfloat16)     # some past 448: saturate
+    gam = torch.randint(1, 5, (N,), device="cuda", generator=g).to(torch.bfloat16) / 2
+    ops = {"s": torch.tensor(0.5, device="cuda"), "g": gam}
+    k = cc.compile_map(map_transposed, torch.bfloat16)
+    ref = cc.map_reference(map_transposed, X, **ops)
+    _check_exact(k(X, **ops), ref, f"map transposed {shape}")
+    buf = torch.full((N + 64, M + 32), 0x7F, dtype=torch.uint8, device="cuda").view(E4M3)
+    out = k(X, out={"qt": buf[32:32 + N, :M]}, **ops)
+    _check_exact(out, ref, f"map transposed into a buffer {shape}")
+    rest = buf.view(torch.uint8).clone()
+    rest[32:32 + N, :M] = 0x7F
+    assert bool((rest == 0x7F).all()), "a transposed store wrote outside its rows"
