@@ -7,10 +7,10 @@ the transpose). Per-tensor quantisation is elementwise, so no output here constr
 
 Forward:  residual_norm_stats_t (out-proj and down-proj: h = x * g, the next GEMM's operand),
           swiglu_t (gate/up: the SwiGLU output), quantize_tensor (map kernel: the attention output,
-          the first block's h, a gradient no epilogue produced).
+          the first block's h, a gradient no epilogue produced; with its transposed copy).
 Backward: swiglu_backward_t (down-proj dX: dz as its gate and up halves, each with its transposed
           copy), norm_backward_t (gate/up and QKV dX: dx in bf16 and in FP8), rope_backward_t (map
-          kernel: the RoPE backward of q, k and v, quantised).
+          kernel: the RoPE backward of q, k and v, quantised, with its transposed copy).
 """
 
 import torch
@@ -22,8 +22,9 @@ F32 = torch.float32
 
 @cc.epilogue
 def quantize_tensor(acc, s: cc.DeviceScalar):
-    """Map kernel: a tensor no GEMM produces, in FP8 with the given scale, and its amax."""
-    return {"q": cc.quantize(acc, scale=s), "amax": cc.amax(acc)}
+    """Map kernel: a tensor no GEMM produces, in FP8 with the given scale, its transposed copy (its
+    weight gradient's operand) and its amax."""
+    return {"q": cc.quantize(acc, scale=s), "qt": cc.quantize(acc, scale=s, transpose=True), "amax": cc.amax(acc)}
 
 
 @cc.epilogue
@@ -82,7 +83,8 @@ def norm_backward_t(acc, x: cc.Tile, r: cc.PerRow(F32), c: cc.PerRow(F32), g: cc
 @cc.epilogue
 def rope_backward_t(acc, y: cc.Tile, r: cc.PerRow(F32), pos: cc.PerRow(F32), freq: cc.PerCol(F32),
                     s: cc.DeviceScalar):
-    """Map kernel (as rope_backward): dz' = r * R(-theta) dy in FP8 with the given scale, its amax,
-    and the per-row partials of y . dy."""
+    """Map kernel (as rope_backward): dz' = r * R(-theta) dy in FP8 with the given scale, its
+    transposed copy (the QKV weight gradient's operand), its amax, and the per-row partials of y . dy."""
     dz = cc.rotate_pairs(acc, -(pos * freq)) * r
-    return {"dz": cc.quantize(dz, scale=s), "amax": cc.amax(dz), "zdz": cc.row_sum(acc * y)}
+    return {"dz": cc.quantize(dz, scale=s), "dzt": cc.quantize(dz, scale=s, transpose=True), "amax": cc.amax(dz),
+            "zdz": cc.row_sum(acc * y)}

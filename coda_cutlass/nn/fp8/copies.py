@@ -6,8 +6,7 @@ writes yet:
   128 x 1 run down each column of x, i.e. per 1 x 128 run along x^T's rows (the weight-gradient
   GEMMs' K). Map kernels do not yet write transposed outputs (docs/FP8.md); when they do, it goes.
 - ``weight_tiles``: a weight's 128 x 128 tiles in both layouts (once per optimizer step).
-- ``transpose_codes``: the transposed copy of per-tensor codes ("tensorwise": the scale survives);
-  ``tensor_copies``: a weight's per-tensor codes in both layouts.
+- ``tensor_copies``: a weight's per-tensor codes in both layouts ("tensorwise").
 
 Bit for bit ``quantize_blocks`` / ``quantize_tiles`` with ``pow2=True`` (coda_cutlass/quantization.py,
 the kernels' semantics), computed without a division: for amax = m * 2^e (1 <= m < 2) and an FP8
@@ -85,10 +84,6 @@ def transposed_copy(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return codes, s.t()
 
 
-def _transpose_bytes(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return q.t().contiguous()
-
-
 def _tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool) -> tuple[torch.Tensor, ...]:
     scale = scales_from_amax(w.abs().amax().float(), float(FP8_MAX[as_dtype(dtype)]), 0, pow2)
     q = round_to(w.float() * (1.0 / scale), as_dtype(dtype))
@@ -100,13 +95,6 @@ def tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool)
     """A weight W (R, C) with one scale: (codes, the 0-dim scale, W^T's codes); ``halves``: W^T's
     columns are W's even rows, then its odd rows (nn/fp8/weights.py). Compiled on a GPU."""
     return _on_device(_tensor_copies, w, dtype)(w.contiguous(), dtype, halves, pow2)
-
-
-def transpose_codes(q: torch.Tensor) -> torch.Tensor:
-    """FP8 codes (M, N) -> their transpose (N, M), contiguous: a per-tensor scaled operand's transposed
-    copy (the scale is the same). Compiled on a GPU (eager torch moves 1-byte elements at a fraction
-    of the bandwidth)."""
-    return _on_device(_transpose_bytes, q, q.dtype)(q.view(torch.uint8), q.dtype).view(q.dtype)
 
 
 def _tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -7,11 +7,11 @@ delayed scale (delayed.py), beside its amax:
   copies), y by the gate/up epilogue (with its transposed copy), the attention output by a map kernel;
 - backward: dz by the down-proj dX epilogue as its gate and up halves with their transposed copies,
   dx1 and dx by the norm-backward dX epilogues (in bf16 for the residual, in FP8, transposed), dqkv
-  by the RoPE-backward map kernels.
+  by the RoPE-backward map kernels (with its transposed copy).
 
-A per-tensor scale survives a transpose, so the transposed copies that no epilogue writes (the
-attention output, dqkv, the first block's h, a gradient from outside) are the codes transposed, made
-when a weight-gradient GEMM first asks (``TensorOperand.t``).
+A per-tensor scale survives a transpose, so a transposed copy is the same codes, written by the
+kernel that quantises, map kernels too (the attention output, the first block's h, a gradient from
+outside): no copy is made in torch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 
 from ... import epilogues as E
 from ..stats import row_mean, rstd
-from .copies import transpose_codes
 from .delayed import DelayedScales
 from .functional import check_tokens, dgamma_of
 from .weights import Fp8Weight, Fp8Weights
@@ -35,17 +34,11 @@ GRADIENTS = ("dx2", "dz", "dx1", "dqkv", "dx")
 
 @dataclass
 class TensorOperand:
-    """An (M, N) activation or gradient in FP8 with one scale ``s`` (0-dim fp32): codes ``q`` (M, N),
-    and the transposed copy ``qt`` (N, M), the same codes, written by the producing epilogue or made
-    on first use."""
+    """An (M, N) activation or gradient in FP8 with one scale ``s`` (0-dim fp32): codes ``q`` (M, N)
+    and the transposed copy ``qt`` (N, M), the same codes, written by the kernel that quantised it."""
     q: torch.Tensor
     s: torch.Tensor
-    qt: torch.Tensor | None = None
-
-    def t(self, step: Any, site: str) -> torch.Tensor:
-        if self.qt is None:
-            self.qt = step.runner.timed(site, lambda: transpose_codes(self.q))
-        return self.qt
+    qt: torch.Tensor
 
 
 def new_scales(recipe: Any) -> DelayedScales:
@@ -69,8 +62,7 @@ def _dgrad(step: Any, site: str, program: Any, grad: TensorOperand, w: Fp8Weight
 
 def _wgrad(step: Any, site: str, grad: TensorOperand, a: TensorOperand, **operands: Any) -> dict:
     """dW = grad^T a: K is the token dimension, both operands their transposed copies."""
-    return _gemm(step, site, E.identity, grad.t(step, site + ".gt"), grad.s, a.t(step, site + ".at"), a.s,
-                 ("gradient", "activation"), **operands)
+    return _gemm(step, site, E.identity, grad.qt, grad.s, a.qt, a.s, ("gradient", "activation"), **operands)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -87,9 +79,9 @@ def _on(sc: DelayedScales, device: torch.device) -> Any:
 
 
 def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Tensor) -> TensorOperand:
-    """A tensor no GEMM produced, by a map kernel (its transposed copy made when asked)."""
+    """A tensor no GEMM produced, by a map kernel, with its transposed copy."""
     out, s = sc.quantize(name, lambda s: _with_amax(step.runner.map(site, E.quantize_tensor, x, s=s)), x.device)
-    return TensorOperand(out["q"], s)
+    return TensorOperand(out["q"], s, out["qt"])
 
 
 def block_forward(step: Any, x: torch.Tensor, h: TensorOperand, r: torch.Tensor, w: Any, wq: Fp8Weights,
@@ -159,21 +151,23 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
     d_o = _wgrad(step, "o.wgrad", dx1q, oq)["D"]
     grads = run.timed("attention.bwd", lambda: step.attention.backward(attn_ctx, d_attn))
     dqkv8 = torch.empty(qkv.shape, dtype=step.fp8.gradient, device=qkv.device)
+    dqkvt8 = torch.empty(qkv.shape[1], qkv.shape[0], dtype=step.fp8.gradient, device=qkv.device)
 
     def rope_dgrad(s: torch.Tensor) -> tuple[dict, torch.Tensor]:
         zdz, amax, start = [], [], 0
         for g4 in grads:
             width = g4.shape[2] * g4.shape[3]
             cols = slice(start, start + width)
-            res = run.map("rope.dgrad", E.rope_backward_t, g4, partial=True, out={"dz": dqkv8[:, cols]},
-                          y=qkv[:, cols], r=r, pos=step.pos, freq=step.freq[cols], s=s)
+            res = run.map("rope.dgrad", E.rope_backward_t, g4, partial=True,
+                          out={"dz": dqkv8[:, cols], "dzt": dqkvt8[cols]}, y=qkv[:, cols], r=r, pos=step.pos,
+                          freq=step.freq[cols], s=s)
             zdz.append(res["zdz"])
             amax.append(_amax(res["amax"]))
             start += width
         return {"zdz": torch.cat(zdz)}, torch.stack(amax).amax()
 
     b1, sdq = quant("dqkv", rope_dgrad)
-    dqkvq = TensorOperand(dqkv8, sdq)
+    dqkvq = TensorOperand(dqkv8, sdq, dqkvt8)
     c = row_mean(b1["zdz"], d.dim)
     b2, sdx = quant("dx", lambda s: _with_amax(_dgrad(step, "qkv.dgrad", E.norm_backward_t, dqkvq, wqkv,
                                                             partial=True, x=x, r=r, c=c, g=w.attn_norm, dres=dx1,
