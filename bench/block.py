@@ -20,7 +20,9 @@ Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through
   a stack), torchao-tensorwise / torchao-rowwise (torchao float8 training + torch.compile, when
   importable) and cublas-fp8 (the 12 GEMMs as torch._scaled_mm on operands quantised beforehand,
   and the same attention: the FP8 floor); an FP8 table gives each against bf16 torch.compile and
-  torchao, the non-GEMM non-attention share, and the per-site times.
+  torchao, the non-GEMM non-attention share, and the per-site times. With --tune each FP8 block
+  is tuned in its own sequence too (its plan context is the bf16 one plus ":fp8-RECIPE"), and
+  coda-fp8-RECIPE-before runs it with the plan it had before, in the same rounds.
 The forward-only figures run under torch.no_grad(), as inference or evaluation does: torch.compile
 then compiles an inference graph, and the coda block runs its forward alone (nothing saved, the
 gate/up GEMM writes only the SwiGLU output).
@@ -54,10 +56,10 @@ from coda_cutlass.nn.runner import Runner  # noqa: E402
 from coda_cutlass.nn.functional import first_norm  # noqa: E402
 from coda_cutlass.nn.kernels import forward_only_site  # noqa: E402
 from coda_cutlass.nn.plan_store import plan_key  # noqa: E402
-from coda_cutlass.nn.tuning import tune_in_sequence  # noqa: E402
+from coda_cutlass.nn.tuning import named_candidates, tune_in_sequence  # noqa: E402
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 from coda_cutlass.nn.reference import standard_block, standard_weights  # noqa: E402
-from fp8_variants import fp8_variants  # noqa: E402
+from fp8_variants import PlanBefore, fp8_variants  # noqa: E402
 from report import GpuSampler, Nvml, config_label, environment, machine_line, require_hopper  # noqa: E402
 
 WIDTHS = {
@@ -161,6 +163,12 @@ class Workload:
         else:
             with torch.no_grad():
                 self.block.run(self.step, self.x, self.h, self.r, self.g_next)
+
+    def add_fp8_before(self, name: str, plan: dict[str, Any]) -> None:
+        """Time the FP8 block ``name`` with the plan it had before tuning beside the tuned one."""
+        before = PlanBefore(self.fp8_parts[name], plan)
+        self.fp8_v[f"{name}-before"] = before
+        self.fp8_parts[f"{name}-before"] = before
 
     def coda_before(self, backward: bool) -> None:
         """The coda block with the plan it had before tuning (the runner's plan swapped for one call)."""
@@ -315,7 +323,10 @@ def site_times(wl: Workload, rounds: int, iters: int, backward: bool = True, ski
                     skeletons[name].recorder = rec[name]
                     skeletons[name].run(backward)
                     skeletons[name].recorder = None
-    return {n: r.medians_us() for n, r in rec.items()}
+    # a site launched more than once a step (the tensorwise gate/up weight gradient: gate and up rows)
+    # counts once per launch: its median launch times its launches per step
+    return {n: {site: statistics.median(t) * len(t) / (rounds * iters) for site, t in r.times_us().items()}
+            for n, r in rec.items()}
 
 
 def device_breakdown(wl: Workload, names: list[str], iters: int, backward: bool = True) -> dict[str, dict[str, float]]:
@@ -367,18 +378,30 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     torch.cuda.synchronize()
     print(f"[{width} M={M}] ready in {time.monotonic() - t0:.0f} s", flush=True)
     tuned = tuned_fwd = None
+    tuned_fp8: dict[str, dict[str, Any]] = {}
     before = dict(wl.runner.plan)       # the stored or shipped plan (prepared in the warm-up)
     tuning = dict(context=wl.block.context(), M=M, iters=args.tune_iters, rounds=args.tune_rounds, warmup=1,
                   confirm_rounds=args.confirm_rounds, margin=args.margin,
-                  extra=[KernelConfig.from_name(c) for c in args.extra_configs], verbose=True)
-    if args.tune:
+                  extra=[KernelConfig.from_name(c) for c in args.extra_configs], verbose=True,
+                  candidates=named_candidates(args.tune_configs, torch.bfloat16) if args.tune_configs else None)
+    if args.tune and "coda" not in args.skip:
         print(f"[{width} M={M}] in-sequence tuning ...", flush=True)
         tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), **tuning)
+    if args.tune:       # the FP8 blocks (--fp8), each in its own sequence
+        for name, part in list(wl.fp8_parts.items()):
+            if not hasattr(part, "runner"):
+                continue
+            print(f"[{width} M={M}] in-sequence tuning of {name} ...", flush=True)
+            before_fp8 = dict(part.runner.plan)
+            tuned_fp8[name] = tune_in_sequence(part.runner, lambda part=part: (wl.zero_grad(), part(True)),
+                                               **{**tuning, "context": part.block.context()})
+            wl.add_fp8_before(name, before_fp8)
     if args.tune_forward:
         print(f"[{width} M={M}] in-sequence tuning of the forward alone (no autograd) ...", flush=True)
         tuned_fwd = tune_in_sequence(wl.runner, lambda: wl.coda(False), only=forward_only_site, **tuning)
     if tuned or tuned_fwd:
         wl.plan_before = before     # timed beside the new plan (when equal: a control of the noise)
+    if tuned or tuned_fwd or tuned_fp8:
         names = [n for n in wl.variants() if n not in args.skip]
     res: dict[str, Any] = {"width": width, "M": M, "batch": wl.batch, "seq": wl.seq}
     for backward in (False, True):
@@ -394,6 +417,11 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
     res["fp8_weight_quant_ms"] = {n: p.weight_quant_ms() for n, p in wl.fp8_parts.items() if hasattr(p, "weight_quant_ms")}
     res["plan"] = {s: c.to_json() for s, c in wl.runner.plan.items()}
     res["plan_source"] = wl.runner.plan_source    # the plan key in use (None: default configurations)
+    res["fp8_plans"] = {n: {"source": p.runner.plan_source, "plan": {s: c.to_json() for s, c in p.runner.plan.items()}}
+                        for n, p in wl.fp8_parts.items() if hasattr(p, "runner") and not n.endswith("-before")}
+    for n, rec in tuned_fp8.items():
+        res.setdefault("fp8_tuning", {})[n] = {k: rec[k] for k in ("before_us", "after_us", "seconds", "timings",
+                                                                   "confirm")}
     if wl.plan_before is not None:
         res["plan_before"] = {s: c.to_json() for s, c in wl.plan_before.items()}
     for key, rec in (("tuning", tuned), ("tuning_forward", tuned_fwd)):
@@ -524,6 +552,9 @@ def main() -> None:
     ap.add_argument("--extra-configs", nargs="*", default=[], metavar="CONFIG",
                     help="with --tune: configurations to try besides the candidate space, e.g. "
                          "128x128x64_c2x2_pingpong (where they fit a site's program)")
+    ap.add_argument("--tune-configs", nargs="*", default=[], metavar="CONFIG",
+                    help="with --tune: only these configurations of each site's candidate space (e.g. the "
+                         "prebuilt ones: tuning then compiles nothing); default: the whole space")
     ap.add_argument("--energy-seconds", type=float, default=1.5,
                     help="sustained seconds per variant in the energy pass (NVML energy counter; 0 skips it). "
                          "Short windows are noisy: variants read 566-735 W at 0.5-1 s, 656-706 W at 1.5 s (H200)")

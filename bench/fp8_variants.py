@@ -3,7 +3,8 @@ and gradient as the bf16 variants:
 
 - coda-fp8-RECIPE: ``LlamaBlock(fp8=RECIPE)`` as a middle block of a stack (its input's FP8 copy
   comes from the previous block, computed once outside the timing as the bf16 block's h is; its
-  output's FP8 copy goes to the next block). The weights' FP8 copies are made once per optimizer
+  output's FP8 copy goes to the next block; its output's gradient arrives in FP8 with its
+  transposed copy, as the next block's QKV dX epilogue writes it, also made once outside). The weights' FP8 copies are made once per optimizer
   step, so they are cached across the timed steps; ``weight_quant_ms`` says what one remake costs.
 - torchao-tensorwise / torchao-rowwise: the standard block with nn.Linear layers converted by
   ``torchao.float8.convert_to_float8_training`` with that recipe, then torch.compile (torchao's
@@ -23,7 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from coda_cutlass.nn import KernelRunner, LlamaBlock
+from coda_cutlass.nn.fp8.autograd import stash_put
+from coda_cutlass.nn.fp8.functional import quantize_operand
 from coda_cutlass.nn.fp8.support import first_norm_fp8
+from coda_cutlass.nn.fp8.tensorwise import TensorOperand
 from coda_cutlass.nn.reference import rotate_half
 from coda_cutlass.nn.runner import Runner
 from coda_cutlass.quantization import quantize_tensor
@@ -130,6 +134,15 @@ class Fp8Skeleton(Runner):
             self._mm("qkv.wgrad", at["dqkv"], at["h"])
 
 
+def incoming_gradient(step: Any, dy: torch.Tensor, recipe: Any) -> Any:
+    """dy in FP8 as the next block's QKV dX epilogue hands it over (nn/fp8/autograd.py's stash):
+    per-tensor codes with their transposed copy, or 1 x 128 runs with the transposed 128 x 1 copy."""
+    if recipe.scaling == "tensor":
+        q, s = _q(dy)
+        return TensorOperand(q, s, q.t().contiguous())
+    return quantize_operand(step, "dy.quant", dy, recipe.gradient)
+
+
 class CodaFp8:
     """An FP8 coda block with the bf16 block's weights, as a middle block of a stack."""
 
@@ -144,11 +157,16 @@ class CodaFp8:
             self.h, self.r = first_norm_fp8(self.step, wl.x.detach(), self.block.attn_norm)
             # a middle block's h arrives quantised by the previous block's down-proj epilogue
             self.h = self.block.fp8_path().quantize_input(self.step, self.h)
+            # and its output's gradient quantised, with the transposed copy, by the next block's QKV dX
+            # epilogue: made once here, outside the timing, as h is (the block's own QKV dX epilogue
+            # makes the same for the block before it, inside the timing)
+            self.dy_q = incoming_gradient(self.step, wl.dy, self.block.fp8)
 
     def __call__(self, backward: bool) -> None:
         wl = self.wl
         if backward:
             x2, _, _ = self.block.run(self.step, wl.x, self.h, self.r, wl.g_next, next_fp8=True)
+            stash_put(self.step, wl.dy, self.dy_q)
             x2.backward(wl.dy)
         else:
             with torch.no_grad():
@@ -169,6 +187,21 @@ class CodaFp8:
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
         return sorted(times[1:])[reps // 2]
+
+
+class PlanBefore:
+    """An FP8 coda block run with the plan its runner had before in-sequence tuning (``--tune``),
+    timed in the same rounds as the tuned plan (the plan swapped in for one call)."""
+
+    def __init__(self, part: CodaFp8, plan: dict[str, Any]):
+        self.part, self.plan, self.runner = part, plan, part.runner
+
+    def __call__(self, backward: bool) -> None:
+        tuned, self.runner.plan = self.runner.plan, self.plan
+        try:
+            self.part(backward)
+        finally:
+            self.runner.plan = tuned
 
 
 def fp8_variants(wl: Any, recipes: list[str], dims: dict[str, int], device: torch.device

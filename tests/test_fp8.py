@@ -335,6 +335,20 @@ def test_in_sequence_tuner_gets_fp8_candidates():
     assert cands and set(cands) <= set(FP8_CANDIDATES["exact"])
 
 
+def test_named_candidates_cut_each_sites_space_to_the_prebuilt_configurations():
+    from coda_cutlass.nn.tuning import Site, named_candidates
+    fast = FP8_CANDIDATES["fast"]
+    site = Site("o", residual_norm_stats, "nk", True, (E4, "tensor", True))
+    pick = named_candidates([fast[0].name(), fast[4].name(), "512x512x64_c1x1_cooperative"], torch.bfloat16)
+    assert pick(site) == [fast[0], fast[4]]
+    # a site none of the names fits keeps its default configuration (tuning then compiles nothing new)
+    from coda_cutlass.lower.plan import default_config
+    from coda_cutlass.nn.runner import gemm_options
+    from coda_cutlass.pipeline import lower_program
+    graph = lower_program(residual_norm_stats, gemm_options(torch.bfloat16, "nk", site.fp8)).graph
+    assert named_candidates(["512x512x64_c1x1_cooperative"], torch.bfloat16)(site) == [default_config(graph)]
+
+
 def test_block_quantised_output_feeds_the_next_blockwise_gemm():
     """The two halves of FP8: an epilogue that stores its output in FP8 with 1 x 128 scales
     (cc.quantize) gives the next GEMM's A and scale_a as they are. The kernel returns those scales

@@ -36,7 +36,7 @@ from ..build.progress import say
 from ..config import KernelConfig
 from ..errors import DeviceError
 from ..pipeline import Options, lower_program
-from ..lower.plan import segments_fit
+from ..lower.plan import default_config, segments_fit
 from ..lower.smem import fits
 from ..tuning.space import RUNTIME_CHOICES, candidate_configs
 from ..timing import elapsed_us as _us
@@ -185,11 +185,27 @@ def confirm(scored: list[Scored], margin: float) -> tuple[Scored, str]:
     return incumbent, f"kept the incumbent (best challenger's gain {gain:+.1%}: not clear)"
 
 
-def _site_candidates(site: Site, dtype: torch.dtype, candidates: Callable[[Site], list[KernelConfig]] | None,
-                     extra: Sequence[KernelConfig]) -> list[KernelConfig]:
+def _site_graph(site: Site, dtype: torch.dtype) -> Any:
     fp8 = getattr(site, "fp8", None)
     options = Options.make(dtype, site.layout) if fp8 is None else gemm_options(dtype, site.layout, fp8)
-    graph = lower_program(site.program, options).graph
+    return lower_program(site.program, options).graph
+
+
+def named_candidates(names: Sequence[str], dtype: torch.dtype) -> Callable[[Site], list[KernelConfig]]:
+    """A ``candidates`` for ``tune_in_sequence``: each site's candidate space (tuning/space.py) cut to
+    the configurations named (``KernelConfig.name()``), e.g. the ones a build machine prebuilt, so
+    tuning compiles nothing; a site none of them fits keeps its default configuration."""
+    wanted = set(names)
+
+    def pick(site: Site) -> list[KernelConfig]:
+        graph = _site_graph(site, dtype)
+        return [c for c in candidate_configs(graph) if c.name() in wanted] or [default_config(graph)]
+    return pick
+
+
+def _site_candidates(site: Site, dtype: torch.dtype, candidates: Callable[[Site], list[KernelConfig]] | None,
+                     extra: Sequence[KernelConfig]) -> list[KernelConfig]:
+    graph = _site_graph(site, dtype)
     out = candidates(site) if candidates else candidate_configs(graph)
     names = {c.name() for c in out}
     return out + [c for c in extra if c.name() not in names and fits(c, graph) and segments_fit(c, graph)]
