@@ -96,3 +96,19 @@ def test_kernel_config_from_dict_rejects_what_is_not_a_config(bad):
 def test_kernel_config_from_name_rejects_huge_or_foreign_numbers(name):
     with pytest.raises(cc.ConfigError, match="out of range|expected MxNxK"):
         KernelConfig.from_name(name)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("dims", [dict(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336),
+                                  dict(dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672)], ids=["8b", "70b"])
+def test_the_shipped_h200_plans_cover_the_fp8_blocks_every_site(recipe, dims, tmp_path):
+    """The FP8 blocks' tuned H200 plans (their own context, ...:fp8-RECIPE) are found for an H200 and
+    parse, with a choice for every GEMM site the recipe launches in a middle block's step."""
+    from coda_cutlass.nn import LlamaBlock
+    from coda_cutlass.nn.fp8 import RECIPES
+    from coda_cutlass.nn.fp8.kernels import gemm_sites
+    block = LlamaBlock(**dims, head_dim=128, fp8=recipe, device="meta", dtype=torch.bfloat16)
+    found = find_plan(block.context(), torch.bfloat16, 8192, tmp_path, device="NVIDIA H200|sm90|cuda13.0")
+    assert found is not None and found[0].endswith(f":fp8-{recipe}|M8192")
+    middle = set(gemm_sites(RECIPES[recipe])) - {"down.to_bf16", "down.last"}    # the last block's variants
+    assert middle <= set(found[1]), middle - set(found[1])
