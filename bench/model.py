@@ -151,6 +151,13 @@ def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-5, fused=params[0].is_cuda)
 
 
+def chunk_lm_head(model: Any, args: argparse.Namespace) -> None:
+    """--ce-chunk-mib: the coda LM head's logits chunk (its dlogits chunk is as large)."""
+    mib = getattr(args, "ce_chunk_mib", None)
+    if mib is not None:
+        model.coda.ce_chunk_bytes = mib << 20
+
+
 def build_variants(fields: dict[str, Any], names: list[str], args: argparse.Namespace) -> dict[str, Variant]:
     import transformers
     import coda_cutlass.nn as cnn
@@ -181,9 +188,11 @@ def build_variants(fields: dict[str, Any], names: list[str], args: argparse.Name
                                lambda: module_globals(modeling_llama, changed))
     if "coda" in names:
         model = cnn.from_hf(base)
+        chunk_lm_head(model, args)
         out["coda"] = Variant("coda", model, model, list(model.parameters()), adamw(list(model.parameters())))
     for name in (n for n in names if n in FP8_VARIANTS):
         model = cnn.from_hf(base, fp8=name.removeprefix("coda-fp8-"))
+        chunk_lm_head(model, args)
         out[name] = Variant(name, model, model, list(model.parameters()), adamw(list(model.parameters())))
     if "eager" not in names and "compile" not in names:
         del base
@@ -302,6 +311,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3, help="steps per visit of a variant in a round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ce-chunk-mib", type=int, default=None,
+                   help="the coda LM head's logits chunk in MiB (default: the model's, 1024)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode (default: torch's default)")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny widths, 1 x 256 tokens, one round "
                    "(the first coda run builds the kernels its cache lacks, about a minute each)")
