@@ -106,3 +106,34 @@ def test_distributed_bench_runs_its_phases_over_gloo_and_writes_its_report(tmp_p
     bench_dist.markdown(res, tmp_path / "results.md")
     text = (tmp_path / "results.md").read_text()
     assert "| coda |" in text and "| eager |" in text and "coda / eager:" in text
+
+
+def test_block_bench_fp8_middle_block_takes_its_gradient_quantised_as_a_stack_hands_it_over(monkeypatch):
+    """bench/fp8_variants.py: the FP8 middle block's output gradient comes in FP8 with its transposed
+    copy (as the next block's QKV dX epilogue writes it), so the timed backward quantises nothing of
+    it; the block's backward takes exactly that operand from the stash."""
+    import torch
+    from coda_cutlass.nn import LlamaBlock
+    from coda_cutlass.nn.fp8 import autograd
+    from coda_cutlass.nn.fp8.support import first_norm_fp8
+    import fp8_variants
+    for recipe in ("tensorwise", "blockwise"):
+        torch.manual_seed(0)
+        block = LlamaBlock(256, 2, 1, 512, head_dim=128, fp8=recipe, dtype=torch.bfloat16)
+        step = block.step(1, 128)
+        x = torch.randn(128, 256, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(128, 256, dtype=torch.bfloat16)
+        with torch.no_grad():
+            h, r = first_norm_fp8(step, x.detach(), block.attn_norm)
+            h = block.fp8_path().quantize_input(step, h)
+        dyq = fp8_variants.incoming_gradient(step, dy, block.fp8)
+        assert dyq.qt.shape == (256, 128)
+        taken = []
+        real = autograd.stash_take
+        monkeypatch.setattr(autograd, "stash_take", lambda st, t: taken.append(real(st, t)) or taken[-1])
+        x2, _, _ = block.run(step, x, h, r, torch.ones(256, dtype=torch.bfloat16), next_fp8=True)
+        autograd.stash_put(step, dy, dyq)
+        x2.backward(dy)
+        assert taken == [dyq], recipe
+        assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+        monkeypatch.undo()
