@@ -12,7 +12,7 @@ import torch
 from coda_cutlass.errors import ConfigError
 from coda_cutlass.nn import LlamaBlock, LlamaModel
 from coda_cutlass.nn.fp8 import RECIPES, Fp8Recipe
-from coda_cutlass.nn.fp8.delayed import DelayedScales, scales_from_amax
+from coda_cutlass.nn.fp8.delayed import DelayedScales, tensor_scales
 from coda_cutlass.nn.fp8.weights import Fp8Weights
 from coda_cutlass.nn.reference import coda_grads_standard, standard_block, standard_weights
 from fp8_emulation import emulated_block
@@ -25,15 +25,29 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def test_scales_from_amax_round_up_to_powers_of_two():
+def test_tensor_scales_round_up_to_powers_of_two():
     amax = torch.tensor([448.0, 449.0, 1.0, 0.0, float("inf"), float("nan"), 1e-42, 448.0 * 2 ** -3])
     fmax = torch.full_like(amax, 448.0)
-    s = scales_from_amax(amax, fmax, 0, True)
+    s = tensor_scales(amax, fmax, 0, True)
     assert s[0] == 1.0 and s[1] == 2.0 and s[2] == 2.0 ** -8 and s[3] == 1.0 and s[7] == 2.0 ** -3
     assert math.isnan(s[4]) and math.isnan(s[5]) and s[6] == 2.0 ** -126
-    assert scales_from_amax(torch.tensor([449.0]), torch.tensor([448.0]), 2, True)[0] == 8.0        # margin 2^2
-    exact = scales_from_amax(torch.tensor([449.0]), torch.tensor([448.0]), 0, False)
+    assert tensor_scales(torch.tensor([449.0]), torch.tensor([448.0]), 2, True)[0] == 8.0        # margin 2^2
+    exact = tensor_scales(torch.tensor([449.0]), torch.tensor([448.0]), 0, False)
     assert exact[0] == torch.tensor(449.0) / 448.0
+
+
+def test_tensor_scales_are_the_block_scales_rule():
+    """At margin 0 a per-tensor scale is what quantization.scales_from_amax (the kernels' block
+    scales) gives for the same amax, both roundings, e4m3 and e5m2."""
+    from coda_cutlass.quantization import scales_from_amax
+    g = torch.Generator().manual_seed(0)
+    amax = torch.cat([torch.rand(2000, generator=g) * 10.0 ** torch.randint(-30, 30, (2000,), generator=g),
+                      torch.tensor([0.0, 448.0, 57344.0, 2.0 ** -130, float("inf"), float("nan")])])
+    for dtype, fmax in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
+        for pow2 in (True, False):
+            got = tensor_scales(amax, torch.full_like(amax, fmax), 0, pow2)
+            want = scales_from_amax(amax, dtype, pow2)[0]
+            assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), (dtype, pow2)
 
 
 class FakeKernel:
@@ -87,7 +101,7 @@ def test_per_tensor_weight_copies_and_the_gate_up_halves():
     w = torch.nn.Parameter(torch.randn(256, 384) * 3)
     cache = Fp8Weights(RECIPES["tensorwise"])
     a, h = cache.get(w), cache.get(w, halves=True)
-    s = scales_from_amax(w.detach().abs().amax(), torch.tensor(448.0), 0, True)
+    s = tensor_scales(w.detach().abs().amax(), torch.tensor(448.0), 0, True)
     assert a.scale.dim() == 0 and torch.equal(a.scale, s) and a.scale_t is a.scale
     codes = (w.detach() / s).clamp(-448, 448).to(E4M3)
     assert torch.equal(a.w.view(torch.uint8), codes.view(torch.uint8))

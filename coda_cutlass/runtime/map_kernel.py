@@ -221,24 +221,17 @@ class CompiledMap(ReductionOutputs):
                 t = new_buffer((-(-cols // 128), ld), torch.float32, device, poison)
                 view = (0, ld, max(M, 1), 0, 1)
                 results[s.name] = t[:, :M].t()
-            elif s.role == "output" and s.layout == "t":
-                t = out.get(s.name) if out else None
-                if t is None:
-                    t = new_buffer((N, M), s.dtype.torch, device, poison)
-                else:
-                    written = written or {}
-                    written[s.name] = t
-                view = transposed_view(f"out['{s.name}']", t, M, N, s.dtype.torch, device)
-                results[s.name] = t
             elif s.role == "output":
                 cols = N // 2 if s.layout == "half" else N
                 t = out.get(s.name) if out else None
                 if t is None:
-                    t = new_buffer((M, cols), s.dtype.torch, device, poison)
+                    t = new_buffer((N, M) if s.layout == "t" else (M, cols), s.dtype.torch, device, poison)
                 else:
                     written = written or {}
                     written[s.name] = t
-                view = tile_view(f"out['{s.name}']", t, M, cols, s.dtype.torch, device, half=s.layout == "half")
+                where = f"out['{s.name}']"
+                view = (transposed_view(where, t, M, N, s.dtype.torch, device) if s.layout == "t" else
+                        tile_view(where, t, M, cols, s.dtype.torch, device, half=s.layout == "half"))
                 results[s.name] = t
             else:
                 t = operands[s.name]

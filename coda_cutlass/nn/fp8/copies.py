@@ -26,7 +26,7 @@ import torch
 from ...build.progress import say
 from ...dtypes import FP8_MAX, as_dtype, round_to
 from ...errors import CallError
-from .delayed import scales_from_amax
+from .delayed import tensor_scales
 
 BLOCK = 128
 _EXP = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}     # fp8_max = 1.75 * 2^E
@@ -85,7 +85,7 @@ def transposed_copy(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 def _tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool) -> tuple[torch.Tensor, ...]:
-    scale = scales_from_amax(w.abs().amax().float(), float(FP8_MAX[as_dtype(dtype)]), 0, pow2)
+    scale = tensor_scales(w.abs().amax().float(), float(FP8_MAX[as_dtype(dtype)]), 0, pow2)
     q = round_to(w.float() * (1.0 / scale), as_dtype(dtype))
     src = torch.cat([q[0::2], q[1::2]]) if halves else q
     return q, scale, src.t().contiguous()

@@ -28,9 +28,12 @@ from .recipe import Fp8Recipe
 Launch = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
 
 
-def scales_from_amax(amax: torch.Tensor, fmax: torch.Tensor, margin: int, pow2: bool) -> torch.Tensor:
+def tensor_scales(amax: torch.Tensor, fmax: torch.Tensor, margin: int, pow2: bool) -> torch.Tensor:
     """fp32 scales for amaxes: v = amax * 2^margin / fmax, rounded up to a power of two (>= 2^-126)
-    with ``pow2`` (the block scales' rule, quantization.py); 1 for amax 0, NaN for inf or NaN."""
+    with ``pow2``; 1 for amax 0, NaN for inf or NaN. At margin 0 the block scales' rule
+    (quantization.scales_from_amax, tested equal); apart from it for the per-tensor fmax vector (a
+    block's tensors mix formats), the margin, and integer ops that torch.compile keeps exact (the
+    weight copies, nn/fp8/copies.py, run compiled on a GPU)."""
     v = amax.float() * float(2 ** margin) / fmax
     if pow2:
         bits = v.view(torch.int32)
@@ -109,7 +112,7 @@ class DelayedScales:
             self._scales = self._scale_of(self._history.amax(1), self._fmax_t)
 
     def _scale_of(self, amax: torch.Tensor, fmax: torch.Tensor) -> torch.Tensor:
-        return scales_from_amax(amax, fmax, self.recipe.margin, self.recipe.pow2)
+        return tensor_scales(amax, fmax, self.recipe.margin, self.recipe.pow2)
 
     def begin_step(self, device: torch.device) -> None:
         """Fold the previous step's amaxes into the histories and make this step's scales (a
