@@ -140,7 +140,7 @@ def incoming_gradient(step: Any, dy: torch.Tensor, recipe: Any) -> Any:
     if recipe.scaling == "tensor":
         q, s = _q(dy)
         return TensorOperand(q, s, q.t().contiguous())
-    return quantize_operand(step, "dy.quant", dy, recipe.gradient)
+    return quantize_operand(step, "dy.quant", dy)
 
 
 class CodaFp8:

@@ -13,7 +13,8 @@ Model families (coda_cutlass.nn.hf; gated.py): geglu_only, reglu_only, geglu_bac
           (qk_norm.py): qk_norm_rope, qk_norm_rope_backward, qk_norm_backward (map kernels); sandwich
           norms (sandwich.py): out_sumsq, post_norm_residual(_last), post_norm_c, post_norm_backward;
           soft-capped logits (softcap.py): the LM head's programs with a cap.
-FP8 blocks (coda_cutlass.nn.fp8; fp8_block.py): norm_stats_fp8, quantize_rows (map kernels),
+FP8 blocks (coda_cutlass.nn.fp8; fp8_block.py): norm_stats_fp8, quantize_rows, quantize_rows_t (map
+          kernels; with 128 x 1-scaled transposed copies),
           residual_norm_stats_fp8, swiglu_fp8 (its transposed copy; swiglu_fp8_rows: both copies, for
           256-wide tiles), norm_backward_fp8: outputs quantised by cc.quantize; norm_backward_ax (the
           norm-backward dX with acc * x for dgamma, summed outside). Per-tensor scaling
@@ -30,8 +31,8 @@ from .loss import lm_head_lse, lm_head_lse_logits
 from .block import (cross_entropy_backward, cross_entropy_grad, norm_backward, norm_backward_first, norm_stats, rope_backward,
                     swiglu_backward_scaled)
 from .qk_norm import qk_norm_backward, qk_norm_rope, qk_norm_rope_backward
-from .fp8_block import (norm_backward_ax, norm_backward_fp8, norm_stats_fp8, quantize_rows, residual_norm_stats_fp8,
-                        swiglu_fp8, swiglu_fp8_rows)
+from .fp8_block import (norm_backward_ax, norm_backward_fp8, norm_stats_fp8, quantize_rows, quantize_rows_t,
+                        residual_norm_stats_fp8, swiglu_fp8, swiglu_fp8_rows)
 from .fp8_tensorwise import (norm_backward_t, quantize_tensor, residual_norm_stats_t, rope_backward_t,
                              swiglu_backward_t, swiglu_t)
 from .softcap import (cross_entropy_backward_softcap, cross_entropy_grad_softcap, lm_head_lse_logits_softcap,
@@ -48,7 +49,7 @@ __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "ro
            "reglu_backward_scaled", "rope_bias", "rope_backward_bias", "qk_norm_rope", "qk_norm_rope_backward",
            "qk_norm_backward", "out_sumsq", "post_norm_residual", "post_norm_residual_last", "post_norm_c",
            "post_norm_backward", "rowscale_softcap", "lm_head_lse_softcap", "lm_head_lse_logits_softcap",
-           "cross_entropy_backward_softcap", "cross_entropy_grad_softcap", "norm_stats_fp8", "quantize_rows",
+           "cross_entropy_backward_softcap", "cross_entropy_grad_softcap", "norm_stats_fp8", "quantize_rows", "quantize_rows_t",
            "residual_norm_stats_fp8", "swiglu_fp8", "swiglu_fp8_rows", "norm_backward_fp8",
            "quantize_tensor", "residual_norm_stats_t", "swiglu_t", "swiglu_backward_t", "norm_backward_t",
            "rope_backward_t", "norm_backward_ax"]

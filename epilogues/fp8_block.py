@@ -4,13 +4,14 @@ with its 1 x 128 scales (``cc.quantize(..., block=128)``), and, where a weight-g
 it with the tokens as K, also as the transposed copy with 128 x 1 scales. ``acc`` is the scaled
 product of the FP8 mainloop, so the math is the bf16 block's.
 
-Forward:  norm_stats_fp8 (map kernel after the embedding), residual_norm_stats_fp8 (out-proj and
-          down-proj: the next norm's operand h = x * g quantised), swiglu_fp8 (gate/up: the SwiGLU
-          output's transposed copy quantised), quantize_rows (map kernel: the attention output and
-          the SwiGLU output's row-major copy).
-Backward: norm_backward_fp8 (gate/up and QKV dX: the residual gradient written in bf16, for the
-          next accumulation, and quantised for the GEMMs that read it), quantize_rows (map kernel:
-          dz, dqkv).
+Forward:  norm_stats_fp8 (map kernel after the embedding, with h's transposed copy),
+          residual_norm_stats_fp8 (out-proj and down-proj: the next norm's operand h = x * g
+          quantised), swiglu_fp8 (gate/up: the SwiGLU output's transposed copy quantised),
+          quantize_rows_t (map kernel: the attention output, both copies), quantize_rows (map
+          kernel: the SwiGLU output's row-major copy).
+Backward: norm_backward_ax (gate/up and QKV dX: the residual gradient in bf16), quantize_rows_t (map
+          kernel: dz, dx, dqkv and an incoming gradient, both copies); norm_backward_fp8 quantises dx
+          in the epilogue itself (slower, see nn/fp8/functional.py).
 """
 
 import torch
@@ -24,14 +25,25 @@ E4M3 = torch.float8_e4m3fn
 @cc.epilogue
 def norm_stats_fp8(acc, g: cc.PerCol):
     """Map kernel over the residual stream x after the embedding: h = x * g quantised per 1 x 128
-    run, and the per-row sum of x^2."""
-    return {"h": cc.quantize(acc * g, block=128), "sumsq": cc.row_sum(acc * acc)}
+    run, its transposed copy (the QKV weight gradient's operand), and the per-row sum of x^2."""
+    h = acc * g
+    return {"h": cc.quantize(h, block=128), "ht": cc.quantize(h, block=128, transpose=True),
+            "sumsq": cc.row_sum(acc * acc)}
 
 
 @cc.epilogue
 def quantize_rows(acc):
-    """Map kernel: a tensor no GEMM produces (attention output, dz, dqkv) quantised per 1 x 128 run."""
+    """Map kernel: the SwiGLU output y (its transposed copy comes from the gate/up epilogue) quantised
+    per 1 x 128 run."""
     return {"q": cc.quantize(acc, block=128)}
+
+
+@cc.epilogue
+def quantize_rows_t(acc):
+    """Map kernel: a tensor no GEMM epilogue quantised (attention output, dz, dx, dqkv, an incoming
+    gradient) as both operands it feeds: 1 x 128 runs (a dX or forward GEMM's A) and the transposed
+    copy with 128 x 1 runs (a weight gradient's operand), from one read of the tensor."""
+    return {"q": cc.quantize(acc, block=128), "qt": cc.quantize(acc, block=128, transpose=True)}
 
 
 @cc.epilogue

@@ -115,6 +115,10 @@ def test_what_the_fp8_path_does_not_cover_is_refused_by_name():
         LlamaBlock(256, 2, 1, 512, head_dim=128, fp8="tensorwise-ish")
     with pytest.raises(ConfigError, match="scaling 'row'"):
         Fp8Recipe("mine", scaling="row")
+    with pytest.raises(ConfigError, match="blockwise scaling quantises activations and gradients to"):
+        Fp8Recipe("mine", gradient=torch.float8_e5m2)
+    with pytest.raises(ConfigError, match="power-of-two scales"):
+        Fp8Recipe("mine", pow2=False)
     with pytest.raises(ConfigError, match="history"):
         Fp8Recipe("mine", scaling="tensor", history=0)
     with pytest.raises(ConfigError, match="margin"):

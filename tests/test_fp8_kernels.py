@@ -34,8 +34,8 @@ def test_every_launch_of_an_fp8_step_is_listed_with_its_program_and_formats(name
         prog, kinds, scaling, part = sites[site]
         assert (program, layout, partial, fp8) == (prog, "nk", part, recipe.gemm(kinds, scaling)), site
     for site, program, partial in run.maps:
-        if site.endswith(".quant"):
-            site = "o.quant"                  # every quantisation map kernel is the same program
+        if site.endswith(".quant") and site != "y.quant":
+            site = "o.quant"                  # every other quantisation map kernel is the same program
         assert maps.get(site) == (program, partial), site
 
 
@@ -58,24 +58,6 @@ def test_every_listed_fp8_kernel_has_a_configuration_that_plans(name):
         graph = lower_program(program, o).graph
         plan(graph, default_config(graph), "nk")          # raises if nothing fits
     assert len(map_items(recipe)) == len(map_sites(recipe))
-
-
-def test_the_transposed_copy_is_bit_for_bit_the_quantisation_semantics():
-    from coda_cutlass.nn.fp8.copies import transposed_copy
-    from coda_cutlass.quantization import quantize_blocks
-    g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        x = (torch.randn(384, 256, generator=g) * torch.logspace(-30, 30, 256)).to(BF16)
-        x[:128, 0] = 0.0                                               # an all-zero run
-        x[5, 1], x[7, 2], x[9, 3] = float("nan"), float("inf"), -float("inf")
-        x[:, 4] = 448.0 * 2.0 ** -3                                    # amax / fp8_max exactly a power of two
-        x[3, 5] = 1.75 * 2 ** 4 * (1 + 2 ** -7)                        # just above: the next power up
-        x[130, 6] = 1e-38                                              # a subnormal-scale run
-        q, s = transposed_copy(x, dtype)
-        q_ref, s_ref = quantize_blocks(x.t(), dtype, 128, True)
-        assert q.shape == (256, 384) and s.shape == (256, 3) and s.stride() == (1, 256)
-        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), dtype
-        assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32)), dtype
 
 
 def test_the_weight_copies_are_bit_for_bit_the_tile_quantisation():

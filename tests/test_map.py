@@ -210,8 +210,8 @@ def _transposed_half(acc, s: cc.DeviceScalar):
 
 def test_transposed_outputs_are_staged_in_shared_memory_and_written_as_rows_of_the_transpose():
     src = cc.emit_map(_transposed)
-    assert "__shared__ coda::map::TransposedTile<cutlass::float_e4m3_t> t3;" in src
-    assert "t3.stage(int(m % coda::map::kRowsPerBlock), lane * coda::map::kVec, out);" in src
+    assert "__shared__ coda::map::TransposedTile<cutlass::float_e4m3_t, kRows> t3;" in src
+    assert "t3.stage(int(m % kRows), lane * coda::map::kVec, out);" in src and "kRows = 32;" in src
     assert "__syncthreads();" in src and "t3.write(p.tensors[3], n * p.views[3].stride_m + m0" in src
     assert "tensors[3]  qt: output e4m3 [N, M] (transposed" in src
     # a program without transposed outputs renders as before: no shared memory, no barrier
@@ -225,7 +225,34 @@ def test_the_reference_of_a_transposed_output_is_the_transposed_codes():
     assert out["qt"].shape == (48, 64) and torch.equal(out["qt"].view(torch.uint8), out["q"].t().view(torch.uint8))
 
 
-@pytest.mark.parametrize("program,what", [(_transposed_blocks, "128 x 1 block scales"),
+@cc.epilogue
+def _two_transposed_with_blocks(acc, s: cc.DeviceScalar):
+    return {"qt": cc.quantize(acc, block=128, transpose=True), "pt": cc.quantize(acc, scale=s, transpose=True)}
+
+
+def test_block_scaled_transposed_outputs_take_two_passes_over_128_rows():
+    src = cc.emit_map(_transposed_blocks)
+    assert "kRows = 128;" in src and "TransposedTile<cutlass::float_e4m3_t, kRows> t1;" in src
+    assert "ColumnScales<cutlass::float_e4m3_t, true> cs1;" in src
+    first, second = src.index("// First pass"), src.index("// Second pass")
+    assert first < second and "cs1.finish(cmax1" in src[first:second]
+    assert "out[i] = v0[i] * tinv1[i];" in src[second:]
+    assert "one per 128 x 1 run of each column of X" in src
+
+
+def test_block_scaled_transposed_outputs_are_n_by_m_with_column_run_scales(fake_nvcc):
+    k = cc.compile_map(_transposed_blocks, BF)
+    X = torch.randn(300, 264).to(BF)                     # M not a multiple of 16: padded rows
+    *_, results, _ = k._prepare(X, {}, None)
+    assert results["qt"].shape == (264, 300) and results["qt"].stride() == (304, 1)
+    assert results["qt_scale"].shape == (264, 3) and results["qt_scale"].stride() == (1, 264)
+    ref = cc.map_reference(_transposed_blocks, X)
+    from coda_cutlass.quantization import quantize_blocks
+    q, s = quantize_blocks(X.float().t(), torch.float8_e4m3fn)
+    assert torch.equal(ref["qt"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(ref["qt_scale"], s)
+
+
+@pytest.mark.parametrize("program,what", [(_two_transposed_with_blocks, "one transposed output when it has 128 x 1"),
                                           (_transposed_half, "half-width transposed")])
 def test_transposed_outputs_the_map_kernel_cannot_write_are_refused_by_name(program, what):
     with pytest.raises(cc.EpilogueError, match=what):

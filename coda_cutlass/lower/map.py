@@ -17,9 +17,18 @@ or half width, FP8 included), FP8 outputs quantised per tensor or per 1 x 128 ru
 a run reduce its amax with shuffles), transposed outputs (N x M: the block's 32 x 256 tile staged
 in shared memory, written as 32-element runs of its 256 rows; a per-tensor scale survives the
 transpose, so ``cc.quantize(..., scale=s, transpose=True)`` is one), accumulated outputs, and row
-reductions (sum, max, min, gather) and total sums as per-(row, 256-column tile) partials. Refused
-with an error naming the node: packed pairs, log-sum-exp, segment sums, column reductions,
-half-width transposed outputs and transposed outputs with 128 x 1 block scales.
+reductions (sum, max, min, gather) and total sums as per-(row, 256-column tile) partials.
+
+A transposed output with 128 x 1 block scales (``cc.quantize(..., block=128, transpose=True)``: the
+weight-gradient operand of the blockwise recipe) makes each block walk 128 rows, one run of each of
+its 256 columns, in two passes: the first evaluates only what that output needs and reduces each
+column's amax (registers, then the 8 warps in shared memory); the second evaluates the whole program
+with the column scales known. The second pass reads its inputs again, from L2 (a block's 128 x 256
+tile was just read). One such output per kernel, and no other transposed output beside it (their
+staging tiles would pass the 48 KB of static shared memory).
+
+Refused with an error naming the node: packed pairs, log-sum-exp, segment sums, column reductions,
+half-width transposed outputs, and a second transposed output beside a block-scaled one.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from .kinds import REDUCE_IDENTITY, float_literal
 
 MAP_ABI_VERSION = 1
 TILE_N = 256          # columns per partial (templates/coda/map_kernel.hpp kTileN)
+ROWS, RUN_ROWS = 32, 128   # rows per block: plain, and with a 128 x 1 block-scaled transposed output
 PARTIALS_TILE = (1, TILE_N)   # the map kernel's partials: per (row, 256-column tile), rows unpadded
 
 _REDUCE_FUNCTOR = {"sum": "coda::scalar::add", "max": "coda::scalar::maximum", "min": "coda::scalar::minimum"}
@@ -89,11 +99,22 @@ class MapGraph:
     scalars: tuple[str, ...]
     nodes: tuple[MapNode, ...]
     headers: tuple[str, ...]
+    first_pass: tuple[MapNode, ...] = ()   # what the column scales of a block-scaled transposed output need
 
     @property
     def transposed(self) -> tuple[MapSlot, ...]:
         """The transposed (N x M) outputs: each stages the block's tile in shared memory."""
         return tuple(s for s in self.slots if s.role == "output" and s.layout == "t")
+
+    @property
+    def column_scaled(self) -> tuple[MapNode, ...]:
+        """The stores of transposed outputs with 128 x 1 block scales (at most one)."""
+        return tuple(n for n in self.nodes if n.op == "t_quant_store")
+
+    @property
+    def rows(self) -> int:
+        """Rows per block: a 128 x 1 run of each column when an output needs its column scales."""
+        return RUN_ROWS if self.column_scaled else ROWS
 
     def describe(self) -> dict[str, Any]:
         return json.loads(json.dumps({
@@ -158,7 +179,33 @@ def lower_map(program: Program, dtype: DType) -> MapGraph:
         if n.is_sink:
             hoisted = False
         nodes.append(MapNode(n.id, op, vec, hoisted, ins, node_text(n), params))
-    return MapGraph(program, dtype, tuple(slots), scalars, tuple(nodes), tuple(sorted(headers)))
+    first = _first_pass(program, nodes)
+    return MapGraph(program, dtype, tuple(slots), scalars, tuple(nodes), tuple(sorted(headers)), first)
+
+
+def _first_pass(program: Program, nodes: list[MapNode]) -> tuple[MapNode, ...]:
+    """The nodes (in order, hoisted ones excluded: they are computed once) that the value of a
+    block-scaled transposed output depends on; checks that it is the kernel's only transposed output."""
+    column = [m for m in nodes if m.op == "t_quant_store"]
+    if not column:
+        return ()
+    transposed = [m for m in nodes if m.op in ("t_store", "t_quant_store")]
+    if len(transposed) > 1:
+        ir = {n.id: n for n in program.nodes}
+        names = ", ".join(f"'{ir[m.id].attr('name')}'" for m in transposed)
+        raise EpilogueError(f"map kernels write one transposed output when it has 128 x 1 block scales, this program "
+                            f"has {len(transposed)} ({names}): their 128-row staging tiles would pass the 48 KB of "
+                            "static shared memory; split the program into two map kernels",
+                            program=program.name)
+    by_id = {m.id: m for m in nodes}
+    need: set[int] = set()
+    todo = [i for i, _ in column[0].inputs]
+    while todo:
+        i = todo.pop()
+        if i not in need:
+            need.add(i)
+            todo.extend(j for j, _ in by_id[i].inputs)
+    return tuple(m for m in nodes if m.id in need and not m.hoisted)
 
 
 def _node(program: Program, n: Node, slot_of: dict[str, int], scalars: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
@@ -188,8 +235,9 @@ def _node(program: Program, n: Node, slot_of: dict[str, int], scalars: tuple[str
             raise _refuse(program, n, f"half-width transposed ('{layout}') outputs")
         if layout == "t":
             if n.attr("quant") == "block":
-                raise _refuse(program, n, "transposed outputs with 128 x 1 block scales (a per-tensor scale, "
-                                          "cc.quantize(..., scale=s, transpose=True), is supported)")
+                return "t_quant_store", {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype),
+                                         "scale": slot_of[f"{n.attr('name')}_scale"],
+                                         "pow2": "true" if n.attr("pow2") else "false"}
             return "t_store", {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype)}
         if n.attr("quant") == "block":
             return "quant_store", {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype),

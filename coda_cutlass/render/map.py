@@ -21,6 +21,9 @@ def map_slot_doc(s: MapSlot) -> str:
         return "input f32 [] (one value, on the device)"
     if s.kind != Kind.TILE:
         return f"input {s.dtype.name} " + ("[M]" if s.kind == Kind.ROW else "[N]")
+    if s.layout == "scale" and s.scale_of == "t":
+        return ("output f32 block scales of the transposed output, stored [runs, N] (run-major: views.stride_m "
+                "= ld): one per 128 x 1 run of each column of X (1 x 128 along the transpose's rows)")
     if s.layout == "scale":
         return ("output f32 block scales of a quantised output, stored [runs, M] (run-major: views.stride_m "
                 "= ld): one per 1 x 128 run of each row")

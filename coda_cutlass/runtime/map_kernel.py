@@ -20,7 +20,7 @@ import torch
 
 from ..build.builder import BuildResult
 from ..errors import CallError, DeviceError
-from ..ir.nodes import Kind
+from ..ir.nodes import Kind, scale_shape
 from ..lower.map import MAP_ABI_VERSION, PARTIALS_TILE, TILE_N, MapGraph
 from . import checks
 from . import kernel as _kernel
@@ -216,16 +216,18 @@ class CompiledMap(ReductionOutputs):
             elif s.role == "output" and s.layout == "scale":
                 if out and s.name in out:
                     raise CallError(f"{self.name}: out['{s.name}']: block scales are allocated by the kernel call")
-                cols = N // 2 if s.scale_of == "half" else N
-                ld = -(-M // 4) * 4                   # run-major, 16-byte aligned runs (TensorSlot.storage)
-                t = new_buffer((-(-cols // 128), ld), torch.float32, device, poison)
-                view = (0, ld, max(M, 1), 0, 1)
-                results[s.name] = t[:, :M].t()
+                rows, runs = scale_shape(s.scale_of, M, N, 128)   # "t": one run per 128 rows of X's columns
+                ld = -(-rows // 4) * 4                # run-major, 16-byte aligned runs (TensorSlot.storage)
+                t = new_buffer((runs, ld), torch.float32, device, poison)
+                view = (0, ld, max(rows, 1), 0, 1)
+                results[s.name] = t[:, :rows].t()
             elif s.role == "output":
                 cols = N // 2 if s.layout == "half" else N
                 t = out.get(s.name) if out else None
-                if t is None:
-                    t = new_buffer((N, M) if s.layout == "t" else (M, cols), s.dtype.torch, device, poison)
+                if t is None and s.layout == "t":      # rows padded to 16 bytes (transposed_view)
+                    t = new_buffer((N, -(-M // 16) * 16), s.dtype.torch, device, poison)[:, :M]
+                elif t is None:
+                    t = new_buffer((M, cols), s.dtype.torch, device, poison)
                 else:
                     written = written or {}
                     written[s.name] = t

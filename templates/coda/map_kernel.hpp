@@ -5,13 +5,15 @@
 //
 // Work split: a warp owns one row at a time; lane l of the warp holds columns n0 .. n0 + 7 of that
 // row, n0 = 256 * blockIdx.y + 8 * l, so one warp covers a 256-wide column tile. A block of 8 warps
-// walks 32 rows. Row reductions are per (row, 256-wide column tile) partials, finished on the host.
+// walks 32 rows (128 when an output is transposed with 128 x 1 block scales: one run per column).
+// Row reductions are per (row, 256-wide column tile) partials, finished on the host.
 #pragma once
 
 #include <cstdint>
 #include <cuda_runtime.h>
 
 #include "cutlass/numeric_types.h"
+#include "coda/fp8_scale.hpp"
 #include "coda/functors.hpp"
 
 namespace coda {
@@ -20,6 +22,7 @@ namespace map {
 constexpr int kVec = 8;                   // columns per thread (one 16-byte vector of 16-bit values)
 constexpr int kWarps = 8;                 // warps per block
 constexpr int kRowsPerBlock = 32;         // rows per block (each warp takes every 8th row)
+constexpr int kRowsPerRun = 128;          // rows per block with 128 x 1 block-scaled transposed outputs
 constexpr int kTileN = 32 * kVec;         // columns per block: one warp-wide column tile
 
 // Element (m, n) of a view is at
@@ -103,15 +106,16 @@ CUTLASS_DEVICE void store_even4(void* base, int64_t offset, float const (&in)[kV
   }
 }
 
-// A transposed output's staging tile: the block's 32 rows x 256 columns of FP8 codes. Each lane
+// A transposed output's staging tile: the block's Rows rows x 256 columns of FP8 codes. Each lane
 // stages its 8 columns of a row (8 contiguous bytes); after the row loop thread t reads column t
-// down the 32 rows and writes them as one contiguous 32-byte run of the N x M output's row t (two
-// 16-byte stores; a last, partial block of rows byte by byte). The 16-byte row pad keeps the
-// lanes' 8-byte stores aligned; the column reads of a warp fall in 8 distinct banks.
-template <class T>
+// down the rows and writes them as one contiguous run of the N x M output's row t (16-byte stores;
+// a last, partial block of rows byte by byte). The 16-byte row pad keeps the lanes' 8-byte stores
+// aligned; the column reads of a warp fall in 8 distinct banks.
+template <class T, int Rows = kRowsPerBlock>
 struct TransposedTile {
   static_assert(sizeof(T) == 1, "transposed outputs are FP8 codes (cc.quantize(..., transpose=True))");
-  alignas(16) T tile[kRowsPerBlock][kTileN + 16];
+  static_assert(Rows % 16 == 0, "whole 16-byte runs per column");
+  alignas(16) uint8_t tile[Rows][kTileN + 16];   // the codes' bytes (no constructor: plain shared memory)
 
   CUTLASS_DEVICE void stage(int row, int col, float const (&in)[kVec]) {
     alignas(8) T v[kVec];
@@ -121,18 +125,50 @@ struct TransposedTile {
   }
 
   // Column ``col`` of the tile (its first ``rows`` rows) to ``base + offset`` (elements; 16-byte
-  // aligned: the host checks the leading dimension and the pointer, and m0 is a multiple of 32).
+  // aligned: the host checks the leading dimension and the pointer, and m0 is a multiple of Rows).
   CUTLASS_DEVICE void write(void* base, int64_t offset, int col, int rows) const {
-    T* p = static_cast<T*>(base) + offset;
-    if (rows == kRowsPerBlock) {
-      alignas(16) T v[kRowsPerBlock];
+    uint8_t* p = static_cast<uint8_t*>(base) + offset;
+    if (rows == Rows) {
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRowsPerBlock; ++r) v[r] = tile[r][col];
-      reinterpret_cast<uint4*>(p)[0] = reinterpret_cast<uint4 const*>(v)[0];
-      reinterpret_cast<uint4*>(p)[1] = reinterpret_cast<uint4 const*>(v)[1];
+      for (int r0 = 0; r0 < Rows; r0 += 16) {
+        alignas(16) uint8_t v[16];
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < 16; ++r) v[r] = tile[r0 + r][col];
+        reinterpret_cast<uint4*>(p + r0)[0] = *reinterpret_cast<uint4 const*>(v);
+      }
     } else {
       for (int r = 0; r < rows; ++r) p[r] = tile[r][col];
     }
+  }
+};
+
+// The 128 x 1 block scales of a transposed output: the block's 128 rows are one run of each of its
+// 256 columns. Before the codes are computed, every thread holds the amax of its 8 columns over the
+// rows its warp visited (a first pass over the rows); ``finish`` meets the 8 warps' partials in
+// shared memory, thread t turns column t's amax into its scale (the same rule as the 1 x 128 runs:
+// coda::quant::scales) and writes it, and every thread takes the multipliers of its own 8 columns.
+template <class T, bool Pow2>
+struct ColumnScales {
+  alignas(16) float part[kWarps][kTileN];
+  float inv[kTileN];
+
+  // scale: the scales' row for this block's run (length N); n_block: the block's first column.
+  CUTLASS_DEVICE void finish(float const (&amax)[kVec], int warp, int lane, float* scale, int64_t n_block,
+                             int64_t N, float (&mult)[kVec]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVec; ++i) part[warp][lane * kVec + i] = amax[i];
+    __syncthreads();
+    const int t = threadIdx.x;
+    float a = 0.0f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int w = 0; w < kWarps; ++w) a = coda::quant::nan_max(a, part[w][t]);
+    float s, iv;
+    coda::quant::scales<T, Pow2>(a, s, iv);
+    inv[t] = iv;
+    if (n_block + t < N) scale[n_block + t] = s;
+    __syncthreads();
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVec; ++i) mult[i] = inv[lane * kVec + i];
   }
 };
 
@@ -164,8 +200,8 @@ inline const char* status_string(int status) {
   }
 }
 
-inline dim3 grid(int64_t M, int64_t N) {
-  return dim3(static_cast<unsigned>((M + kRowsPerBlock - 1) / kRowsPerBlock),
+inline dim3 grid(int64_t M, int64_t N, int rows) {
+  return dim3(static_cast<unsigned>((M + rows - 1) / rows),
               static_cast<unsigned>((N + kTileN - 1) / kTileN));
 }
 

@@ -112,17 +112,24 @@ def test_fp8_model_trains_on_the_gpu_like_the_bf16_model(recipe):
     assert all(abs(a - b) < 0.03 * bf[0] for a, b in zip(bf, f8)), (bf, f8)
 
 
-def test_the_compiled_transposed_copy_is_bit_for_bit_the_semantics():
-    from coda_cutlass.nn.fp8.copies import transposed_copy
+def test_the_operand_map_kernel_is_bit_for_bit_the_quantisation_semantics():
+    """quantize_rows_t (both copies of an operand no GEMM epilogue quantised) against
+    quantization.quantize_blocks at the edges of the power-of-two rule: an all-zero run, NaN and
+    +-inf, an amax that is fp8_max times a power of two, one just above it, a subnormal-scale run."""
+    from coda_cutlass import epilogues as E
     from coda_cutlass.quantization import quantize_blocks
-    x = (torch.randn(1024, 768, device="cuda") * torch.logspace(-20, 20, 768, device="cuda")).to(BF16)
-    x[5, 1], x[7, 2] = float("nan"), float("inf")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(384, 768, device="cuda", generator=g) * torch.logspace(-30, 30, 768, device="cuda")).to(BF16)
+    x[:128, 0] = 0.0
+    x[5, 1], x[7, 2], x[9, 3] = float("nan"), float("inf"), -float("inf")
     x[:, 4] = 448.0 * 2.0 ** -3
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        q, s = transposed_copy(x, dtype)
-        q_ref, s_ref = quantize_blocks(x.t(), dtype, 128, True)
-        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), dtype
-        assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32)), dtype
+    x[3, 5] = 1.75 * 2 ** 4 * (1 + 2 ** -7)
+    x[130, 6] = 1e-38
+    out = cc.compile_map(E.quantize_rows_t, BF16)(x)
+    for name, src in (("q", x), ("qt", x.t())):
+        q_ref, s_ref = quantize_blocks(src, torch.float8_e4m3fn, 128, True)
+        assert torch.equal(out[name].view(torch.uint8), q_ref.view(torch.uint8)), name
+        assert torch.equal(out[name + "_scale"].view(torch.int32), s_ref.view(torch.int32)), name
 
 
 def test_the_compiled_weight_copies_are_bit_for_bit_the_tile_quantisation():

@@ -228,3 +228,35 @@ def test_map_kernel_transposed_outputs_are_exact(shape):
     rest = buf.view(torch.uint8).clone()
     rest[32:32 + N, :M] = 0x7F
     assert bool((rest == 0x7F).all()), "a transposed store wrote outside its rows"
+
+
+@cc.epilogue
+def map_column_blocks(acc, g: cc.PerCol):
+    y = acc * g
+    return {"q": cc.quantize(y, block=128), "qt": cc.quantize(y, block=128, transpose=True),
+            "ss": cc.row_sum(y * y)}
+
+
+@cc.epilogue
+def map_column_blocks_fp32(acc):
+    return {"qt": cc.quantize(acc, E5M2, block=128, transpose=True, pow2=False)}
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 392), (8, 8)])
+def test_map_kernel_transposed_block_scaled_outputs_are_exact(shape):
+    """128 x 1 block-scaled transposed map outputs (two passes over 128-row blocks): codes and scales
+    bit for bit the reference, a last partial run of rows (1000 = 7 x 128 + 104) and a partial column
+    tile (392 = 256 + 136), beside 1 x 128 row runs and a row sum; pow2 and fp32 scales; an inf in
+    one column makes that column's run (and only it) NaN."""
+    M, N = shape
+    g = torch.Generator(device="cuda").manual_seed(7 * M + N)
+    X = (torch.randn(M, N, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    X[min(M - 1, 130), min(N - 1, 5)] = float("inf")
+    gam = torch.randint(1, 5, (N,), device="cuda", generator=g).to(torch.bfloat16) / 2
+    k = cc.compile_map(map_column_blocks, torch.bfloat16)
+    out, ref = k(X, g=gam), cc.map_reference(map_column_blocks, X, g=gam)
+    _check_exact({n: out[n] for n in ("q", "q_scale", "qt", "qt_scale")}, {n: ref[n] for n in ("q", "q_scale", "qt", "qt_scale")},
+                 f"map column blocks {shape}")
+    assert out["qt_scale"].shape == (N, -(-M // 128)) and out["qt_scale"].float().isnan().sum() == 1
+    k2 = cc.compile_map(map_column_blocks_fp32, torch.bfloat16)
+    _check_exact(k2(X), cc.map_reference(map_column_blocks_fp32, X), f"map column blocks fp32 scales {shape}")

@@ -1,10 +1,6 @@
-"""FP8 copies made in torch, bit for bit the kernels' power-of-two quantisation, for what no kernel
-writes yet:
+"""FP8 copies of the weights made in torch, bit for bit the kernels' power-of-two quantisation, once
+per optimizer step:
 
-- ``transposed_copy``: the transposed copy of a tensor that no GEMM epilogue produced (the attention
-  output, dz, dqkv, dx, the first block's h): x (M, N) -> the codes of x^T (N, M) with one scale per
-  128 x 1 run down each column of x, i.e. per 1 x 128 run along x^T's rows (the weight-gradient
-  GEMMs' K). Map kernels do not yet write transposed outputs (docs/FP8.md); when they do, it goes.
 - ``weight_tiles``: a weight's 128 x 128 tiles in both layouts (once per optimizer step).
 - ``tensor_copies``: a weight's per-tensor codes in both layouts ("tensorwise").
 
@@ -25,13 +21,11 @@ import torch
 
 from ...build.progress import say
 from ...dtypes import FP8_MAX, as_dtype, round_to
-from ...errors import CallError
 from .delayed import tensor_scales
 
 BLOCK = 128
 _EXP = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}     # fp8_max = 1.75 * 2^E
 _MIN_EXP = -126
-FP8_MAX_TORCH = {d.torch for d in FP8_MAX}
 
 
 def _pow2_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,14 +42,6 @@ def _pow2_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
             torch.where(finite, torch.where(zero, one, inv), nan))
 
 
-def _transposed(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    M, N = x.shape
-    xb = x.view(M // BLOCK, BLOCK, N).float()
-    s, inv = _pow2_scales(xb.abs().amax(1), dtype)       # (M / 128, N): run-major for x^T
-    codes = round_to(xb * inv[:, None, :], as_dtype(dtype)).view(M, N).t().contiguous()
-    return codes, s
-
-
 _COMPILED: dict[tuple[Callable[..., Any], torch.dtype], Callable[..., Any]] = {}
 
 
@@ -70,18 +56,6 @@ def _on_device(fn: Callable[..., Any], t: torch.Tensor, dtype: torch.dtype) -> C
             "once per process (seconds)")
         _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=True)
     return _COMPILED[key]
-
-
-def transposed_copy(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, N), M a multiple of 128 -> (x^T codes (N, M), scales (N, M / 128)): the scales a view of
-    their (M / 128, N) run-major buffer, the layout the blockwise GEMMs read."""
-    M, N = x.shape
-    if M % BLOCK:
-        raise CallError(f"transposed FP8 copy: the row count {M} must be a multiple of {BLOCK}")
-    if dtype not in FP8_MAX_TORCH:
-        raise CallError(f"transposed FP8 copy: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
-    codes, s = _on_device(_transposed, x, dtype)(x.contiguous(), dtype)
-    return codes, s.t()
 
 
 def _tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool) -> tuple[torch.Tensor, ...]:

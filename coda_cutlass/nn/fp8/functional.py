@@ -8,9 +8,10 @@ GEMM that consumes it) and its transposed copy with 128 x 1 scales (the A or W o
 GEMM, whose K is the token dimension: FP8 tensor cores read K-major operands only). The weights'
 FP8 copies (both layouts) come from ``weights.Fp8Weights``, once per optimizer step.
 
-Transposed copies that no GEMM epilogue produces (attention output, dz, dqkv, and the first
-block's h) are quantised in torch for now (``transposed_copy``, compiled on a GPU: nn/fp8/copies.py):
-map kernels do not yet write transposed outputs (docs/FP8.md).
+Operands that no GEMM epilogue quantises (attention output, dz, dx, dqkv, an incoming gradient, and
+the first block's h) are quantised by one map kernel each, both copies from one read of the tensor
+(``quantize_rows_t``, ``norm_stats_fp8``: the transposed copy's 128 x 1 scales come from a first pass
+over each block's 128 rows, docs/FP8.md).
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import torch
 
 from ... import epilogues as E
 from ...errors import CallError
-from ...quantization import quantize_blocks, run_major
 from ..stats import row_mean, rstd
-from . import copies
 from .recipe import Fp8Recipe
 from .weights import Fp8Weights
 
@@ -43,29 +42,17 @@ class Fp8Operand:
         return cls(out[name], out[f"{name}_scale"], out[tname], out[f"{tname}_scale"])
 
 
-def transposed_copy(x: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, N) -> (x^T codes (N, M), scales (N, M/128) in the kernels' run-major layout), in torch
-    (compiled on a GPU: nn/fp8/copies.py)."""
-    if recipe.pow2:
-        return copies.transposed_copy(x, dtype)
-    q, s = quantize_blocks(x.t(), dtype, 128, recipe.pow2)
-    return q, run_major(s)
-
-
-def quantize_operand(step: Any, site: str, x: torch.Tensor, dtype: torch.dtype) -> Fp8Operand:
-    """An operand no GEMM produced: 1 x 128 runs by a map kernel, the transposed copy in torch."""
-    out = step.runner.map(site, E.quantize_rows, x)
-    qt, st = step.runner.timed(site + ".t", lambda: transposed_copy(x, step.fp8, dtype))
-    return Fp8Operand(out["q"], out["q_scale"], qt, st)
+def quantize_operand(step: Any, site: str, x: torch.Tensor) -> Fp8Operand:
+    """An operand no GEMM epilogue quantised: both copies by one map kernel (e4m3, power-of-two
+    scales: the blockwise recipe's only formats, Fp8Recipe checks)."""
+    return Fp8Operand.of(step.runner.map(site, E.quantize_rows_t, x), "q", "qt")
 
 
 def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Fp8Operand, torch.Tensor]:
     """(h, r) of the stream entering the first block: h = x * g quantised by one map kernel."""
     check_tokens(x.shape[0])
     out = step.runner.map("norm0", E.norm_stats_fp8, x, partial=True, g=g)
-    h = x.float() * g.float()
-    qt, st = step.runner.timed("norm0.t", lambda: transposed_copy(h, step.fp8, step.fp8.activation))
-    return Fp8Operand(out["h"], out["h_scale"], qt, st), rstd(out["sumsq"], step.dims.dim, step.dims.eps)
+    return Fp8Operand.of(out, "h", "ht"), rstd(out["sumsq"], step.dims.dim, step.dims.eps)
 
 
 # The norm-backward dX GEMMs write dx in bf16 and a map kernel (+ the transposed copy) quantises it:
@@ -105,7 +92,7 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
     qkv = _gemm(step, "qkv", E.rope, h.q, h.s, wqkv.w, wqkv.scale, ("activation", "weight"),        # F4
                 r=r, pos=step.pos, freq=step.freq)["D"]
     o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
-    oq = quantize_operand(step, "o.quant", o, rec.activation)
+    oq = quantize_operand(step, "o.quant", o)
     f1 = _gemm(step, "o", E.residual_norm_stats_fp8, oq.q, oq.s, wo.w, wo.scale, ("activation", "weight"),  # F1
                partial=True, resid=x, g=w.mlp_norm)
     x1, h1 = f1["D"], Fp8Operand.of(f1, "h", "ht")
@@ -136,7 +123,7 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
     x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx = saved
     wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
     if dx2q is None:                  # a gradient no coda epilogue quantised (the LM head's, a user's)
-        dx2q = quantize_operand(step, "dx2.quant", dx2, rec.gradient)
+        dx2q = quantize_operand(step, "dx2.quant", dx2)
     grad_w = ("gradient", "weight")
     # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
     b4 = _gemm(step, "down.dgrad", E.swiglu_backward_scaled, dx2q.q, dx2q.s, wd.wt, wd.scale_t, grad_w,  # B4
@@ -144,11 +131,11 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
     d_down = _gemm(step, "down.wgrad", E.identity, dx2q.qt, dx2q.st, y.qt, y.st, ("gradient", "activation"),  # B5
                    scaling="block_1x128")["D"]
     c1 = row_mean(b4["zdz"], d.dim)
-    dzq = quantize_operand(step, "dz.quant", b4["dz"], rec.gradient)
+    dzq = quantize_operand(step, "dz.quant", b4["dz"])
     b6 = _gemm(step, "gate_up.dgrad", DGRAD_NORM, dzq.q, dzq.s, wgu.wt, wgu.scale_t, grad_w,  # B6
                partial=True, x=x1, r=r1, c=c1, g=w.mlp_norm, dres=dx2)
     dx1 = b6["dx"]
-    dx1q = quantize_operand(step, "dx1.quant", dx1, rec.gradient)
+    dx1q = quantize_operand(step, "dx1.quant", dx1)
     d_gate_up = _gemm(step, "gate_up.wgrad", E.identity, dzq.qt, dzq.st, h1.qt, h1.st,                 # B7
                       ("gradient", "activation"), scaling="block_1x128")["D"]
     # ---- attention: out-proj dX and dW, attention backward in bf16, the RoPE backward map kernels
@@ -166,7 +153,7 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
         zdz.append(res["zdz"])
         start += width
     c = row_mean(torch.cat(zdz), d.dim)
-    dqkvq = quantize_operand(step, "dqkv.quant", dqkv, rec.gradient)
+    dqkvq = quantize_operand(step, "dqkv.quant", dqkv)
     b2 = _gemm(step, "qkv.dgrad", DGRAD_NORM, dqkvq.q, dqkvq.s, wqkv.wt, wqkv.scale_t, grad_w,  # B2
                partial=True, x=x, r=r, c=c, g=w.attn_norm, dres=dx1)
     d_qkv = _gemm(step, "qkv.wgrad", E.identity, dqkvq.qt, dqkvq.st, h.qt, h.st, ("gradient", "activation"),  # B3
@@ -174,4 +161,4 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
     grads_w = {"qkv": d_qkv, "o": d_o, "gate_up": d_gate_up, "down": d_down,
                "attn_norm": dgamma_of(step, "qkv.dgamma", b2["ax"]),
                "mlp_norm": dgamma_of(step, "gate_up.dgamma", b6["ax"])}
-    return b2["dx"], quantize_operand(step, "dx.quant", b2["dx"], rec.gradient), grads_w
+    return b2["dx"], quantize_operand(step, "dx.quant", b2["dx"]), grads_w

@@ -52,7 +52,8 @@ TENSOR_GEMM_SITES: dict[str, tuple[Any, tuple[str, str], str, bool]] = {
 # map kernels (16-bit input): site -> (program, partial reductions)
 MAP_SITES: dict[str, tuple[Any, bool]] = {
     "norm0": (E.norm_stats_fp8, True),
-    "o.quant": (E.quantize_rows, False),          # every ".quant" site: o, y, dz, dqkv, an incoming gradient
+    "o.quant": (E.quantize_rows_t, False),        # every ".quant" site but y's: o, dz, dx, dqkv, h, a gradient
+    "y.quant": (E.quantize_rows, False),          # y^T comes from the gate/up epilogue
     "rope.dgrad": (E.rope_backward, True),
 }
 TENSOR_MAP_SITES: dict[str, tuple[Any, bool]] = {

@@ -56,8 +56,7 @@ class BlockwisePath(Path):
     def quantize_input(self, step, h):
         if isinstance(h, blockwise.Fp8Operand):
             return h
-        return blockwise.quantize_operand(step, "h.quant", _bf16(h, step.dtype or torch.bfloat16),
-                                          step.fp8.activation)
+        return blockwise.quantize_operand(step, "h.quant", _bf16(h, step.dtype or torch.bfloat16))
 
 
 class TensorwisePath(Path):

@@ -65,6 +65,11 @@ class Fp8Recipe:
             if getattr(self, what) not in (E4M3, E5M2):
                 raise ConfigError(f"FP8 recipe {self.name!r}: {what} format must be torch.float8_e4m3fn or "
                                   f"torch.float8_e5m2, got {getattr(self, what)}")
+        if self.scaling == "block" and (self.activation != E4M3 or self.gradient != E4M3 or not self.pow2):
+            # the blockwise epilogue programs (epilogues/fp8_block.py) store e4m3 codes with power-of-two scales
+            raise ConfigError(f"FP8 recipe {self.name!r}: blockwise scaling quantises activations and gradients to "
+                              "torch.float8_e4m3fn with power-of-two scales (pow2=True); other formats need "
+                              "scaling='tensor'")
 
     def gemm_dtype(self, a: str, w: str) -> Any:
         """The dtype option of a GEMM whose A and W are operands of these kinds."""
