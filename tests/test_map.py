@@ -157,8 +157,7 @@ def test_map_in_place_outputs_must_not_alias_what_the_kernel_reads(fake_nvcc):
         lambda: k._prepare(X, {**ops, "acc_t": X}, None))
     assert "acc_t: is updated in place and overlaps the memory of t" in _message(
         lambda: k._prepare(X, {**ops, "acc_t": ops["t"]}, None))
-    assert "D: is updated in place and overlaps the memory of X" in _message(
-        lambda: k._prepare(X, ops, {"D": X}))
+    assert k._prepare(X, ops, {"D": X})[5]["D"] is X      # X's own view, shifted views refused: below
     assert "acc_t: is updated in place and overlaps the memory of D" in _message(
         lambda: k._prepare(X, ops, {"D": ops["acc_t"]}))
     k._prepare(X, ops, {"D": torch.empty(16, 64, dtype=BF)})     # separate tensors are fine
@@ -275,3 +274,21 @@ def test_map_transposed_outputs_are_n_by_m_and_out_is_checked(fake_nvcc):
         lambda: k._prepare(X, {"s": s}, {"qt": torch.empty(64, 96, dtype=torch.float8_e5m2)}))
     assert "a transposed output is a 2-D (N, M) = (64, 96) tensor" in _message(
         lambda: k._prepare(X, {"s": s}, {"qt": torch.empty(64, 96, 1, dtype=torch.float8_e4m3fn)}))
+
+
+@cc.epilogue
+def _doubled(acc, y: cc.Tile):
+    return {"D": acc * 2.0 + y, "s": cc.row_sum(acc)}
+
+
+def test_a_tile_output_may_be_written_over_x_itself_and_nothing_else(fake_nvcc):
+    """out={"D": X}: each thread reads its elements of X before it writes them (the LM head writes
+    dlogits over its logits chunk). A shifted view of X, or X as another operand's memory, is refused."""
+    k = cc.compile_map(_doubled, BF)
+    X, y = torch.randn(64, 256).to(BF), torch.randn(64, 256).to(BF)
+    assert k._prepare(X, {"y": y}, {"D": X})[5]["D"] is X
+    buf = torch.randn(65, 256).to(BF)
+    assert "overlaps the memory of X" in _message(lambda: k._prepare(buf[:64], {"y": y}, {"D": buf[1:]}))
+    assert "overlaps the memory of y" in _message(lambda: k._prepare(X, {"y": y}, {"D": y}))
+    ref = cc.map_reference(_doubled, X, y=y)
+    assert torch.equal(ref["D"], (X.float() * 2 + y.float()).to(BF))

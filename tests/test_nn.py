@@ -566,3 +566,12 @@ def test_in_sequence_tuning_of_fp8_sites_builds_fp8_candidates(monkeypatch):
     fast = {c.name() for c in FP8_CANDIDATES["fast"]}
     assert {o["config"].name() for o in built} <= fast
     assert rec["sites"]["o.dgrad"]["config"]["schedule"] in ("pingpong", "cooperative")
+
+
+def test_lm_head_chunks_are_whole_256_row_tiles_where_they_can_be():
+    from coda_cutlass.nn.model import ce_chunk_rows
+    row = 128256 * 2                                  # a bf16 row of Llama-3's logits
+    assert ce_chunk_rows(1 << 30, row) == 4096        # 4186 rows fit
+    assert ce_chunk_rows(256 << 20, row) == 1024      # 1046 fit
+    assert ce_chunk_rows(100 * row, row) == 100       # fewer than 256: as many as fit
+    assert ce_chunk_rows(1, row) == 1

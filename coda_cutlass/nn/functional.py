@@ -241,7 +241,7 @@ def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     """The LM head, cross-entropy and final norm, forward and backward in one pass over row chunks
     (for dloss = 1: the caller scales the gradients by dloss), without recomputing the logits: per
     chunk the logits GEMM writes them with the log-sum-exp and target logit (``lm_head_lse_logits``),
-    a map kernel turns them into dz' = r * dlogits (``cross_entropy_grad``), then the norm-backward
+    a map kernel turns them into dz' = r * dlogits in place (``cross_entropy_grad``), then the norm-backward
     dX GEMM and the weight-gradient GEMM consume the chunk: three vocab-sized GEMMs, not four.
     Returns (lse, target_logit, dx, dW_lm, dgamma)."""
     d, run = step.dims, step.runner
@@ -256,9 +256,12 @@ def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
         b = min(M, a + chunk_rows)
         f = run.gemm("lm_head.fused", P.lse_logits, h[a:b], w_lm, r=r[a:b], target=target[a:b], **P.extra)
         lse[a:b], tlogit[a:b] = f["lse"], f["target_logit"]
-        ce = run.map("lm_head.ce_grad", P.grad, f["D"], partial=True, r=r[a:b], lse=f["lse"],
+        logits = f.pop("D")
+        # dlogits over the logits (the map kernel reads each element before it writes it): one chunk in memory
+        ce = run.map("lm_head.ce_grad", P.grad, logits, partial=True, out={"D": logits}, r=r[a:b], lse=f["lse"],
                      target=target[a:b], scale=scale[a:b], **P.extra)
         dl = ce["D"]
+        del logits, f
         nb = run.gemm("lm_head.dgrad", E.norm_backward_first, dl, w_lm, layout="kn", partial=True,
                       out={"dx": dx[a:b]}, x=x[a:b], r=r[a:b], c=row_mean(ce["zdz"], d.dim), g=g)
         dgamma += nb["dgamma"].sum(0)

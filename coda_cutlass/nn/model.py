@@ -27,6 +27,17 @@ from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
 
 
+CHUNK_ROW_MULTIPLE = 256     # whole tiles of the vocab GEMMs (their M), none half empty per chunk
+
+
+def ce_chunk_rows(chunk_bytes: int, row_bytes: int) -> int:
+    """Rows per LM-head chunk: as many as ``chunk_bytes`` of logits hold, rounded down to a multiple of
+    256 where at least 256 fit (256 MiB at a 128k vocabulary is 1046 rows, whose last 128-row tile of
+    each vocab GEMM would be 17% full)."""
+    rows = max(1, chunk_bytes // row_bytes)
+    return rows - rows % CHUNK_ROW_MULTIPLE if rows >= CHUNK_ROW_MULTIPLE else rows
+
+
 class LMHeadLoss(torch.autograd.Function):
     """(x, h, r) of the final norm -> mean cross-entropy over the rows whose target is valid.
 
@@ -175,6 +186,6 @@ class LlamaModel(nn.Module):
                 P = lm_head_programs(self.logit_softcap)
                 logits = step.runner.gemm("lm_head.logits", P.logits, h, w_lm, r=r, **P.extra)["D"]
             return logits.view(*tokens.shape, -1)
-        chunk = max(1, self.ce_chunk_bytes // (w_lm.shape[0] * w_lm.element_size()))
+        chunk = ce_chunk_rows(self.ce_chunk_bytes, w_lm.shape[0] * w_lm.element_size())
         return LMHeadLoss.apply(x, h, r, w_lm, cast(self.final_gain(), step.dtype), target, step, ignore_index, chunk,
                                 self.fused_lm_head, self.logit_softcap)

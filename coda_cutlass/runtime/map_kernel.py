@@ -248,10 +248,19 @@ class CompiledMap(ReductionOutputs):
             ptrs.append(t.data_ptr())
             views.extend(view)
         if written:
-            read = {"X": X}
+            # an output may be X itself (the same view): each thread reads its 8 elements of a row
+            # before it writes them, and no other thread reads them (the LM head's dlogits over its logits)
+            over_x = [n for n, t in written.items() if self._is_x(n, t, X)]
+            read = {over_x[0] if over_x else "X": X}
             read.update((n, operands[n]) for n in self._read)
             checks.check_no_overlap(written, read)
         return M, N, ptrs, views, scalars, results, partials
+
+    def _is_x(self, name: str, t: torch.Tensor, X: torch.Tensor) -> bool:
+        """Whether tile output ``name`` is given as X's own view (same memory, shape, strides, dtype)."""
+        slot = next((s for s in self.graph.slots if s.name == name and s.role == "output"), None)
+        return (slot is not None and slot.layout == "tile" and t.dtype == X.dtype and t.data_ptr() == X.data_ptr() and t.shape == X.shape
+                and t.stride() == X.stride())
 
     def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
         partials, dtype = self._finish_plan[name]
