@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import coda_cutlass as cc
 from coda_cutlass.nn import KernelRunner, LlamaBlock, LlamaModel, ReferenceRunner
 from conftest import hopper_available
 from fp8_helpers import draw_weights, losses
