@@ -24,13 +24,14 @@ import model as bench_model  # noqa: E402  (bench/model.py: sets the allocator c
 import torch  # noqa: E402
 
 OWN = ("coda_cutlass", "transformers", "liger_kernel", "bench/")
+SKIP = ("coda_cutlass/runtime/", "coda_cutlass/nn/runner.py", "coda_cutlass/partials.py")   # allocators, not callers
 
 
 def frame_key(frames: list[dict[str, Any]]) -> str:
     """The first frame of a library that users call (not torch's), as file:line function."""
     for f in frames:
         name = f.get("filename", "")
-        if any(k in name for k in OWN):
+        if any(k in name for k in OWN) and not any(k in name for k in SKIP):
             short = name.split("site-packages/")[-1].split("/work/main/")[-1]
             return f"{short}:{f.get('line')} {f.get('name')}"
     return "(torch internal)"

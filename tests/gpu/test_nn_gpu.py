@@ -131,6 +131,21 @@ def test_map_kernel_refuses_unknown_outputs_and_in_place_aliases():
     assert not torch.equal(ops["acc_t"], start)
 
 
+def test_map_kernel_writes_a_tile_output_over_x_itself():
+    """out={"D": X} (the LM head's dlogits over its logits chunk): the same results as into a fresh
+    tensor, the other outputs included, at a shape with a partial row block and column tile."""
+    M, N = 1000, 392
+    X = torch.randn(M, N, device="cuda").to(torch.bfloat16)
+    ops = _generic_ops(M, N)
+    k = cc.compile_map(_generic, torch.bfloat16)
+    fresh = k(X, **{**ops, "acc_t": ops["acc_t"].clone()})
+    Xc = X.clone()
+    over = k(Xc, out={"D": Xc}, **{**ops, "acc_t": ops["acc_t"].clone()})
+    assert over["D"] is Xc
+    for name, t in fresh.items():
+        assert torch.equal(over[name], t), name
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["finished", "partials"])
 @pytest.mark.parametrize("shape", [(0, 512), (6, 0)], ids=["M0", "N0"])
 def test_map_kernel_empty_shapes_return_what_the_reference_returns(shape, partial):
