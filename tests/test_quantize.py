@@ -228,7 +228,9 @@ def test_map_kernels_quantise_their_outputs_too():
     assert "coda::map::store8<cutlass::float_e5m2_t>" in src
 
 
-def test_map_kernels_refuse_transposed_outputs_by_name():
+def test_map_kernels_write_block_scaled_transposed_outputs_and_refuse_half_width_ones():
     prog = cc.epilogue(lambda acc: {"t": cc.quantize(acc, block=128, transpose=True)})
-    with pytest.raises(EpilogueError, match="transposed"):
-        cc.emit_map(prog)
+    assert "ColumnScales" in cc.emit_map(prog)
+    half = cc.epilogue(lambda acc: {"t": cc.quantize(cc.half_width(acc), block=128, transpose=True)})
+    with pytest.raises(EpilogueError, match="half-width transposed"):
+        cc.emit_map(half)
