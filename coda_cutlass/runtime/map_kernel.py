@@ -259,8 +259,8 @@ class CompiledMap(ReductionOutputs):
     def _is_x(self, name: str, t: torch.Tensor, X: torch.Tensor) -> bool:
         """Whether tile output ``name`` is given as X's own view (same memory, shape, strides, dtype)."""
         slot = next((s for s in self.graph.slots if s.name == name and s.role == "output"), None)
-        return (slot is not None and slot.layout == "tile" and t.dtype == X.dtype and t.data_ptr() == X.data_ptr() and t.shape == X.shape
-                and t.stride() == X.stride())
+        return (slot is not None and slot.layout == "tile" and t.dtype == X.dtype
+                and t.data_ptr() == X.data_ptr() and t.shape == X.shape and t.stride() == X.stride())
 
     def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
         partials, dtype = self._finish_plan[name]

@@ -22,7 +22,6 @@ namespace map {
 constexpr int kVec = 8;                   // columns per thread (one 16-byte vector of 16-bit values)
 constexpr int kWarps = 8;                 // warps per block
 constexpr int kRowsPerBlock = 32;         // rows per block (each warp takes every 8th row)
-constexpr int kRowsPerRun = 128;          // rows per block with 128 x 1 block-scaled transposed outputs
 constexpr int kTileN = 32 * kVec;         // columns per block: one warp-wide column tile
 
 // Element (m, n) of a view is at

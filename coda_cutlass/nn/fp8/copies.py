@@ -4,7 +4,7 @@ per optimizer step:
 - ``weight_tiles``: a weight's 128 x 128 tiles in both layouts (once per optimizer step).
 - ``tensor_copies``: a weight's per-tensor codes in both layouts ("tensorwise").
 
-Bit for bit ``quantize_blocks`` / ``quantize_tiles`` with ``pow2=True`` (coda_cutlass/quantization.py,
+Bit for bit ``quantize_tiles`` with ``pow2=True`` (coda_cutlass/quantization.py,
 the kernels' semantics), computed without a division: for amax = m * 2^e (1 <= m < 2) and an FP8
 format whose largest value is 1.75 * 2^E, the smallest power of two s with s * fp8_max >= amax is
 2^(e - E) when m <= 1.75 and 2^(e - E + 1) otherwise; s is at least 2^-126. That is exactly what

@@ -86,7 +86,7 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
                       ) -> tuple[torch.Tensor, Any, torch.Tensor | None, tuple]:
     """One FP8 block: (x2, h2, r2, saved). h2 is an Fp8Operand when the next consumer is an FP8
     block (``next_fp8``), the bf16 h of the bf16 programs otherwise (the LM head), None at the end."""
-    d, rec = step.dims, step.fp8
+    d = step.dims
     check_tokens(x.shape[0])
     wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
     qkv = _gemm(step, "qkv", E.rope, h.q, h.s, wqkv.w, wqkv.scale, ("activation", "weight"),        # F4
@@ -119,7 +119,7 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
 def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: torch.Tensor,
                        dx2q: Fp8Operand | None) -> tuple[torch.Tensor, Fp8Operand, dict[str, torch.Tensor]]:
     """(dx, its FP8 copies for the previous block, the weight gradients by name)."""
-    d, rec, run = step.dims, step.fp8, step.runner
+    d, run = step.dims, step.runner
     x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx = saved
     wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
     if dx2q is None:                  # a gradient no coda epilogue quantised (the LM head's, a user's)
