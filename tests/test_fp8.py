@@ -49,6 +49,10 @@ def test_emit_names_mainloop_elements_and_scales(scaling, fast, dname):
         assert f"Sm90BlockwiseScaleConfig<\n    1, {gn}, 128, cute::GMMA::Major::MN, cute::GMMA::Major::{major}>" in src
         assert "cute::tuple<LayoutA, LayoutSFA>" in src and "layout_SFA" in src and "layout_SFB" in src
         assert "Sm90AccFetch, ScaleAB" not in src
+        # cooperative blockwise kernels run coda's overlapped consumer loop over CUTLASS's mainloop
+        assert '#include "coda/block_scaled_mma.hpp"' in src
+        assert "using CollectiveMainloop = coda::fp8::OverlappedBlockScaledMma<CutlassMainloop>;" in src
+        assert "consumer loop coda::fp8::OverlappedBlockScaledMma" in header
     else:
         # the defaults: cooperative for the promoting mainloop, ping-pong with fast accumulation
         sched = "KernelTmaWarpSpecializedPingpongFP8FastAccum" if fast else "KernelTmaWarpSpecializedCooperative"
@@ -57,6 +61,17 @@ def test_emit_names_mainloop_elements_and_scales(scaling, fast, dname):
         assert "LayoutSFA" not in src
     assert f"using KernelSchedule = cutlass::gemm::{sched};" in src
     assert sched in header
+
+
+@pytest.mark.parametrize("scaling", ["block", "block_1x128", "tensor"])
+def test_only_cooperative_blockwise_kernels_take_the_overlapped_loop(scaling):
+    # its two partial accumulators fit only 64-row warp-group tiles; ping-pong keeps CUTLASS's loop
+    pingpong = KC(tile_m=64, tile_n=128, tile_k=128, cluster_m=2, cluster_n=1, schedule="pingpong")
+    src = cc.emit(identity, E4, scaling=scaling, config=pingpong)
+    assert "OverlappedBlockScaledMma" not in src and "block_scaled_mma.hpp" not in src
+    assert "using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<" in src
+    if scaling == "tensor":
+        assert "OverlappedBlockScaledMma" not in cc.emit(identity, E4, scaling=scaling)
 
 
 def test_tensor_scaling_reads_both_scales_from_device_memory():

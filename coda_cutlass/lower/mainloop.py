@@ -9,6 +9,10 @@ own text. FP8 GEMMs (``fp8/gemm.py``):
 | tensor, row | ``KernelTmaWarpSpecialized{Cooperative,Pingpong}``: CUTLASS's FP8 mainloop, which adds the wgmma accumulators into a separate fp32 sum every 4 k-steps (128 of K) | in the epilogue (``kinds/fp8.py``) |
 | tensor, row, fast_accum | ``...FP8FastAccum``: no promotion, one accumulator | in the epilogue |
 | block, block_1x128 | ``...FP8BlockScaledAccum``: each 128-deep K block's partial product is multiplied by its A and W scales and added in fp32 | TMA / cp.async from the scale tensors (``fp8/scales.py``) |
+
+Cooperative blockwise kernels replace that mainloop's consumer loop with
+``coda::fp8::OverlappedBlockScaledMma`` (``coda/block_scaled_mma.hpp``): the same arithmetic, with
+each K block's scale-and-add running while the next K block's wgmma does.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ..fp8.gemm import BLOCK_K, Fp8Gemm
 from .graph import EvtGraph
 
 FP8_HEADER = "coda/fp8.hpp"
+OVERLAP_HEADER = "coda/block_scaled_mma.hpp"
 _FP8_SCHEDULE = {
     ("cooperative", "exact"): "cutlass::gemm::KernelTmaWarpSpecializedCooperative",
     ("pingpong", "exact"): "cutlass::gemm::KernelTmaWarpSpecializedPingpong",
@@ -65,6 +70,13 @@ class Mainloop:
     def blockwise(self) -> bool:
         return self.scale_granularity is not None
 
+    @property
+    def overlapped(self) -> bool:
+        """The consumer loop is coda's (coda/block_scaled_mma.hpp): blockwise, cooperative. Its two
+        partial accumulators fit a consumer's registers only at 64 x N warp-group tiles, which is
+        what cooperative 128-row tiles give; ping-pong gives each warp group a whole tile."""
+        return self.blockwise and self.kernel_schedule.endswith("CooperativeFP8BlockScaledAccum")
+
     def doc(self) -> list[str]:
         """The .cu header's lines on the mainloop and the scales it reads."""
         f = self.fp8
@@ -77,6 +89,9 @@ class Mainloop:
             how = "fp32 accumulation (wgmma partial sums promoted every 128 of K)"
         lines = [f"FP8 A {f.a.name} x W {f.w.name}, {f.scaling} scaling, {how}",
                  f"           {self.kernel_schedule.rsplit('::', 1)[-1]} (CUTLASS sm90 FP8 mainloop)"]
+        if self.overlapped:
+            lines.append("           consumer loop coda::fp8::OverlappedBlockScaledMma: each K block's scale-and-add "
+                         "runs behind the next K block's wgmma")
         if f.scaling == "tensor":
             lines.append("Scales     scale_a, scale_b: one fp32 each, read on the device; acc = (A @ W^T) * sa * sb")
         elif f.scaling == "row":
