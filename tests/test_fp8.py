@@ -33,7 +33,8 @@ def _pair(dtype):
 @pytest.mark.parametrize("scaling,fast", [("tensor", False), ("tensor", True), ("row", False), ("row", True),
                                           ("block", False), ("block_1x128", False)])
 @pytest.mark.parametrize("dname", list(DTYPES))
-def test_emit_names_mainloop_elements_and_scales(scaling, fast, dname):
+def test_emit_names_mainloop_elements_and_scales(scaling, fast, dname, monkeypatch):
+    monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "overlapped")
     dtype = DTYPES[dname]
     src = cc.emit(residual_norm_stats, dtype, scaling=scaling, fast_accum=fast)
     a, w = _pair(dtype)
@@ -64,7 +65,9 @@ def test_emit_names_mainloop_elements_and_scales(scaling, fast, dname):
 
 
 @pytest.mark.parametrize("scaling", ["block", "block_1x128", "tensor"])
-def test_only_cooperative_blockwise_kernels_take_the_overlapped_loop(scaling):
+def test_only_cooperative_blockwise_kernels_take_the_overlapped_loop(scaling, monkeypatch):
+    assert "OverlappedBlockScaledMma" not in cc.emit(identity, E4, scaling=scaling)   # off by default
+    monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "overlapped")
     # its two partial accumulators fit only 64-row warp-group tiles; ping-pong keeps CUTLASS's loop
     pingpong = KC(tile_m=64, tile_n=128, tile_k=128, cluster_m=2, cluster_n=1, schedule="pingpong")
     src = cc.emit(identity, E4, scaling=scaling, config=pingpong)
@@ -72,6 +75,9 @@ def test_only_cooperative_blockwise_kernels_take_the_overlapped_loop(scaling):
     assert "using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<" in src
     if scaling == "tensor":
         assert "OverlappedBlockScaledMma" not in cc.emit(identity, E4, scaling=scaling)
+    monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "fast")
+    with pytest.raises(cc.ConfigError, match="CODA_CUTLASS_BLOCKWISE_LOOP must be"):
+        cc.emit(identity, E4, scaling="block")
 
 
 def test_tensor_scaling_reads_both_scales_from_device_memory():
@@ -199,7 +205,9 @@ def test_new_scales_layouts():
 @pytest.mark.parametrize("scaling", fp8.SCALINGS)
 @pytest.mark.parametrize("dtype", [E4, E5])
 def test_quantize_dequantize_round_trip(scaling, dtype):
-    x = torch.randn(256, 512) * torch.logspace(-2, 2, 256)[:, None]
+    # seeded: per tensor, the rows 1e4 below the largest sit near the bottom of FP8's range, so an
+    # unseeded draw passed the 99% bar only most of the time
+    x = torch.randn(256, 512, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 256)[:, None]
     for operand in ("A", "W"):
         q, s = fp8.quantize(x, dtype, scaling, operand)
         assert q.dtype == dtype and s.dtype == torch.float32

@@ -1,5 +1,5 @@
-"""Blockwise-scaled FP8 GEMMs with coda's overlapped consumer loop (coda/block_scaled_mma.hpp, the
-default for cooperative tiles) against the same kernel with CUTLASS 4.2's own loop, and both against
+"""Blockwise-scaled FP8 GEMMs with coda's overlapped consumer loop (coda/block_scaled_mma.hpp,
+CODA_CUTLASS_BLOCKWISE_LOOP=overlapped, cooperative tiles) against the same kernel with CUTLASS 4.2's own loop, and both against
 torch._scaled_mm tensorwise and rowwise of the same shape, in one run (calls interleaved one by one
 in a shuffled order, 2 rotating input sets, CUDA events, medians). The two loops must agree bit
 for bit: the arithmetic is the same, only its schedule differs.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -50,6 +51,7 @@ CUTLASS_LOOP = "using CollectiveMainloop = coda::fp8::OverlappedBlockScaledMma<C
 
 def generated(scaling: str) -> tuple[Generated, Generated]:
     """(coda's loop, CUTLASS's loop) sources of the identity epilogue with ``scaling``."""
+    os.environ["CODA_CUTLASS_BLOCKWISE_LOOP"] = "overlapped"
     gen = generate(lower_program(E.identity, _options(E4, "nk", None, None, None, None, scaling, False)))
     if CUTLASS_LOOP not in gen.source:
         raise SystemExit(f"{scaling}: the generated kernel does not use the overlapped loop")

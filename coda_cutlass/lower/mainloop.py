@@ -10,13 +10,15 @@ own text. FP8 GEMMs (``fp8/gemm.py``):
 | tensor, row, fast_accum | ``...FP8FastAccum``: no promotion, one accumulator | in the epilogue |
 | block, block_1x128 | ``...FP8BlockScaledAccum``: each 128-deep K block's partial product is multiplied by its A and W scales and added in fp32 | TMA / cp.async from the scale tensors (``fp8/scales.py``) |
 
-Cooperative blockwise kernels replace that mainloop's consumer loop with
+With ``CODA_CUTLASS_BLOCKWISE_LOOP=overlapped`` (experimental: built and checked on the CPU, not yet
+run on a GPU), cooperative blockwise kernels replace that mainloop's consumer loop with
 ``coda::fp8::OverlappedBlockScaledMma`` (``coda/block_scaled_mma.hpp``): the same arithmetic, with
 each K block's scale-and-add running while the next K block's wgmma does.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..config import KERNEL_SCHEDULE, KernelConfig
@@ -65,6 +67,7 @@ class Mainloop:
     element_b: str
     scale_granularity: tuple[int, int, int] | None     # (M, N, K) of one block scale; None: epilogue scales
     sfb_k_major: bool = False                          # W's block scales: K blocks contiguous (128 x 128)
+    overlap_loop: bool = False                         # CODA_CUTLASS_BLOCKWISE_LOOP=overlapped
 
     @property
     def blockwise(self) -> bool:
@@ -75,7 +78,8 @@ class Mainloop:
         """The consumer loop is coda's (coda/block_scaled_mma.hpp): blockwise, cooperative. Its two
         partial accumulators fit a consumer's registers only at 64 x N warp-group tiles, which is
         what cooperative 128-row tiles give; ping-pong gives each warp group a whole tile."""
-        return self.blockwise and self.kernel_schedule.endswith("CooperativeFP8BlockScaledAccum")
+        return (self.overlap_loop and self.blockwise
+                and self.kernel_schedule.endswith("CooperativeFP8BlockScaledAccum"))
 
     def doc(self) -> list[str]:
         """The .cu header's lines on the mainloop and the scales it reads."""
@@ -119,7 +123,16 @@ def mainloop_of(graph: EvtGraph, config: KernelConfig) -> Mainloop | None:
         gn = f.w_block[0]  # type: ignore[index]
         granularity = (1, gn, BLOCK_K)
     return Mainloop(f, _FP8_SCHEDULE[(config.schedule, mode)], f.a.cpp, f.w.cpp, granularity,
-                    sfb_k_major=f.scaling == "block")
+                    sfb_k_major=f.scaling == "block", overlap_loop=overlapped_loop_asked())
+
+
+def overlapped_loop_asked() -> bool:
+    """Whether $CODA_CUTLASS_BLOCKWISE_LOOP asks for coda's overlapped blockwise consumer loop
+    (experimental until measured on a GPU; the generated source, hence the cache key, says which)."""
+    v = os.environ.get("CODA_CUTLASS_BLOCKWISE_LOOP", "cutlass")
+    if v not in ("cutlass", "overlapped"):
+        raise ConfigError(f"CODA_CUTLASS_BLOCKWISE_LOOP must be 'cutlass' (the default) or 'overlapped', got {v!r}")
+    return v == "overlapped"
 
 
 def check_fp8_config(f: Fp8Gemm, c: KernelConfig, program: str) -> None:

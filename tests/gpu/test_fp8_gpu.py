@@ -113,7 +113,7 @@ def test_kernel_matches_reference(kernels, case, shape):
 
 
 @pytest.mark.parametrize("scaling", ["block", "block_1x128"])
-def test_overlapped_loop_matches_cutlass_loop_bit_for_bit(scaling):
+def test_overlapped_loop_matches_cutlass_loop_bit_for_bit(scaling, monkeypatch):
     # coda/block_scaled_mma.hpp changes only when each K block's scale-and-add runs, not its
     # arithmetic: the kernel with CUTLASS's own consumer loop must give the same bits. K = 256, 384
     # and 4096 take the loop's three paths (no full iteration, pairs only, pairs plus one).
@@ -122,6 +122,7 @@ def test_overlapped_loop_matches_cutlass_loop_bit_for_bit(scaling):
     from coda_cutlass.compiler import compile_generated
     from coda_cutlass.epilogues import identity
     from coda_cutlass.pipeline import generate, lower_program
+    monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "overlapped")
     gen = generate(lower_program(identity, _options(torch.float8_e4m3fn, "nk", None, None, None, None, scaling)))
     line = "using CollectiveMainloop = coda::fp8::OverlappedBlockScaledMma<CutlassMainloop>;"
     assert line in gen.source
