@@ -117,18 +117,17 @@ def test_overlapped_loop_matches_cutlass_loop_bit_for_bit(scaling, monkeypatch):
     # coda/block_scaled_mma.hpp changes only when each K block's scale-and-add runs, not its
     # arithmetic: the kernel with CUTLASS's own consumer loop must give the same bits. K = 256, 384
     # and 4096 take the loop's three paths (no full iteration, pairs only, pairs plus one).
-    import dataclasses
     from coda_cutlass.api import _options
     from coda_cutlass.compiler import compile_generated
     from coda_cutlass.epilogues import identity
     from coda_cutlass.pipeline import generate, lower_program
-    monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "overlapped")
-    gen = generate(lower_program(identity, _options(torch.float8_e4m3fn, "nk", None, None, None, None, scaling)))
-    line = "using CollectiveMainloop = coda::fp8::OverlappedBlockScaledMma<CutlassMainloop>;"
-    assert line in gen.source
-    ours = compile_generated(gen)
-    theirs = compile_generated(dataclasses.replace(gen, source=gen.source.replace(
-        line, "using CollectiveMainloop = CutlassMainloop;")))
+
+    def kernel(loop: str):
+        monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", loop)
+        gen = generate(lower_program(identity, _options(torch.float8_e4m3fn, "nk", None, None, None, None, scaling)))
+        assert ("OverlappedBlockScaledMma<CutlassMainloop>" in gen.source) == (loop == "overlapped")
+        return compile_generated(gen)
+    ours, theirs = kernel("overlapped"), kernel("cutlass")
     g = torch.Generator(device="cuda").manual_seed(7)
     for M, N, K in [(1000, 384, 256), (77, 256, 384), (1024, 512, 4096)]:
         A, sa = fp8.quantize(torch.randn(M, K, device="cuda", generator=g), torch.float8_e4m3fn, scaling, "A", pow2=True)
