@@ -34,7 +34,7 @@ def _pair(dtype):
                                           ("block", False), ("block_1x128", False)])
 @pytest.mark.parametrize("dname", list(DTYPES))
 def test_emit_names_mainloop_elements_and_scales(scaling, fast, dname, monkeypatch):
-    monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "overlapped")
+    monkeypatch.delenv("CODA_CUTLASS_BLOCKWISE_LOOP", raising=False)
     dtype = DTYPES[dname]
     src = cc.emit(residual_norm_stats, dtype, scaling=scaling, fast_accum=fast)
     a, w = _pair(dtype)
@@ -50,7 +50,7 @@ def test_emit_names_mainloop_elements_and_scales(scaling, fast, dname, monkeypat
         assert f"Sm90BlockwiseScaleConfig<\n    1, {gn}, 128, cute::GMMA::Major::MN, cute::GMMA::Major::{major}>" in src
         assert "cute::tuple<LayoutA, LayoutSFA>" in src and "layout_SFA" in src and "layout_SFB" in src
         assert "Sm90AccFetch, ScaleAB" not in src
-        # cooperative blockwise kernels run coda's overlapped consumer loop over CUTLASS's mainloop
+        # by default cooperative blockwise kernels run coda's overlapped consumer loop over CUTLASS's mainloop
         assert '#include "coda/block_scaled_mma.hpp"' in src
         assert "using CollectiveMainloop = coda::fp8::OverlappedBlockScaledMma<CutlassMainloop>;" in src
         assert "consumer loop coda::fp8::OverlappedBlockScaledMma" in header
@@ -66,17 +66,18 @@ def test_emit_names_mainloop_elements_and_scales(scaling, fast, dname, monkeypat
 
 @pytest.mark.parametrize("scaling", ["block", "block_1x128", "tensor"])
 def test_only_cooperative_blockwise_kernels_take_the_overlapped_loop(scaling, monkeypatch):
-    assert "OverlappedBlockScaledMma" not in cc.emit(identity, E4, scaling=scaling)   # off by default
-    monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "overlapped")
+    monkeypatch.delenv("CODA_CUTLASS_BLOCKWISE_LOOP", raising=False)
+    assert ("OverlappedBlockScaledMma" in cc.emit(identity, E4, scaling=scaling)) == (scaling != "tensor")
     # its two partial accumulators fit only 64-row warp-group tiles; ping-pong keeps CUTLASS's loop
     pingpong = KC(tile_m=64, tile_n=128, tile_k=128, cluster_m=2, cluster_n=1, schedule="pingpong")
     src = cc.emit(identity, E4, scaling=scaling, config=pingpong)
     assert "OverlappedBlockScaledMma" not in src and "block_scaled_mma.hpp" not in src
     assert "using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<" in src
-    if scaling == "tensor":
-        assert "OverlappedBlockScaledMma" not in cc.emit(identity, E4, scaling=scaling)
+    monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "cutlass")     # CUTLASS's own loop, on request
+    src = cc.emit(identity, E4, scaling=scaling)
+    assert "OverlappedBlockScaledMma" not in src and "block_scaled_mma.hpp" not in src
     monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "fast")
-    with pytest.raises(cc.ConfigError, match="CODA_CUTLASS_BLOCKWISE_LOOP must be"):
+    with pytest.raises(cc.ConfigError, match="CODA_CUTLASS_BLOCKWISE_LOOP must be 'overlapped'"):
         cc.emit(identity, E4, scaling="block")
 
 

@@ -1,8 +1,10 @@
-"""Blockwise-scaled FP8 GEMMs with coda's overlapped consumer loop (coda/block_scaled_mma.hpp,
-CODA_CUTLASS_BLOCKWISE_LOOP=overlapped, cooperative tiles) against the same kernel with CUTLASS 4.2's own loop, and both against
+"""Blockwise-scaled FP8 GEMMs with coda's overlapped consumer loop (coda/block_scaled_mma.hpp, the
+default of cooperative tiles) against the same kernel with CUTLASS 4.2's own loop
+(CODA_CUTLASS_BLOCKWISE_LOOP=cutlass), and both against
 torch._scaled_mm tensorwise and rowwise of the same shape, in one run (calls interleaved one by one
 in a shuffled order, 2 rotating input sets, CUDA events, medians). The two loops must agree bit
-for bit: the arithmetic is the same, only its schedule differs.
+for bit: the arithmetic is the same, only its schedule differs. Fifteenth session's figures:
+docs/RESULTS.md, docs/results/session15/loop/.
 
     python bench/probes/blockwise_loop.py --build          # build both loops' kernels (no GPU needed)
     python bench/probes/blockwise_loop.py OUTDIR           # H200: check and time
