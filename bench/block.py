@@ -443,7 +443,7 @@ def markdown(results: list[dict[str, Any]], env: dict[str, Any]) -> str:
                  "vs cuBLAS GEMMs | fwd: non-attention us | fwd: vs cuBLAS | J per fwd+bwd | W |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        comp = r["fwd_bwd"]["compile"]["median_ms"]
+        comp = r["fwd_bwd"].get("compile", {}).get("median_ms", float("nan"))   # nan: --skip compile
         floor = r["device"].get("cublas", {}).get("non_attention", float("nan"))
         fwd = r.get("device_fwd", {})
         floor_fwd = fwd.get("cublas", {}).get("non_attention", float("nan"))

@@ -32,11 +32,22 @@ struct View {
   int64_t outer_m, stride_m, inner_m, outer_n, inner_n;
 };
 
+// A 64-bit division is a software routine of ~100 instructions; evaluated for every row and slot it
+// made the map kernels issue-bound (ncu: 76% SM throughput at 53% of DRAM bandwidth). Plain
+// matrices never divide (m < inner_m), strided views divide in 32 bits where the values fit.
+CUTLASS_DEVICE int64_t split_offset(int64_t i, int64_t inner, int64_t outer, int64_t stride) {
+  if (i < inner) return i * stride;
+  if (i <= INT32_MAX && inner <= INT32_MAX) {
+    const uint32_t q = uint32_t(i) / uint32_t(inner);
+    return int64_t(q) * outer + (i - int64_t(q) * inner) * stride;
+  }
+  return (i / inner) * outer + (i % inner) * stride;
+}
 CUTLASS_DEVICE int64_t row_offset(View const& v, int64_t m) {
-  return (m / v.inner_m) * v.outer_m + (m % v.inner_m) * v.stride_m;
+  return split_offset(m, v.inner_m, v.outer_m, v.stride_m);
 }
 CUTLASS_DEVICE int64_t col_offset(View const& v, int64_t n) {
-  return (n / v.inner_n) * v.outer_n + (n % v.inner_n);
+  return split_offset(n, v.inner_n, v.outer_n, 1);
 }
 
 template <class T> CUTLASS_DEVICE float to_float(T x) { return float(x); }
