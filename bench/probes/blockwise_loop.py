@@ -31,9 +31,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass import fp8  # noqa: E402
-from coda_cutlass.compiler import compile_generated  # noqa: E402
-from coda_cutlass.pipeline import Generated, generate, lower_program  # noqa: E402
-from coda_cutlass.api import _options  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
 
 E4 = torch.float8_e4m3fn
@@ -49,20 +46,14 @@ SHAPES = {
 }
 
 
-def generated(scaling: str) -> tuple[Generated, Generated]:
-    """(coda's loop, CUTLASS's loop) sources of the identity epilogue with ``scaling``."""
-    def gen(loop: str) -> Generated:
-        os.environ["CODA_CUTLASS_BLOCKWISE_LOOP"] = loop
-        return generate(lower_program(E.identity, _options(E4, "nk", None, None, None, None, scaling, False)))
-    return gen("overlapped"), gen("cutlass")
-
-
 def kernels() -> dict[tuple[str, str], Any]:
+    """(scaling, loop) -> the identity epilogue's kernel with coda's loop or CUTLASS's."""
     out = {}
     for scaling in ("block", "block_1x128"):
-        ours, theirs = generated(scaling)
-        out[(scaling, "coda_loop")] = compile_generated(ours)
-        out[(scaling, "cutlass_loop")] = compile_generated(theirs)
+        for loop, env in (("coda_loop", "overlapped"), ("cutlass_loop", "cutlass")):
+            os.environ["CODA_CUTLASS_BLOCKWISE_LOOP"] = env
+            out[(scaling, loop)] = cc.compile_epilogue(E.identity, E4, scaling=scaling)
+    os.environ.pop("CODA_CUTLASS_BLOCKWISE_LOOP")
     return out
 
 

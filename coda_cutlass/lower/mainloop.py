@@ -70,19 +70,15 @@ class Mainloop:
     element_b: str
     scale_granularity: tuple[int, int, int] | None     # (M, N, K) of one block scale; None: epilogue scales
     sfb_k_major: bool = False                          # W's block scales: K blocks contiguous (128 x 128)
-    overlap_loop: bool = True                          # CODA_CUTLASS_BLOCKWISE_LOOP (default overlapped)
+    # The consumer loop is coda's (coda/block_scaled_mma.hpp): blockwise, cooperative, unless
+    # CODA_CUTLASS_BLOCKWISE_LOOP=cutlass. Its two partial accumulators fit a consumer's registers
+    # only at 64 x N warp-group tiles, which cooperative 128-row tiles give; ping-pong gives each
+    # warp group a whole tile.
+    overlapped: bool = False
 
     @property
     def blockwise(self) -> bool:
         return self.scale_granularity is not None
-
-    @property
-    def overlapped(self) -> bool:
-        """The consumer loop is coda's (coda/block_scaled_mma.hpp): blockwise, cooperative. Its two
-        partial accumulators fit a consumer's registers only at 64 x N warp-group tiles, which is
-        what cooperative 128-row tiles give; ping-pong gives each warp group a whole tile."""
-        return (self.overlap_loop and self.blockwise
-                and self.kernel_schedule.endswith("CooperativeFP8BlockScaledAccum"))
 
     def doc(self) -> list[str]:
         """The .cu header's lines on the mainloop and the scales it reads."""
@@ -125,8 +121,9 @@ def mainloop_of(graph: EvtGraph, config: KernelConfig) -> Mainloop | None:
     if f.blockwise:
         gn = f.w_block[0]  # type: ignore[index]
         granularity = (1, gn, BLOCK_K)
+    overlapped = overlapped_loop_chosen() and f.blockwise and config.schedule == "cooperative"
     return Mainloop(f, _FP8_SCHEDULE[(config.schedule, mode)], f.a.cpp, f.w.cpp, granularity,
-                    sfb_k_major=f.scaling == "block", overlap_loop=overlapped_loop_chosen())
+                    sfb_k_major=f.scaling == "block", overlapped=overlapped)
 
 
 def overlapped_loop_chosen() -> bool:

@@ -117,16 +117,13 @@ def test_overlapped_loop_matches_cutlass_loop_bit_for_bit(scaling, monkeypatch):
     # coda/block_scaled_mma.hpp changes only when each K block's scale-and-add runs, not its
     # arithmetic: the kernel with CUTLASS's own consumer loop must give the same bits. K = 256, 384
     # and 4096 take the loop's three paths (no full iteration, pairs only, pairs plus one).
-    from coda_cutlass.api import _options
-    from coda_cutlass.compiler import compile_generated
     from coda_cutlass.epilogues import identity
-    from coda_cutlass.pipeline import generate, lower_program
 
     def kernel(loop: str):
         monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", loop)
-        gen = generate(lower_program(identity, _options(torch.float8_e4m3fn, "nk", None, None, None, None, scaling)))
-        assert ("OverlappedBlockScaledMma<CutlassMainloop>" in gen.source) == (loop == "overlapped")
-        return compile_generated(gen)
+        k = cc.compile_epilogue(identity, torch.float8_e4m3fn, scaling=scaling)
+        assert ("OverlappedBlockScaledMma<CutlassMainloop>" in k.source) == (loop == "overlapped")
+        return k
     ours, theirs = kernel("overlapped"), kernel("cutlass")
     g = torch.Generator(device="cuda").manual_seed(7)
     for M, N, K in [(1000, 384, 256), (77, 256, 384), (1024, 512, 4096)]:
