@@ -63,6 +63,8 @@ from fp8_variants import PlanBefore, fp8_variants  # noqa: E402
 from report import GpuSampler, Nvml, config_label, environment, machine_line, require_hopper  # noqa: E402
 
 WIDTHS = {
+    "1b": dict(dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192),      # Llama-3.2-1B
+    "3b": dict(dim=3072, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192),     # Llama-3.2-3B
     "8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336),
     "70b": dict(dim=8192, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672),
 }

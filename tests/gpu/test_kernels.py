@@ -324,3 +324,28 @@ def test_every_candidate_config_of_the_pairwise_library(name):
         ref32 = k.reference(A.float(), W.float(), precision="fp32", **fp32_copy(ops))
         lowp = k.reference(A, W, precision="lowp", **ops)
         check_outputs(k, out, ref32, lowp, f"{name} {cfg.name()}")
+
+
+@pytest.mark.parametrize("shape", [(1000, 776, 520), (77, 40, 64), (256, 4112, 128)])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_half_width_store_exchange_edges(shape, aligned):
+    """coda::HalfWidthStore hands a quad's outputs around so each lane writes 4 adjacent ones in one
+    8-byte store. Its other paths: a tile past N (N/2 not a multiple of the 16 outputs a quad
+    writes per row: the stores inside N go out one by one), and an output whose rows do not start
+    on 8 bytes (a column slice of a wider buffer: every value on its own). Outputs poisoned, the
+    columns around the slice must stay untouched."""
+    from coda_cutlass import epilogues as E
+    M, N, K = shape
+    k = cc.compile_epilogue(E.swiglu, torch.bfloat16)
+    A, W, ops = _library_inputs(E.swiglu, M, N, K, seed=M + N)
+    pad = 0 if aligned else 1
+    buf = torch.full((M, N // 2 + 2 * pad), -7.0, device="cuda", dtype=torch.bfloat16)
+    y = buf[:, pad:pad + N // 2]
+    y.fill_(float("nan"))
+    out = k(A, W, out={"y": y}, **clone(ops))
+    assert out["y"].data_ptr() == y.data_ptr()
+    ref32 = k.reference(A.float(), W.float(), precision="fp32", **fp32_copy(ops))
+    lowp = k.reference(A, W, precision="lowp", **ops)
+    check_outputs(k, out, ref32, lowp, f"swiglu half-width {shape} aligned={aligned}")
+    if pad:
+        assert bool((buf[:, 0] == -7.0).all()) and bool((buf[:, -1] == -7.0).all()), "wrote outside the slice"
