@@ -1,19 +1,29 @@
-"""Probe: what each output of the gate/up epilogue costs, and the half-width store's quad exchange.
+"""Probe: what each output of a fused FP8 epilogue costs, and A/B of coda header changes.
 
 In the blockwise FP8 block (fifteenth session, docs/RESULTS.md) the gate/up GEMM with its SwiGLU
 epilogue (`swiglu_fp8`: z in bf16, y in bf16 at half width, y^T in FP8 with 128 x 1 scales) ran
 2401-2500 us against ~1590 for the same GEMM with an identity epilogue, though its outputs are
 only ~0.8 GB (~270 us at DRAM speed). This probe times, in one process (calls interleaved,
-medians), the same GEMM with programs that keep some of those outputs, so the difference between
-two rows is the cost of one output, and each half-width program twice: with coda::HalfWidthStore's
-quad exchange (8-byte stores, the default) and with every value stored on its own (the source
-edited to `HalfWidthStore<..., false>`; the values stored are the same, checked bit for bit).
+medians), GEMMs of the block's shapes with programs that keep some of their outputs, so the
+difference between two rows of a site is the cost of an output, and:
 
-    python bench/probes/epilogue_outputs.py --build     # build the kernels (no GPU needed)
-    python bench/probes/epilogue_outputs.py OUTDIR      # H200: check and time; writes results.json
+- each half-width program twice: with coda::HalfWidthStore's quad exchange (8-byte stores, the
+  default) and with every value stored on its own (the source edited to
+  `HalfWidthStore<..., false>`);
+- with ``--baseline DIR``: every kernel whose source includes a coda header found in DIR/coda/ also
+  built with that header's text in place of the include (e.g. the previous commit's
+  quant_store.hpp: ``git show REV:templates/coda/quant_store.hpp``), timed beside the current one.
 
-Shapes: Llama-3-8B gate/up, M = 8192 (8192 x 28672 x 4096): FP8 "block" scaling with the shipped
-blockwise plan's configuration, and bf16 with the bf16 plan's.
+Variants of one program must store the same values: checked bit for bit into NaN-poisoned tile
+outputs (scales and amaxes included).
+
+    python bench/probes/epilogue_outputs.py --build [--baseline DIR]   # build (no GPU needed)
+    python bench/probes/epilogue_outputs.py OUTDIR [--baseline DIR]    # H200: check and time
+
+Sites (Llama-3-8B widths, M = 8192; the shipped plans' configurations): gate/up 8192 x 28672 x 4096
+(FP8 "block" 128 x 128 cooperative; tensorwise 128 x 128 ping-pong with fast accumulation; bf16
+128 x 128 ping-pong), down 8192 x 4096 x 14336 and out-proj 8192 x 4096 x 4096 ("block" 128 x 128
+cooperative, tensorwise 128 x 128 ping-pong).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -40,9 +51,12 @@ from coda_cutlass.pipeline import generate, lower_program  # noqa: E402
 
 F32 = torch.float32
 E4 = torch.float8_e4m3fn
-M, N, K = 8192, 28672, 4096
-CONFIGS = {"fp8": KernelConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2),
-           "bf16": KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong")}
+COOP = KernelConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2)
+PING8 = KernelConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2, schedule="pingpong")
+PING16 = KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong")
+KINDS = {"block": ({"dtype": E4, "scaling": "block"}, COOP),
+         "tensor": ({"dtype": E4, "scaling": "tensor", "fast_accum": True}, PING8),
+         "bf16": ({"dtype": torch.bfloat16}, PING16)}
 
 
 @cc.epilogue
@@ -64,19 +78,31 @@ def z_yt(acc, r: cc.PerRow(F32)):
     return {"z": z, "yt": cc.quantize(cc.half_width(cc.silu(g) * u), block=128, transpose=True)}
 
 
-# name: (dtype kind, program, half-width store edited to store value by value)
-VARIANTS: dict[str, tuple[str, Any, bool]] = {
-    "fp8 identity": ("fp8", E.identity, False),
-    "fp8 z": ("fp8", z_only, False),
-    "fp8 z+y": ("fp8", z_y, False),
-    "fp8 z+y (scalar y)": ("fp8", z_y, True),
-    "fp8 z+yt": ("fp8", z_yt, False),
-    "fp8 swiglu_fp8": ("fp8", E.swiglu_fp8, False),
-    "fp8 swiglu_fp8 (scalar y)": ("fp8", E.swiglu_fp8, True),
-    "bf16 identity": ("bf16", E.identity, False),
-    "bf16 swiglu": ("bf16", E.swiglu, False),
-    "bf16 swiglu (scalar y)": ("bf16", E.swiglu, True),
+@cc.epilogue
+def residual_h(acc, resid: cc.Tile, g: cc.PerCol):
+    x = acc + resid
+    return {"D": x, "h": cc.quantize(x * g, block=128)}
+
+
+# site: (M, N, K, [(kind, program, scalar half-width store)])
+SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
+    "gate_up": (8192, 28672, 4096, [
+        ("block", E.identity, False), ("block", z_only, False), ("block", z_y, False), ("block", z_y, True),
+        ("block", z_yt, False), ("block", E.swiglu_fp8, False), ("block", E.swiglu_fp8, True),
+        ("tensor", E.identity, False), ("tensor", E.swiglu_t, False),
+        ("bf16", E.identity, False), ("bf16", E.swiglu, False), ("bf16", E.swiglu, True)]),
+    "down": (8192, 4096, 14336, [
+        ("block", E.identity, False), ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
+        ("tensor", E.identity, False), ("tensor", E.residual_norm_stats_t, False)]),
+    "o": (8192, 4096, 4096, [
+        ("block", E.identity, False), ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
+        ("tensor", E.identity, False), ("tensor", E.residual_norm_stats_t, False)]),
 }
+_INCLUDE = re.compile(r'^#include "(coda/[A-Za-z0-9_]+\.hpp)"$', re.M)
+
+
+def label(kind: str, program: Any, scalar: bool) -> str:
+    return f"{kind} {program.name}" + (" (scalar y)" if scalar else "")
 
 
 def scalar_half_store(src: str) -> str:
@@ -85,91 +111,143 @@ def scalar_half_store(src: str) -> str:
     return out
 
 
-def kernels() -> dict[str, Any]:
-    gens = []
-    for kind, program, scalar in VARIANTS.values():
-        opts = {"dtype": E4, "scaling": "block"} if kind == "fp8" else {"dtype": torch.bfloat16}
-        options, _ = split_options({**opts, "config": CONFIGS[kind]})
-        gen = generate(lower_program(program, options))
-        gens.append((dataclasses.replace(gen, source=scalar_half_store(gen.source)) if scalar else gen, {}))
-    return dict(zip(VARIANTS, compile_parallel(gens)))
+def with_baseline(src: str, baseline: Path) -> str | None:
+    """``src`` with each coda header that ``baseline`` holds pasted in place of its include (None when
+    it includes none of them)."""
+    hit = False
+
+    def paste(m: re.Match) -> str:
+        nonlocal hit
+        path = baseline / m.group(1)
+        if not path.is_file():
+            return m.group(0)
+        hit = True
+        return f"// ---- baseline {m.group(1)}\n" + path.read_text().replace("#pragma once", "")
+    out = _INCLUDE.sub(paste, src)
+    return out if hit else None
 
 
-def make_set(seed: int) -> dict[str, Any]:
+def kernels(baseline: Path | None) -> dict[tuple[str, str], Any]:
+    """(site, variant label) -> kernel."""
+    names, gens = [], []
+    for site, (_, _, _, variants) in SITES.items():
+        for kind, program, scalar in variants:
+            opts, config = KINDS[kind]
+            options, _ = split_options({**opts, "config": config})
+            gen = generate(lower_program(program, options))
+            if scalar:
+                gen = dataclasses.replace(gen, source=scalar_half_store(gen.source))
+            names.append((site, label(kind, program, scalar)))
+            gens.append((gen, {}))
+            old = with_baseline(gen.source, baseline) if baseline else None
+            if old is not None:
+                names.append((site, label(kind, program, scalar) + " (baseline)"))
+                gens.append((dataclasses.replace(gen, source=old), {}))
+    return dict(zip(names, compile_parallel(gens)))
+
+
+def operands(program: Any, M: int, N: int, g: torch.Generator) -> dict[str, Any]:
+    ops: dict[str, Any] = {}
+    for o in program.trace().operands:
+        if o.kind.value == "tile":
+            ops[o.name] = torch.randn(M, N, device="cuda", generator=g).to(torch.bfloat16)
+        elif o.kind.value == "row":
+            ops[o.name] = torch.rand(M, device="cuda", generator=g) + 0.5
+        elif o.kind.value == "col":
+            ops[o.name] = (torch.rand(N, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+        elif o.kind.value == "scalar" and o.device:
+            ops[o.name] = torch.tensor(2.0 ** -4, device="cuda")
+        else:
+            raise ValueError(f"{program.name}: no input rule for operand {o}")
+    return ops
+
+
+def make_set(M: int, N: int, K: int, seed: int) -> dict[str, Any]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     A = torch.randn(M, K, device="cuda", generator=g)
     W = torch.randn(N, K, device="cuda", generator=g) * K ** -0.5
-    x: dict[str, Any] = {"r": torch.rand(M, device="cuda", generator=g) + 0.5}
-    x["A8"], x["sa"] = fp8.quantize(A, E4, "block", "A", pow2=True)
-    x["W8"], x["sb"] = fp8.quantize(W, E4, "block", "W", pow2=True)
-    x["A16"], x["W16"] = A.to(torch.bfloat16), W.to(torch.bfloat16)
-    a8, sa = fp8.quantize(A, E4, "tensor", "A")
-    w8, sb = fp8.quantize(W, E4, "tensor", "W")
-    x["tensor"] = (a8, w8.t(), sa, sb)
+    x: dict[str, Any] = {"gen": g, "M": M, "N": N}
+    x["block"] = fp8.quantize(A, E4, "block", "A", pow2=True) + fp8.quantize(W, E4, "block", "W", pow2=True)
+    x["tensor"] = fp8.quantize(A, E4, "tensor", "A", pow2=True) + fp8.quantize(W, E4, "tensor", "W", pow2=True)
+    x["bf16"] = (A.to(torch.bfloat16), W.to(torch.bfloat16))
+    x["ops"] = {}
     return x
 
 
-def call(name: str, k: Any) -> Callable[..., Any]:
-    kind, program, _ = VARIANTS[name]
-    has_r = program is not E.identity
-
+def call(kind: str, program: Any, k: Any) -> Callable[..., Any]:
     def run(x: dict, out: dict | None = None) -> Any:
-        ops = {"r": x["r"]} if has_r else {}
-        if kind == "fp8":
-            return k(x["A8"], x["W8"], scale_a=x["sa"], scale_b=x["sb"], out=out, **ops)
-        return k(x["A16"], x["W16"], out=out, **ops)
+        ops = x["ops"].setdefault(program.name, operands(program, x["M"], x["N"], x["gen"]))
+        if kind == "bf16":
+            return k(*x["bf16"], out=out, **ops)
+        a8, sa, w8, sb = x[kind]
+        return k(a8, w8, scale_a=sa, scale_b=sb, out=out, **ops)
     return run
 
 
-def poisoned(like: dict[str, torch.Tensor], names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """NaN-filled copies of the tile outputs ``names`` of a call's result (for out=)."""
-    return {n: torch.full_like(like[n], float("nan")) for n in names if n in like}
+def same_outputs(fns: list[Callable[..., Any]], x: dict, tile_outputs: list[str]) -> bool:
+    """Every variant's outputs bit for bit the first's, written into NaN-poisoned tile outputs."""
+    first = fns[0](x)
+    outs = []
+    for fn in fns:
+        poison = {n: torch.full_like(first[n], float("nan")) for n in tile_outputs if n in first}
+        try:
+            outs.append(fn(x, out=poison))
+        except cc.CallError as e:       # an output out= does not take: compare fresh outputs
+            print(f"  (out= refused: {e}; fresh outputs)", flush=True)
+            outs.append(fn(x))
+    bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return all(torch.equal(bits(o[n]), bits(outs[0][n])) for o in outs[1:] for n in outs[0])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", type=Path)
     ap.add_argument("--build", action="store_true")
+    ap.add_argument("--baseline", type=Path, help="a folder holding coda/*.hpp headers to build baselines from")
+    ap.add_argument("--sites", nargs="+", default=list(SITES), choices=list(SITES))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
-    ks = kernels()
+    ks = kernels(args.baseline)
     if args.build:
-        print("built:", ", ".join(ks))
+        print("built:", ", ".join(f"{s}: {n}" for s, n in ks))
         return
     from report import environment, require_hopper
     from coda_cutlass.timing import interleaved
     require_hopper("bench/probes/epilogue_outputs.py")
     args.out.mkdir(parents=True, exist_ok=True)
-    sets = [make_set(seed) for seed in (1, 2)]
-    fns = {name: call(name, k) for name, k in ks.items()}
-    fns["scaled_mm tensorwise"] = lambda x: torch._scaled_mm(*x["tensor"][:2], scale_a=x["tensor"][2],
-                                                           scale_b=x["tensor"][3], out_dtype=torch.bfloat16)
-    fns["bf16 mm (cuBLAS)"] = lambda x: x["A16"] @ x["W16"].t()
-    # the exchange must store what the value-by-value store does, into poisoned outputs
-    same: dict[str, bool] = {}
-    for name in ks:
-        if name.endswith("(scalar y)"):
-            base = name.replace(" (scalar y)", "")
-            first = fns[base](sets[0])
-            try:
-                a = fns[base](sets[0], out=poisoned(first, ("z", "y")))
-                b = fns[name](sets[0], out=poisoned(first, ("z", "y")))
-            except cc.CallError as e:      # y not accepted as out=: compare fresh outputs
-                print(f"{base}: out= refused ({e}); comparing fresh outputs", flush=True)
-                a, b = first, fns[name](sets[0])
-            same[base] = all(torch.equal(a[o].contiguous().view(torch.uint8), b[o].contiguous().view(torch.uint8)) for o in a)
-            y = a["y"].float()
-            assert y.abs().max() > 0 and torch.isfinite(y).all(), f"{base}: y is empty or has unwritten (NaN) values"
-            print(f"{base}: outputs bit for bit those of the value-by-value store: {same[base]}", flush=True)
-    torch.cuda.synchronize()
-    t = interleaved(fns, sets, rounds=args.rounds, reps=args.reps)
-    for name, us in t.items():
-        print(f"{name:28s} {us:8.1f} us", flush=True)
+    results = {}
+    for site in args.sites:
+        M, N, K, variants = SITES[site]
+        sets = [make_set(M, N, K, seed) for seed in (1, 2)]
+        fns: dict[str, Callable[..., Any]] = {}
+        same: dict[str, bool] = {}
+        for kind, program, scalar in variants:
+            name = label(kind, program, scalar)
+            group = [n for n in (name, name + " (baseline)") if (site, n) in ks]
+            for n in group:
+                fns[n] = call(kind, program, ks[(site, n)])
+            base = label(kind, program, False)
+            if scalar or len(group) > 1:
+                tiles = [n for n, _ in ks[(site, name)].spec.tile_outputs]
+                check = [fns[n] for n in group] + ([fns[base]] if scalar else [])
+                same[name] = same_outputs(check, sets[0], tiles)
+                print(f"{site} {name}: outputs bit for bit the same across {len(check)} variants: {same[name]}",
+                      flush=True)
+        fns["scaled_mm tensorwise"] = lambda x: torch._scaled_mm(x["tensor"][0], x["tensor"][2].t(),
+                                                               scale_a=x["tensor"][1], scale_b=x["tensor"][3],
+                                                               out_dtype=torch.bfloat16)
+        fns["bf16 mm (cuBLAS)"] = lambda x: x["bf16"][0] @ x["bf16"][1].t()
+        torch.cuda.synchronize()
+        t = interleaved(fns, sets, rounds=args.rounds, reps=args.reps)
+        for name, us in t.items():
+            print(f"{site:8s} {name:44s} {us:8.1f} us", flush=True)
+        results[site] = {"M": M, "N": N, "K": K, "us": t, "same_outputs": same}
+        del sets
     env = environment()
-    (args.out / "results.json").write_text(json.dumps({"environment": env, "M": M, "N": N, "K": K,
-                                                       "configs": {k: c.name() for k, c in CONFIGS.items()},
-                                                       "us": t, "exchange_matches_scalar": same}, indent=1))
+    (args.out / "results.json").write_text(json.dumps({"environment": env, "configs": {
+        k: c.name() for k, (_, c) in KINDS.items()}, "baseline": str(args.baseline or ""), "sites": results},
+        indent=1))
     print(f"wrote {args.out}/results.json")
 
 
