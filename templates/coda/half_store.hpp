@@ -250,8 +250,7 @@ struct HalfWidthStore : PointerNode<HalfWidthStoreArguments<Element>> {
     Element* row0 = this->params.ptr + int64_t(row_origin) * this->params.ld;
     // the exchange's layout checks (compile time); a layout that fails them stores value by value
     using EpiTileShape = decltype(shape(cute::remove_cvref_t<decltype(args.epi_tile)>{}));
-    using TiledCopy = cute::remove_cvref_t<decltype(args.tiled_copy)>;
-    using FlatThr = decltype(flatten(get<0>(TiledCopy::tidfrg_S(make_identity_layout(EpiTileShape{})))));
+    using FlatThr = detail::FlatThreads<cute::remove_cvref_t<decltype(args.tiled_copy)>, EpiTileShape>;
     using Sub = decltype(take<0, 3>(cute::remove_cvref_t<decltype(args.tCcD.layout())>{}));
     bool aligned = this->params.ld % 4 == 0 && reinterpret_cast<uintptr_t>(this->params.ptr) % 8 == 0;
     return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD),

@@ -39,11 +39,16 @@ CUTE_HOST_DEVICE constexpr bool mode_steps_even(std::index_sequence<I...>) {
            col_of(FlatThr{}(int(decltype(size(take<0, I>(shape(FlatThr{}))))::value))) % 2 == 0));
 }
 
+// The collective's register -> smem thread layout over one epilogue subtile, flattened: thread
+// index -> that thread's origin (row, column), so each thread-index bit's step can be read off.
+template <class TiledCopy, class EpiTileShape>
+using FlatThreads = decltype(cute::flatten(
+    cute::get<0>(TiledCopy::tidfrg_S(cute::make_identity_layout(EpiTileShape{})))));
+
 template <class TiledCopy, class EpiTileShape>
 CUTE_HOST_DEVICE constexpr bool thread_origins_even() {
   using namespace cute;
-  using Thr = decltype(get<0>(TiledCopy::tidfrg_S(make_identity_layout(EpiTileShape{}))));
-  using FlatThr = decltype(flatten(Thr{}));
+  using FlatThr = FlatThreads<TiledCopy, EpiTileShape>;
   return col_of(FlatThr{}(0)) % 2 == 0 &&
          mode_steps_even<FlatThr>(std::make_index_sequence<decltype(rank(FlatThr{}))::value>{});
 }

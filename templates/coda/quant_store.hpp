@@ -39,11 +39,8 @@ namespace coda {
 
 namespace quant {
 
-// The collective's register -> smem thread layout over one epilogue subtile, flattened: which
-// (row, column) each thread-index bit steps to.
 template <class TiledCopy, class EpiTileShape>
-using FlatThreads = decltype(cute::flatten(
-    cute::get<0>(TiledCopy::tidfrg_S(cute::make_identity_layout(EpiTileShape{})))));
+using FlatThreads = detail::FlatThreads<TiledCopy, EpiTileShape>;   // (coda/pairwise.hpp)
 
 // Lane bits that step along M within one column (the mirror of detail::n_lane_bits).
 template <class FlatThr>
