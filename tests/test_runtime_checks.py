@@ -29,6 +29,26 @@ def test_tma_matrix_rejections(make, match):
         checks.check_tma_matrix("t", make(), 16, 64, 2)
 
 
+def test_register_matrix_keeps_the_stride_of_a_view():
+    """Outputs written from registers (half-width, transposed, quantised) have no 16-byte rules, but
+    a column slice of a wider buffer must still be addressed with the buffer's row stride (the
+    stride was once dropped for them: rows of a sliced out= landed in the wrong places)."""
+    cpu = torch.device("cpu")
+    buf = torch.zeros(16, 70, dtype=torch.bfloat16)
+    assert checks.check_register_matrix("y", buf[:, 1:65], 16, 64, BF16, cpu) == 70
+    assert checks.check_register_matrix("y", buf[:, :64], 16, 64, BF16, cpu) == 70
+    assert checks.check_register_matrix("y", torch.zeros(1, 64, dtype=torch.bfloat16), 1, 64, BF16, cpu) == 64
+    with pytest.raises(cc.CallError, match="unit column stride"):
+        checks.check_register_matrix("y", torch.zeros(64, 16, dtype=torch.bfloat16).t(), 16, 64, BF16, cpu)
+    with pytest.raises(cc.CallError, match="overlapping rows"):
+        checks.check_register_matrix("y", torch.zeros(64, dtype=torch.bfloat16).as_strided((16, 64), (0, 1)),
+                                     16, 64, BF16, cpu)
+    with pytest.raises(cc.CallError, match="dtype"):
+        checks.check_register_matrix("y", torch.zeros(16, 64), 16, 64, BF16, cpu)
+    with pytest.raises(cc.CallError, match="shape"):
+        checks.check_register_matrix("y", torch.zeros(16, 32, dtype=torch.bfloat16), 16, 64, BF16, cpu)
+
+
 def test_vector_checks():
     cpu = torch.device("cpu")
     checks.check_vector("g", torch.zeros(8, dtype=torch.bfloat16), 8, "column", BF16, cpu)

@@ -62,6 +62,23 @@ def check_tma_matrix(name: str, t: torch.Tensor, rows: int, cols: int, elem_byte
     return ld
 
 
+def check_register_matrix(name: str, t: Any, rows: int, cols: int, dtype: DType, device: torch.device) -> int:
+    """Checks a row-major matrix that a coda node writes from registers (no TMA, so no 16-byte
+    rules); returns its row stride in elements: a view into a wider buffer keeps its stride."""
+    t = _is_tensor(name, t)
+    _device(name, t, device)
+    _dtype(name, t, dtype)
+    _shape(name, t, rows, cols)
+    if cols > 1 and t.stride(1) != 1:
+        raise CallError(f"{name}: must be row-major with unit column stride, got strides {t.stride()}; "
+                        "call .contiguous()")
+    ld = t.stride(0) if rows > 1 else max(cols, t.stride(0))
+    if ld < cols:
+        raise CallError(f"{name}: row stride {t.stride(0)} is smaller than the row length {cols} "
+                        "(overlapping rows)")
+    return ld
+
+
 def _fast_matrix(t: Any, rows: int, cols: int, dtype: torch.dtype, device: torch.device, elem: int) -> int:
     """The common case in one expression: a well-formed row-major matrix -> its row stride, else -1
     (then the detailed check runs and says what is wrong)."""

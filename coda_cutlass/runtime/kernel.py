@@ -245,8 +245,10 @@ class Kernel(ReductionOutputs):
                 if t is not None:
                     if s.layout == "scale":
                         raise CallError(f"{self.name}: out['{name}']: block scales are allocated by the kernel call")
-                    lds[i] = checks.check_tile(f"out['{name}']", t, rows, cols, s.dtype, device,
-                                               tma=not s.stored_from_registers)
+                    where = f"out['{name}']"
+                    lds[i] = (checks.check_register_matrix(where, t, rows, cols, s.dtype, device)
+                              if s.stored_from_registers else
+                              checks.check_tile(where, t, rows, cols, s.dtype, device))
                     written = written or {}
                     written[name] = t
                 else:
