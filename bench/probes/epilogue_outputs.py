@@ -15,10 +15,18 @@ difference between two rows of a site is the cost of an output, and:
   quant_store.hpp: ``git show REV:templates/coda/quant_store.hpp``), timed beside the current one.
 
 Variants of one program must store the same values: checked bit for bit into NaN-poisoned tile
-outputs (scales and amaxes included).
+outputs (scales and amaxes included). Each program's operands are made once per input set, outside
+the timed calls (until the seventeenth session they were remade, and the program traced, inside
+every call: at the out-proj shape that host work outlasted the kernel and inflated its time, e.g.
+d_h 555 us timed against 249 us under ncu; docs/RESULTS.md). ``--only LABEL...`` keeps the variants
+with those labels ('block d_h').
 
-    python bench/probes/epilogue_outputs.py --build [--baseline DIR]   # build (no GPU needed)
-    python bench/probes/epilogue_outputs.py OUTDIR [--baseline DIR]    # H200: check and time
+    python bench/probes/epilogue_outputs.py --build [--baseline DIR] [--sites S...] [--only L...]
+    python bench/probes/epilogue_outputs.py OUTDIR [--baseline DIR] [--sites S...] [--only L...]
+
+(--build needs no GPU; the second form checks and times on an H200.) ``--baseline DIR`` pastes
+DIR/coda/NAME.hpp wherever the source, or a pasted header, includes coda/NAME.hpp: put only the
+headers being compared there (both copies of an unchanged header would be defined twice).
 
 Sites (Llama-3-8B widths, M = 8192; the shipped plans' configurations): gate/up 8192 x 28672 x 4096
 (FP8 "block" 128 x 128 cooperative; tensorwise 128 x 128 ping-pong with fast accumulation; bf16
@@ -56,7 +64,8 @@ PING8 = KernelConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, cluster_n=
 PING16 = KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong")
 KINDS = {"block": ({"dtype": E4, "scaling": "block"}, COOP),
          "tensor": ({"dtype": E4, "scaling": "tensor", "fast_accum": True}, PING8),
-         "bf16": ({"dtype": torch.bfloat16}, PING16)}
+         "bf16": ({"dtype": torch.bfloat16}, PING16),
+         "block e128x64": ({"dtype": E4, "scaling": "block"}, dataclasses.replace(COOP, epilogue_tile=(128, 64)))}
 
 
 @cc.epilogue
@@ -84,6 +93,27 @@ def residual_h(acc, resid: cc.Tile, g: cc.PerCol):
     return {"D": x, "h": cc.quantize(x * g, block=128)}
 
 
+@cc.epilogue
+def residual_d(acc, resid: cc.Tile):
+    return {"D": acc + resid}
+
+
+@cc.epilogue
+def d_h(acc, g: cc.PerCol):
+    return {"D": acc, "h": cc.quantize(acc * g, block=128)}
+
+
+@cc.epilogue
+def d_ht(acc, g: cc.PerCol):
+    return {"D": acc, "ht": cc.quantize(acc * g, block=128, transpose=True)}
+
+
+@cc.epilogue
+def residual_sumsq(acc, resid: cc.Tile):
+    x = acc + resid
+    return {"D": x, "sumsq": cc.row_sum(x * x)}
+
+
 # site: (M, N, K, [(kind, program, scalar half-width store)])
 SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
     "gate_up": (8192, 28672, 4096, [
@@ -97,6 +127,13 @@ SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
     "o": (8192, 4096, 4096, [
         ("block", E.identity, False), ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
         ("tensor", E.identity, False), ("tensor", E.residual_norm_stats_t, False)]),
+    # the out-proj epilogue taken apart: each output on its own, and a wider epilogue subtile
+    "o_parts": (8192, 4096, 4096, [
+        ("block", E.identity, False), ("block", residual_d, False), ("block", d_h, False),
+        ("block", d_ht, False), ("block", residual_sumsq, False), ("block", E.residual_norm_stats, False),
+        ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
+        ("block e128x64", E.identity, False), ("block e128x64", residual_h, False),
+        ("block e128x64", E.residual_norm_stats_fp8, False)]),
 }
 _INCLUDE = re.compile(r'^#include "(coda/[A-Za-z0-9_]+\.hpp)"$', re.M)
 
@@ -112,9 +149,11 @@ def scalar_half_store(src: str) -> str:
 
 
 def with_baseline(src: str, baseline: Path) -> str | None:
-    """``src`` with each coda header that ``baseline`` holds pasted in place of its include (None when
-    it includes none of them)."""
+    """``src`` with each coda header that ``baseline`` holds pasted in place of its include, also
+    where a pasted header includes another (once each, as #pragma once would); None when it
+    includes none of them."""
     hit = False
+    pasted: set[str] = set()
 
     def paste(m: re.Match) -> str:
         nonlocal hit
@@ -122,16 +161,25 @@ def with_baseline(src: str, baseline: Path) -> str | None:
         if not path.is_file():
             return m.group(0)
         hit = True
-        return f"// ---- baseline {m.group(1)}\n" + path.read_text().replace("#pragma once", "")
+        if m.group(1) in pasted:
+            return f"// ---- baseline {m.group(1)} (above)"
+        pasted.add(m.group(1))
+        text = path.read_text().replace("#pragma once", "")
+        return f"// ---- baseline {m.group(1)}\n" + _INCLUDE.sub(paste, text)
     out = _INCLUDE.sub(paste, src)
     return out if hit else None
 
 
-def kernels(baseline: Path | None) -> dict[tuple[str, str], Any]:
+def variants_of(site: str, only: list[str] | None) -> list[tuple[str, Any, bool]]:
+    """The site's variants, or those whose label ``only`` names."""
+    return [v for v in SITES[site][3] if not only or label(*v) in only]
+
+
+def kernels(baseline: Path | None, sites: list[str], only: list[str] | None = None) -> dict[tuple[str, str], Any]:
     """(site, variant label) -> kernel."""
     names, gens = [], []
-    for site, (_, _, _, variants) in SITES.items():
-        for kind, program, scalar in variants:
+    for site in sites:
+        for kind, program, scalar in variants_of(site, only):
             opts, config = KINDS[kind]
             options, _ = split_options({**opts, "config": config})
             gen = generate(lower_program(program, options))
@@ -176,10 +224,12 @@ def make_set(M: int, N: int, K: int, seed: int) -> dict[str, Any]:
 
 def call(kind: str, program: Any, k: Any) -> Callable[..., Any]:
     def run(x: dict, out: dict | None = None) -> Any:
-        ops = x["ops"].setdefault(program.name, operands(program, x["M"], x["N"], x["gen"]))
-        if kind == "bf16":
+        if program.name not in x["ops"]:     # made once per input set: not timed
+            x["ops"][program.name] = operands(program, x["M"], x["N"], x["gen"])
+        ops = x["ops"][program.name]
+        if kind.split()[0] == "bf16":
             return k(*x["bf16"], out=out, **ops)
-        a8, sa, w8, sb = x[kind]
+        a8, sa, w8, sb = x[kind.split()[0]]     # "block e128x64": the block operands
         return k(a8, w8, scale_a=sa, scale_b=sb, out=out, **ops)
     return run
 
@@ -205,10 +255,11 @@ def main() -> None:
     ap.add_argument("--build", action="store_true")
     ap.add_argument("--baseline", type=Path, help="a folder holding coda/*.hpp headers to build baselines from")
     ap.add_argument("--sites", nargs="+", default=list(SITES), choices=list(SITES))
+    ap.add_argument("--only", nargs="+", help="only the variants with these labels, e.g. 'block d_h'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
-    ks = kernels(args.baseline)
+    ks = kernels(args.baseline, args.sites, args.only)
     if args.build:
         print("built:", ", ".join(f"{s}: {n}" for s, n in ks))
         return
@@ -218,7 +269,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for site in args.sites:
-        M, N, K, variants = SITES[site]
+        M, N, K, _ = SITES[site]
+        variants = variants_of(site, args.only)
         sets = [make_set(M, N, K, seed) for seed in (1, 2)]
         fns: dict[str, Callable[..., Any]] = {}
         same: dict[str, bool] = {}
