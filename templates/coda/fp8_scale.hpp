@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "cutlass/cutlass.h"
 #include "cutlass/float8.h"
@@ -16,8 +17,15 @@ template <class Element> struct Fp8Max;
 template <> struct Fp8Max<cutlass::float_e4m3_t> { static constexpr float value = 448.0f; static constexpr int exp = 8; };
 template <> struct Fp8Max<cutlass::float_e5m2_t> { static constexpr float value = 57344.0f; static constexpr int exp = 15; };
 
-// max(a, b) where a NaN wins (torch's amax semantics).
-CUTLASS_DEVICE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+// max(a, b) where a NaN wins (torch's amax semantics): one instruction (FMNMX.NAN, which also
+// takes |b| as an operand), where the select form cost three per value and the quantised stores
+// are bound by the epilogue's instruction count (docs/RESULTS.md, seventeenth session). A NaN
+// result is the canonical NaN: an amax only ever becomes a scale, and a NaN amax a fixed NaN scale.
+CUTLASS_DEVICE float nan_max(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
 
 // The dequantisation scale and the quantisation multiplier of a run with this amax.
 template <class Element, bool Pow2>
@@ -59,6 +67,19 @@ CUTLASS_DEVICE float shuffle_max(float v, int mask) {
 template <class Element>
 CUTLASS_DEVICE Element convert(float x) {
   return cutlass::NumericConverter<Element, float, cutlass::FloatRoundStyle::round_to_nearest>{}(x);
+}
+
+// Two values converted by one instruction (the same rounding and saturation as convert, bit for
+// bit): the first in the low byte.
+template <class Element>
+CUTLASS_DEVICE uint16_t convert2(float x0, float x1) {
+  cutlass::Array<float, 2> in;
+  in[0] = x0;
+  in[1] = x1;
+  auto out = cutlass::NumericArrayConverter<Element, float, 2, cutlass::FloatRoundStyle::round_to_nearest>{}(in);
+  uint16_t bits;
+  memcpy(&bits, &out, 2);
+  return bits;
 }
 
 }  // namespace quant

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <cmath>
+#include <utility>
 
 #include "cute/tensor.hpp"
 #include "cutlass/array.h"
@@ -53,6 +54,18 @@ CUTE_HOST_DEVICE constexpr int m_lane_bits() {
     else if (dm != 0 && dn != 0) return -1;
   }
   return mask;
+}
+
+// Whether the kernel's fragments hold column pairs (2i, 2i+1) in adjacent registers (what
+// detail::check_pair_layout requires of pairwise ops), so two codes can be converted and staged
+// at a time.
+template <class Args>
+CUTE_HOST_DEVICE constexpr bool fragments_hold_pairs() {
+  using TiledCopy = cute::remove_cvref_t<decltype(std::declval<Args>().tiled_copy)>;
+  using EpiTileShape = decltype(cute::shape(cute::remove_cvref_t<decltype(std::declval<Args>().epi_tile)>{}));
+  using CoordLayout = cute::remove_cvref_t<decltype(std::declval<Args>().tCcD.layout())>;
+  return detail::thread_origins_even<TiledCopy, EpiTileShape>() &&
+         detail::coordinate_pairs_adjacent<CoordLayout>();
 }
 
 }  // namespace quant
@@ -106,7 +119,9 @@ struct QuantRowStore : NoWorkspace {
     return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
   }
 
-  template <class Buf, class Amax, class RunOff, class CoordTensor, class Residue, int PerRun, int EpiM>
+  // Pairs: the fragments hold column pairs (2i, 2i+1) in adjacent registers
+  // (quant::fragments_hold_pairs), so a full-width output converts and stages two codes at a time.
+  template <class Buf, class Amax, class RunOff, class CoordTensor, class Residue, int PerRun, int EpiM, bool Pairs>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Buf buf, Amax amax, RunOff run_off, CoordTensor tCcD, Residue residue,
                                           QuantStoreArguments<Element> const& p, SharedStorage* smem, int row0,
@@ -142,7 +157,12 @@ struct QuantRowStore : NoWorkspace {
       using namespace cute;
       if (epi_m != EpiM - 1 || (epi_n + 1) % PerRun != 0) return;   // the run is not complete yet
       int const run = epi_n / PerRun;
-      // 1. |x| into the (row, run) registers: per thread, then across the lanes of a row
+      int const M = int(get<0>(residue)) + row0;
+      int const N = int(get<1>(residue)) + col0;
+      // 1. |x| into the (row, run) registers: per thread, then across the lanes of a row. A tile
+      // inside the problem (nearly all of them) skips the per-value bounds checks, which cost more
+      // instructions than the max itself.
+      bool const inside = (m_tile + 1) * TileM <= M && (n_tile + 1) * TileN <= N;
       CUTLASS_PRAGMA_UNROLL
       for (int em = 0; em < EpiM; ++em) {
         CUTLASS_PRAGMA_UNROLL
@@ -150,16 +170,21 @@ struct QuantRowStore : NoWorkspace {
           Tensor b = buf(_, _, _, em, en);
           Tensor a = amax(_, _, _, em, run * PerRun + en);
           Tensor c = tCcD(_, _, _, em, run * PerRun + en);
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(b); ++i) {
-            if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
+          if (inside) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(b); ++i) {
+              if (!Half || i % 2 == 0) a(i) = quant::nan_max(a(i), fabsf(b(i)));
+            }
+          } else {
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(b); ++i) {
+              if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
+            }
           }
         }
       }
       Tensor ua = filter(amax);
       Tensor uo = filter(run_off);
-      int const M = int(get<0>(residue)) + row0;
-      int const N = int(get<1>(residue)) + col0;
       int const out_cols = Half ? N / 2 : N;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size(ua); ++j) {
@@ -185,13 +210,24 @@ struct QuantRowStore : NoWorkspace {
           Tensor b = buf(_, _, _, em, en);
           Tensor a = amax(_, _, _, em, run * PerRun + en);
           Tensor c = tCcD(_, _, _, em, run * PerRun + en);
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(b); ++i) {
-            if (!Half || i % 2 == 0) {
+          if constexpr (Pairs && !Half) {
+            // (2i, 2i+1) of one row: one conversion and one 2-byte store for both
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(b); i += 2) {
               auto crd = c(i);
               int col = col0 + int(get<1>(crd)) - n_sub;
-              smem->codes[row0 + int(get<0>(crd)) - m_base][Half ? col / 2 : col] =
-                  quant::convert<Element>(b(i) * a(i)).storage;
+              auto two = quant::convert2<Element>(b(i) * a(i), b(i + 1) * a(i + 1));
+              *reinterpret_cast<uint16_t*>(&smem->codes[row0 + int(get<0>(crd)) - m_base][col]) = two;
+            }
+          } else {
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(b); ++i) {
+              if (!Half || i % 2 == 0) {
+                auto crd = c(i);
+                int col = col0 + int(get<1>(crd)) - n_sub;
+                smem->codes[row0 + int(get<0>(crd)) - m_base][Half ? col / 2 : col] =
+                    quant::convert<Element>(b(i) * a(i)).storage;
+              }
             }
           }
         }
@@ -246,8 +282,9 @@ struct QuantRowStore : NoWorkspace {
     int row0 = int(M) - int(get<0>(args.residue_tCcD));
     int col0 = int(N) - int(get<1>(args.residue_tCcD));
     int lane = args.thread_idx % 32;
+    constexpr bool Pairs = quant::fragments_hold_pairs<cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...>>();
     return ConsumerStoreCallbacks<decltype(tCrBuf), decltype(tCrAmax), decltype(tCoRun), decltype(args.tCcD),
-                                  decltype(args.residue_tCcD), PerRun, EpiM>(
+                                  decltype(args.residue_tCcD), PerRun, EpiM, Pairs>(
         tCrBuf, tCrAmax, tCoRun, args.tCcD, args.residue_tCcD, params, smem, row0, col0, int(m), int(n), mask,
         (lane & mask) == 0, args.thread_idx);
   }
@@ -381,14 +418,24 @@ struct TransposedStore {
           Tensor ua = filter(amax(_, _, _, _, epi_n));      // one register per column of this subtile
           Tensor uo = filter(col_off(_, _, _, _, epi_n));
           fill(ua, 0.0f);
+          // a tile inside the problem skips the per-value bounds checks (see QuantRowStore)
+          bool const inside = (m_tile + 1) * TileM <= int(get<0>(residue)) + row0 &&
+                              (n_tile + 1) * cute::size<1>(CtaTileShapeMNK{}) <= N;
           CUTLASS_PRAGMA_UNROLL
           for (int em = 0; em < EpiM; ++em) {
             Tensor b = buf(_, _, _, em);
             Tensor a = amax(_, _, _, em, epi_n);
             Tensor c = tCcD(_, _, _, em, epi_n);
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < size(b); ++i) {
-              if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
+            if (inside) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < size(b); ++i) {
+                if (!Half || i % 2 == 0) a(i) = quant::nan_max(a(i), fabsf(b(i)));
+              }
+            } else {
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < size(b); ++i) {
+                if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
+              }
             }
           }
           // across the lanes of a column, then across the warps (each holds other rows) in shared memory
