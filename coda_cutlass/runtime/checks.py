@@ -43,8 +43,8 @@ def _shape(name: str, t: torch.Tensor, rows: int, cols: int) -> None:
         raise CallError(f"{name}: shape is {tuple(t.shape)}, expected ({rows}, {cols})")
 
 
-def check_tma_matrix(name: str, t: torch.Tensor, rows: int, cols: int, elem_bytes: int) -> int:
-    """Checks a row-major matrix read or written by TMA; returns its row stride in elements."""
+def _row_stride(name: str, t: torch.Tensor, rows: int, cols: int) -> int:
+    """A rows x cols row-major matrix (unit column stride, rows not overlapping) -> its row stride."""
     _shape(name, t, rows, cols)
     if cols > 1 and t.stride(1) != 1:
         raise CallError(f"{name}: must be row-major with unit column stride, got strides {t.stride()}; "
@@ -53,6 +53,12 @@ def check_tma_matrix(name: str, t: torch.Tensor, rows: int, cols: int, elem_byte
     if ld < cols:
         raise CallError(f"{name}: row stride {t.stride(0)} is smaller than the row length {cols} "
                         "(overlapping rows)")
+    return ld
+
+
+def check_tma_matrix(name: str, t: torch.Tensor, rows: int, cols: int, elem_bytes: int) -> int:
+    """Checks a row-major matrix read or written by TMA; returns its row stride in elements."""
+    ld = _row_stride(name, t, rows, cols)
     if (ld * elem_bytes) % 16 != 0:
         raise CallError(f"{name}: row stride of {ld} elements is not a multiple of 16 bytes, which TMA needs "
                         f"(use a multiple of {16 // elem_bytes} elements, e.g. by padding the last dimension)")
@@ -68,15 +74,7 @@ def check_register_matrix(name: str, t: Any, rows: int, cols: int, dtype: DType,
     t = _is_tensor(name, t)
     _device(name, t, device)
     _dtype(name, t, dtype)
-    _shape(name, t, rows, cols)
-    if cols > 1 and t.stride(1) != 1:
-        raise CallError(f"{name}: must be row-major with unit column stride, got strides {t.stride()}; "
-                        "call .contiguous()")
-    ld = t.stride(0) if rows > 1 else max(cols, t.stride(0))
-    if ld < cols:
-        raise CallError(f"{name}: row stride {t.stride(0)} is smaller than the row length {cols} "
-                        "(overlapping rows)")
-    return ld
+    return _row_stride(name, t, rows, cols)
 
 
 def _fast_matrix(t: Any, rows: int, cols: int, dtype: torch.dtype, device: torch.device, elem: int) -> int:

@@ -68,6 +68,25 @@ CUTE_HOST_DEVICE constexpr bool fragments_hold_pairs() {
          detail::coordinate_pairs_adjacent<CoordLayout>();
 }
 
+// |x| of a thread's values (a half-width output's: those on even columns) into their amax
+// registers a (views: the stores' register tensors). A tile inside the problem (inside: nearly all
+// of them) skips the per-value bounds checks, which cost more instructions than the max itself.
+template <bool Half, class BufT, class AmaxT, class CoordT, class Residue>
+CUTLASS_DEVICE void accumulate_amax(BufT const& b, AmaxT a, CoordT const& c, Residue const& residue, bool inside) {
+  using namespace cute;
+  if (inside) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(b); ++i) {
+      if (!Half || i % 2 == 0) a(i) = nan_max(a(i), fabsf(b(i)));
+    }
+  } else {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(b); ++i) {
+      if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = nan_max(a(i), fabsf(b(i)));
+    }
+  }
+}
+
 }  // namespace quant
 
 // ------------------------------------------------------------------------------------------------
@@ -159,9 +178,8 @@ struct QuantRowStore : NoWorkspace {
       int const run = epi_n / PerRun;
       int const M = int(get<0>(residue)) + row0;
       int const N = int(get<1>(residue)) + col0;
-      // 1. |x| into the (row, run) registers: per thread, then across the lanes of a row. A tile
-      // inside the problem (nearly all of them) skips the per-value bounds checks, which cost more
-      // instructions than the max itself.
+      // 1. |x| into the (row, run) registers: per thread (no bounds checks inside the problem),
+      // then across the lanes of a row
       bool const inside = (m_tile + 1) * TileM <= M && (n_tile + 1) * TileN <= N;
       CUTLASS_PRAGMA_UNROLL
       for (int em = 0; em < EpiM; ++em) {
@@ -170,17 +188,7 @@ struct QuantRowStore : NoWorkspace {
           Tensor b = buf(_, _, _, em, en);
           Tensor a = amax(_, _, _, em, run * PerRun + en);
           Tensor c = tCcD(_, _, _, em, run * PerRun + en);
-          if (inside) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < size(b); ++i) {
-              if (!Half || i % 2 == 0) a(i) = quant::nan_max(a(i), fabsf(b(i)));
-            }
-          } else {
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < size(b); ++i) {
-              if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
-            }
-          }
+          quant::accumulate_amax<Half>(b, a, c, residue, inside);
         }
       }
       Tensor ua = filter(amax);
@@ -418,7 +426,7 @@ struct TransposedStore {
           Tensor ua = filter(amax(_, _, _, _, epi_n));      // one register per column of this subtile
           Tensor uo = filter(col_off(_, _, _, _, epi_n));
           fill(ua, 0.0f);
-          // a tile inside the problem skips the per-value bounds checks (see QuantRowStore)
+          // a tile inside the problem skips the per-value bounds checks (quant::accumulate_amax)
           bool const inside = (m_tile + 1) * TileM <= int(get<0>(residue)) + row0 &&
                               (n_tile + 1) * cute::size<1>(CtaTileShapeMNK{}) <= N;
           CUTLASS_PRAGMA_UNROLL
@@ -426,17 +434,7 @@ struct TransposedStore {
             Tensor b = buf(_, _, _, em);
             Tensor a = amax(_, _, _, em, epi_n);
             Tensor c = tCcD(_, _, _, em, epi_n);
-            if (inside) {
-              CUTLASS_PRAGMA_UNROLL
-              for (int i = 0; i < size(b); ++i) {
-                if (!Half || i % 2 == 0) a(i) = quant::nan_max(a(i), fabsf(b(i)));
-              }
-            } else {
-              CUTLASS_PRAGMA_UNROLL
-              for (int i = 0; i < size(b); ++i) {
-                if ((!Half || i % 2 == 0) && elem_less(c(i), residue)) a(i) = quant::nan_max(a(i), fabsf(b(i)));
-              }
-            }
+            quant::accumulate_amax<Half>(b, a, c, residue, inside);
           }
           // across the lanes of a column, then across the warps (each holds other rows) in shared memory
           synchronize();                        // the previous subtile's readers are done
