@@ -4,6 +4,7 @@ shuffled order, 2 rotating input sets, CUDA events, medians).
 
     python bench/fp8_gemm.py OUTDIR                      # M = 8192, every shape and variant
     python bench/fp8_gemm.py OUTDIR --shapes 8b-qkv --rounds 2
+    python bench/fp8_gemm.py OUTDIR --wgrad        # the weight-gradient shapes and scalings only
 
 Variants: the identity epilogue with tensor, row and block scaling (each with the promoting and,
 where CUTLASS has one, the fast-accumulation mainloop, in a default and an alternative tile), and
@@ -32,10 +33,15 @@ from coda_cutlass.timing import interleaved  # noqa: E402
 from report import environment, machine_line, require_hopper  # noqa: E402
 
 E4 = torch.float8_e4m3fn
-SHAPES = {  # name: (N, K) at the Llama-3 block widths
+SHAPES = {  # name: (N, K) at the Llama-3 block widths (M = --m), or (M, N, K) of a weight gradient
     "8b-qkv": (6144, 4096), "8b-out": (4096, 4096), "8b-gate-up": (28672, 4096), "8b-down": (4096, 14336),
     "70b-gate-up": (57344, 8192), "70b-down": (8192, 28672),
+    # dW = dY^T X with K the tokens (8192): M the layer's outputs, N its inputs
+    "8b-qkv-dw": (6144, 4096, 8192), "8b-out-dw": (4096, 4096, 8192), "8b-gate-up-dw": (28672, 4096, 8192),
+    "8b-down-dw": (4096, 14336, 8192), "70b-gate-up-dw": (57344, 8192, 8192), "70b-down-dw": (8192, 28672, 8192),
 }
+WGRAD_SHAPES = [s for s, v in SHAPES.items() if len(v) == 3]
+FORWARD_SHAPES = [s for s in SHAPES if s not in WGRAD_SHAPES]
 KC = cc.KernelConfig
 ALT_PROMOTING = KC(tile_m=64, tile_n=128, tile_k=128, cluster_m=2, cluster_n=1, schedule="pingpong")
 ALT_FAST = KC(tile_m=128, tile_n=256, tile_k=128, cluster_m=2, cluster_n=1, schedule="cooperative")
@@ -51,6 +57,9 @@ VARIANTS: dict[str, tuple[Any, dict[str, Any], str, str]] = {
     "row_fast": (E.identity, {"scaling": "row", "fast_accum": True}, "rowwise_fast", ""),
     "block": (E.identity, {"scaling": "block"}, "blockwise", ""),
     "block_alt": (E.identity, {"scaling": "block", "config": ALT_PROMOTING}, "blockwise", ""),
+    # the weight gradients' scalings (W: an activation's transposed copy), against tensorwise
+    "block_1x128": (E.identity, {"scaling": "block_1x128"}, "tensorwise", ""),
+    "block_16x128": (E.identity, {"scaling": "block_16x128"}, "tensorwise", ""),
     "norm_stats_tensor": (E.residual_norm_stats, {"scaling": "tensor"}, "tensorwise", "norm_stats"),
     "swiglu_block": (E.swiglu, {"scaling": "block"}, "blockwise", "swiglu"),
 }
@@ -77,7 +86,7 @@ def make_set(M: int, N: int, K: int, seed: int) -> dict[str, Any]:
     x: dict[str, Any] = {"resid": torch.randn(M, N, device="cuda", generator=g).bfloat16(),
                          "g": (torch.rand(N, device="cuda", generator=g) + 0.5).bfloat16(),
                          "r": torch.rand(M, device="cuda", generator=g) + 0.5}
-    for scaling in ("tensor", "row", "block"):
+    for scaling in ("tensor", "row", "block", "block_1x128", "block_16x128"):
         A8, sa = fp8.quantize(A, E4, scaling, "A")
         W8, sb = fp8.quantize(W, E4, scaling, "W")
         x[scaling] = {"A": A8, "W": W8, "sa": sa, "sb": sb}
@@ -121,6 +130,7 @@ def agreement(k_out: torch.Tensor, ref: torch.Tensor) -> float:
 def run(M: int, shapes: list[str], variants: list[str], rounds: int, reps: int,
         done: Callable[[list[dict], dict], None] = lambda rows, unsupported: None) -> tuple[list[dict], dict]:
     """Every shape in turn; ``done(rows, unsupported)`` after each (results survive a cut-short run)."""
+    m_default = M
     built = dict(zip(variants, cc.compile_many(kernel_items(variants), skip_failed=True)))
     kernels = {v: k for v, k in built.items() if k is not None}
     if len(kernels) < len(variants):
@@ -128,7 +138,7 @@ def run(M: int, shapes: list[str], variants: list[str], rounds: int, reps: int,
     variants = [v for v in variants if v in kernels]
     rows, unsupported = [], {}
     for shape in shapes:
-        N, K = SHAPES[shape]
+        M, N, K = SHAPES[shape] if len(SHAPES[shape]) == 3 else (m_default, *SHAPES[shape])
         sets = [make_set(M, N, K, seed) for seed in (1, 2)]
         refs, unsupported = references(sets[0])
         fns: dict[str, Callable[[dict], Any]] = {f"scaled_mm_{n}": f for n, f in refs.items()}
@@ -192,11 +202,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="folder for results.json and results.md")
     ap.add_argument("--m", type=int, default=8192)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=FORWARD_SHAPES, choices=list(SHAPES))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--wgrad", action="store_true",
+                    help="the weight-gradient shapes (K = 8192 tokens) with tensor, block_1x128 and block_16x128")
     args = ap.parse_args()
+    if args.wgrad:
+        args.shapes, args.variants = WGRAD_SHAPES, ["tensor", "block_1x128", "block_16x128"]
     require_hopper("bench/fp8_gemm.py")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -140,7 +140,7 @@ def incoming_gradient(step: Any, dy: torch.Tensor, recipe: Any) -> Any:
     if recipe.scaling == "tensor":
         q, s = _q(dy)
         return TensorOperand(q, s, q.t().contiguous())
-    return quantize_operand(step, "dy.quant", dy)
+    return quantize_operand(step, "dx2.quant", dy)    # as a block quantises a gradient from outside
 
 
 class CodaFp8:

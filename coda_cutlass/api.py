@@ -108,7 +108,8 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
         output_dtypes: dtype per output name (default: ``dtype`` for tiles, fp32 for reductions).
         constants: values for the program's constant parameters.
         scaling: FP8 only: ``"tensor"`` (default: one fp32 scale per operand), ``"row"`` (per row of A
-            and of W), ``"block"`` (1x128 blocks of A, 128x128 of W) or ``"block_1x128"`` (1x128 blocks
+            and of W), ``"block"`` (1x128 blocks of A, 128x128 of W), ``"block_16x128"`` (1x128 of A,
+            16x128 of W) or ``"block_1x128"`` (1x128 blocks
             of both); the scale layouts: ``coda_cutlass.fp8.scales``.
         fast_accum: FP8 tensor/row scaling only: CUTLASS's fast-accumulation schedules (faster, the
             wgmma accumulators are not promoted to fp32 every 128 of K).

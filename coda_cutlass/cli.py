@@ -225,7 +225,7 @@ def parser() -> Parser:
     s.add_argument("target", metavar="FILE:PROGRAM")
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
     s.add_argument("--weight-layout", default="nk", choices=["nk", "kn"])
-    s.add_argument("--scaling", default=None, choices=["tensor", "row", "block", "block_1x128"],
+    s.add_argument("--scaling", default=None, choices=["tensor", "row", "block", "block_1x128", "block_16x128"],
                    help="FP8 operands: how A and W are scaled (default: tensor)")
     s.add_argument("--fast-accum", action="store_true", help="FP8 operands: fast-accumulation mainloop")
     s.set_defaults(fn=cmd_emit)

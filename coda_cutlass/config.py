@@ -11,6 +11,7 @@ configuration (lower/plan.py falls back to smaller tiles for programs that do no
 from __future__ import annotations
 
 import operator
+from math import gcd
 import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
@@ -190,3 +191,12 @@ def check_config(c: KernelConfig) -> None:
 # (the earlier default, best in short runs at full clock) cost 1.02-1.76 x the tuned kernel on the
 # pairwise / log-sum-exp workloads (docs/RESULTS.md).
 DEFAULT = KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong")
+
+
+def epilogue_tile(c: KernelConfig) -> tuple[int, int]:
+    """The epilogue subtile of a configuration (CUTLASS's EpilogueTileAuto unless the config names one)."""
+    if c.epilogue_tile is not None:
+        return c.epilogue_tile
+    if c.schedule == "cooperative":
+        return min(128, c.tile_m), gcd(min(32, c.tile_n), c.tile_n)
+    return min(64, c.tile_m), gcd(min(32, c.tile_n), c.tile_n)

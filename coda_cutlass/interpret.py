@@ -168,7 +168,7 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
             v = v.expand(M, 2 * N) if layout == "packed" else _stored(v.expand(M, N), layout)
             if n.attr("quant") == "block":
                 codes, _ = quantize_blocks(v, _dtype(n), n.attr("block"), n.attr("pow2"),
-                                           round_codes=precision != "fp32")
+                                           round_codes=precision != "fp32", rows=n.attr("group", 1))
                 outs[n.attr("name")] = codes
             else:
                 outs[n.attr("name")] = v.clone() if precision == "fp32" else round_to(v, _dtype(n))
@@ -177,7 +177,7 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
         elif n.op == "block_scale":
             v = _stored(vals[n.inputs[0]].expand(M, N), n.attr("layout"))
             fp8 = as_dtype(n.attr("qdtype"))
-            scale = scales_from_amax(block_amax(v, n.attr("block")), fp8, n.attr("pow2"))[0]
+            scale = scales_from_amax(block_amax(v, n.attr("block"), n.attr("group", 1)), fp8, n.attr("pow2"))[0]
             outs[n.attr("name")] = run_major(scale)        # the kernel's layout (the next GEMM's scale_a)
         elif n.op == "reduce":
             outs[n.attr("name")] = _reduction(n, vals[n.inputs[0]].expand(M, N), precision, partial_tile,

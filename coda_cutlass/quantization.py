@@ -20,15 +20,15 @@ from .dtypes import FP8_MAX, DType, as_dtype, round_to
 MIN_POW2_SCALE = 2.0 ** -126     # keeps 1 / scale finite
 
 
-def block_amax(x: torch.Tensor, block: int) -> torch.Tensor:
-    """(R, C) -> (R, ceil(C / block)): max |x| over each 1 x block run of a row, NaN-propagating."""
+def block_amax(x: torch.Tensor, block: int, rows: int = 1) -> torch.Tensor:
+    """(R, C) -> (ceil(R / rows), ceil(C / block)): max |x| over each 1 x block run of a row (each
+    rows x block block with ``rows``), NaN-propagating."""
     R, C = x.shape
-    nb = -(-C // block)
-    pad = nb * block - C
+    nb, rb = -(-C // block), -(-R // rows)
     a = x.float().abs()
-    if pad:
-        a = torch.nn.functional.pad(a, (0, pad))      # |x| >= 0: zero padding never wins a max
-    return a.reshape(R, nb, block).amax(-1)
+    if nb * block != C or rb * rows != R:
+        a = torch.nn.functional.pad(a, (0, nb * block - C, 0, rb * rows - R))   # |x| >= 0: zeros never win
+    return a.reshape(rb, rows, nb, block).amax(dim=(1, 3))
 
 
 def scales_from_amax(amax: torch.Tensor, dtype: DType | torch.dtype, pow2: bool = True
@@ -67,13 +67,14 @@ def run_major(scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_blocks(x: torch.Tensor, dtype: DType | torch.dtype, block: int = 128, pow2: bool = True,
-                    round_codes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R, C) -> (codes (R, C) in ``dtype``, scales (R, ceil(C / block)) fp32): 1 x block runs.
-    ``round_codes=False`` returns the unrounded fp32 ``x * inv`` instead of the codes."""
+                    round_codes: bool = True, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, C) -> (codes (R, C) in ``dtype``, scales (ceil(R / rows), ceil(C / block)) fp32): 1 x block
+    runs (``rows`` x block blocks). ``round_codes=False`` returns the unrounded fp32 ``x * inv``
+    instead of the codes."""
     d = as_dtype(dtype)
     R, C = x.shape
-    scale, inv = scales_from_amax(block_amax(x, block), d, pow2)
-    y = x.float() * inv.repeat_interleave(block, dim=1)[:, :C]
+    scale, inv = scales_from_amax(block_amax(x, block, rows), d, pow2)
+    y = x.float() * inv.repeat_interleave(rows, dim=0)[:R].repeat_interleave(block, dim=1)[:, :C]
     if not round_codes:
         return y, scale
     return round_to(y, d), scale
@@ -99,10 +100,11 @@ def quantize_tensor(x: torch.Tensor, dtype: DType | torch.dtype, scale: torch.Te
     return round_to(x.float() * (1.0 / s), as_dtype(dtype))
 
 
-def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """Inverse of ``quantize_blocks`` (up to rounding): codes * scale per 1 x block run, fp32."""
-    C = codes.shape[1]
-    return codes.float() * scale.float().repeat_interleave(block, dim=1)[:, :C]
+def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int = 128, rows: int = 1) -> torch.Tensor:
+    """Inverse of ``quantize_blocks`` (up to rounding): codes * scale per 1 x block run (per rows x
+    block block), fp32."""
+    R, C = codes.shape
+    return codes.float() * scale.float().repeat_interleave(rows, dim=0)[:R].repeat_interleave(block, dim=1)[:, :C]
 
 
 __all__ = ["block_amax", "run_major", "scales_from_amax", "quantize_blocks", "quantize_tiles", "quantize_tensor",

@@ -22,13 +22,37 @@ F32 = torch.float32
 E4M3 = torch.float8_e4m3fn
 
 
+# The bodies shared with the grouped recipe's programs (fp8_block_grouped.py): ``group`` is how many
+# neighbouring columns share a transposed copy's run scale (cc.quantize(..., group=)).
+def norm_stats_outputs(acc, g, group: int = 1) -> dict:
+    h = acc * g
+    return {"h": cc.quantize(h, block=128), "ht": cc.quantize(h, block=128, transpose=True, group=group),
+            "sumsq": cc.row_sum(acc * acc)}
+
+
+def both_copies(acc, group: int = 1) -> dict:
+    return {"q": cc.quantize(acc, block=128), "qt": cc.quantize(acc, block=128, transpose=True, group=group)}
+
+
+def residual_norm_outputs(acc, resid, g, group: int = 1) -> dict:
+    x = acc + resid
+    h = x * g
+    return {"D": x, "h": cc.quantize(h, block=128), "ht": cc.quantize(h, block=128, transpose=True, group=group),
+            "sumsq": cc.row_sum(x * x)}
+
+
+def swiglu_outputs(acc, r, group: int = 1) -> dict:
+    z = acc * r
+    g, u = cc.pairs(z)
+    y = cc.half_width(cc.silu(g) * u)
+    return {"z": z, "y": y, "yt": cc.quantize(y, block=128, transpose=True, group=group)}
+
+
 @cc.epilogue
 def norm_stats_fp8(acc, g: cc.PerCol):
     """Map kernel over the residual stream x after the embedding: h = x * g quantised per 1 x 128
     run, its transposed copy (the QKV weight gradient's operand), and the per-row sum of x^2."""
-    h = acc * g
-    return {"h": cc.quantize(h, block=128), "ht": cc.quantize(h, block=128, transpose=True),
-            "sumsq": cc.row_sum(acc * acc)}
+    return norm_stats_outputs(acc, g)
 
 
 @cc.epilogue
@@ -43,7 +67,7 @@ def quantize_rows_t(acc):
     """Map kernel: a tensor no GEMM epilogue quantised (attention output, dz, dx, dqkv, an incoming
     gradient) as both operands it feeds: 1 x 128 runs (a dX or forward GEMM's A) and the transposed
     copy with 128 x 1 runs (a weight gradient's operand), from one read of the tensor."""
-    return {"q": cc.quantize(acc, block=128), "qt": cc.quantize(acc, block=128, transpose=True)}
+    return both_copies(acc)
 
 
 @cc.epilogue
@@ -51,10 +75,7 @@ def residual_norm_stats_fp8(acc, resid: cc.Tile, g: cc.PerCol):
     """Out-proj / down-proj: x = acc + resid (D, bf16: the residual stream), h = x * g quantised (the
     next GEMM's A) with its transposed copy (the next GEMM's weight gradient reads h^T), and the
     per-row partials of x^2 (the next norm's r)."""
-    x = acc + resid
-    h = x * g
-    return {"D": x, "h": cc.quantize(h, block=128), "ht": cc.quantize(h, block=128, transpose=True),
-            "sumsq": cc.row_sum(x * x)}
+    return residual_norm_outputs(acc, resid, g)
 
 
 @cc.epilogue
@@ -64,10 +85,7 @@ def swiglu_fp8(acc, r: cc.PerRow(F32)):
     reads y^T; the run is the tile's 128 rows). y itself leaves in bf16 for the ``quantize_rows``
     map kernel: a 1 x 128 run of y is 256 tile columns, and CUTLASS 4.2's blockwise mainloop has no
     256-wide tile over 128 x 128 weight blocks (docs/FP8.md)."""
-    z = acc * r
-    g, u = cc.pairs(z)
-    y = cc.half_width(cc.silu(g) * u)
-    return {"z": z, "y": y, "yt": cc.quantize(y, block=128, transpose=True)}
+    return swiglu_outputs(acc, r)
 
 
 @cc.epilogue

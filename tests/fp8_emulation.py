@@ -10,7 +10,9 @@ interleaved; RoPE's row order within a 128-wide head changes no 128-row tile).
   equal these);
 - "blockwise": activations and gradients in 1 x 128 runs along each GEMM's K (so a weight
   gradient, whose K is the token dimension, reads 128 x 1 runs of both operands), weights in
-  128 x 128 tiles."""
+  128 x 128 tiles;
+- "blockwise_g16": "blockwise", but the weight gradient reads the activation in blocks of 128
+  tokens x 16 channels (one scale for 16 neighbouring columns of a 128-row run)."""
 
 from __future__ import annotations
 
@@ -53,11 +55,11 @@ def fake_quant_runs(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tens
     return (round_to(runs / s, d).float() * s).reshape(R, C)
 
 
-def fake_quant_tiles(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w (R, C) through FP8 in 128 x 128 tiles."""
+def fake_quant_tiles(w: torch.Tensor, dtype: torch.dtype, rows: int = 128, cols: int = 128) -> torch.Tensor:
+    """w (R, C) through FP8 in rows x cols tiles (default 128 x 128)."""
     d = as_dtype(dtype)
     R, C = w.shape
-    tiles = w.detach().float().reshape(R // 128, 128, C // 128, 128)
+    tiles = w.detach().float().reshape(R // rows, rows, C // cols, cols)
     amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
     s = torch.where(amax == 0, torch.ones_like(amax), _pow2_up(amax / float(FP8_MAX[d])))
     return (round_to(tiles / s, d).float() * s).reshape(R, C)
@@ -66,7 +68,7 @@ def fake_quant_tiles(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class Fp8Linear(torch.autograd.Function):
     """a @ w.T with a, w and (in the backward) the output gradient through FP8 as the recipe says;
     both weights' rows (fused q|k|v, gate|up) given as one tensor. ``fmt``: (activation, gradient,
-    weight) formats; ``recipe``: "tensorwise" or "blockwise"."""
+    weight) formats; ``recipe``: "tensorwise", "blockwise" or "blockwise_g16"."""
 
     @staticmethod
     def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, fmt: tuple, recipe: str) -> torch.Tensor:  # type: ignore[override]
@@ -76,7 +78,9 @@ class Fp8Linear(torch.autograd.Function):
             ctx.save_for_backward(qa, qw)
         else:
             qa, qw = fake_quant_runs(a2, fmt[0], 1), fake_quant_tiles(w, fmt[2])
-            ctx.save_for_backward(fake_quant_runs(a2, fmt[0], 0), qw)      # the weight gradient's operand
+            wgrad_a = (fake_quant_tiles(a2, fmt[0], 128, 16) if recipe == "blockwise_g16"   # the weight
+                       else fake_quant_runs(a2, fmt[0], 0))                                  # gradient's operand
+            ctx.save_for_backward(wgrad_a, qw)
         ctx.fmt, ctx.recipe, ctx.shape = fmt, recipe, a.shape
         return (qa @ qw.t()).reshape(*a.shape[:-1], w.shape[0])
 

@@ -117,7 +117,7 @@ def test_block_bench_fp8_middle_block_takes_its_gradient_quantised_as_a_stack_ha
     from coda_cutlass.nn.fp8 import autograd
     from coda_cutlass.nn.fp8.support import first_norm_fp8
     import fp8_variants
-    for recipe in ("tensorwise", "blockwise"):
+    for recipe in ("tensorwise", "blockwise", "blockwise_g16"):
         torch.manual_seed(0)
         block = LlamaBlock(256, 2, 1, 512, head_dim=128, fp8=recipe, dtype=torch.bfloat16)
         step = block.step(1, 128)

@@ -103,6 +103,26 @@ def test_block_scale_layouts_come_from_the_strides():
     assert "coda::fp8::k_major_scales<LayoutSFB, 128, 128>(p.N, p.K, ld_sfb)" in src
     src = cc.emit(identity, E4, scaling="block_1x128")
     assert "coda::fp8::mn_major_scales<LayoutSFB, 1, 128>(ld_sfb, p.K, ld_sfb)" in src
+    src = cc.emit(identity, E4, scaling="block_16x128")     # ld_sfb counts 16-row blocks
+    assert "coda::fp8::mn_major_scales<LayoutSFB, 16, 128>(ld_sfb * 16, p.K, ld_sfb)" in src
+    assert "Sm90BlockwiseScaleConfig<\n    1, 16, 128, cute::GMMA::Major::MN, cute::GMMA::Major::MN>" in src
+    assert "scale_b [N/16, K/128] fp32, 16x128 blocks, N-major" in src
+    assert ("using CollectiveMainloop = coda::fp8::GroupedScaleLoad<coda::fp8::OverlappedBlockScaledMma<"
+            "CutlassMainloop>>;") in src and '#include "coda/grouped_scale_load.hpp"' in src
+    assert "grouped_scale_load" not in cc.emit(identity, E4, scaling="block_1x128")
+
+
+def test_grouped_w_scales_need_the_overlapped_loop(monkeypatch):
+    # several W scale blocks per tile: CUTLASS 4.2's own loop does not build them (fp8_accumulation.hpp)
+    pingpong = KC(tile_m=64, tile_n=128, tile_k=128, cluster_m=2, cluster_n=1, schedule="pingpong")
+    with pytest.raises(cc.ConfigError, match="16-row W scale blocks, several per tile, need coda's overlapped"):
+        cc.emit(identity, E4, scaling="block_16x128", config=pingpong)
+    monkeypatch.setenv("CODA_CUTLASS_BLOCKWISE_LOOP", "cutlass")
+    with pytest.raises(cc.ConfigError, match="cooperative schedule and CODA_CUTLASS_BLOCKWISE_LOOP unset"):
+        cc.emit(identity, E4, scaling="block_16x128")
+    monkeypatch.delenv("CODA_CUTLASS_BLOCKWISE_LOOP")
+    cands = candidate_configs(lower_program(identity, Options.make(E4, scaling="block_16x128")).graph)
+    assert cands and all(c.schedule == "cooperative" for c in cands)
 
 
 def test_16bit_sources_take_no_fp8_parts():
@@ -196,6 +216,9 @@ def test_new_scales_layouts():
     assert s.shape == (1001, 4) and s.stride() == (1, 1004) and s.dtype == torch.float32
     s = fp8.new_scales(384, 512, (128, 128))
     assert s.shape == (3, 4) and s.is_contiguous()
+    s = fp8.new_scales(1008, 512, (16, 128))          # 63 row blocks, K blocks 64 apart
+    assert s.shape == (63, 4) and s.stride() == (1, 64)
+    assert fp8.scale_layouts("block_16x128")[1].shape(1008, 512) == (63, 4)
     assert fp8.block_scale_shape(1000, 256) == (1000, 2) and fp8.block_scale_shape(1000, 256, (128, 128)) == (8, 2)
     a, b = fp8.scale_layouts("block")
     assert a.shape(1000, 256) == (1000, 2) and b.shape(384, 256) == (3, 2)
@@ -253,6 +276,8 @@ def _emulate_dequant(q: torch.Tensor, s: torch.Tensor, scaling: str, operand: st
         return x * s.float().reshape(rows, 1)
     if operand == "A" or scaling == "block_1x128":
         return (x.reshape(rows, K // 128, 128) * s.float()[:, :, None]).reshape(rows, K)
+    if scaling == "block_16x128":
+        return (x.reshape(rows // 16, 16, K // 128, 128) * s.float()[:, None, :, None]).reshape(rows, K)
     return (x.reshape(rows // 128, 128, K // 128, 128) * s.float()[:, None, :, None]).reshape(rows, K)
 
 

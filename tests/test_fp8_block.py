@@ -32,7 +32,7 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_g16", "tensorwise"])
 def test_fp8_block_forward_and_every_gradient_track_the_bf16_block(recipe):
     ref = _block(None)
     blk = _block(recipe)
@@ -91,7 +91,7 @@ def test_weight_copies_are_remade_only_when_the_weight_changes():
     assert b is not a and torch.equal(b.scale, a.scale * 2)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_g16", "tensorwise"])
 def test_every_gemm_of_a_two_block_step_is_fp8_and_gradients_travel_quantised(recipe):
     run = blocks_step(seed=5, fp8=recipe)  # the blocks alone (the LM head stays bf16)
     for site, *_, a_dtype, w_dtype in run.gemms:
@@ -103,7 +103,7 @@ def test_every_gemm_of_a_two_block_step_is_fp8_and_gradients_travel_quantised(re
         assert gemms.count(site) >= 1, site
     # the second block's input gradient reached the first block with its FP8 copies: only the last
     # block (whose gradient came from the loss) quantised its incoming gradient itself
-    assert run.sites.count("dx2.quant") == (1 if recipe == "blockwise" else 2)   # tensorwise: calibrated
+    assert run.sites.count("dx2.quant") == (2 if recipe == "tensorwise" else 1)   # tensorwise: calibrated
 
 
 def test_what_the_fp8_path_does_not_cover_is_refused_by_name():
@@ -123,6 +123,10 @@ def test_what_the_fp8_path_does_not_cover_is_refused_by_name():
         Fp8Recipe("mine", scaling="tensor", history=0)
     with pytest.raises(ConfigError, match="margin"):
         Fp8Recipe("mine", scaling="tensor", margin=-1)
+    with pytest.raises(ConfigError, match=r"wgrad_group must be one of \(1, 16\), got 8"):
+        Fp8Recipe("mine", wgrad_group=8)
+    with pytest.raises(ConfigError, match="wgrad_group applies to blockwise scaling"):
+        Fp8Recipe("mine", scaling="tensor", wgrad_group=16)
     with pytest.raises(ConfigError, match="compute in 16 bits"):
         LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, fp8="tensorwise")(torch.randint(0, 512, (1, 128)))
     b = _block("blockwise")
@@ -150,3 +154,19 @@ def test_a_reused_step_keeps_one_stashed_gradient():
         x2, _, _ = b.run(step, x, h, r, b.mlp_norm.detach(), next_fp8=True)
         x2.float().sum().backward()
     assert len(step.stash) == 1
+
+
+def test_a_grouped_block_takes_a_blockwise_blocks_operand_by_quantising_it_again():
+    """A model mixing recipes: the 128 x 1-scaled transposed copy a "blockwise" block hands on is
+    not what a "blockwise_g16" block's weight gradient reads (16 x 128 scales); it quantises again."""
+    from coda_cutlass.nn.fp8.functional import Fp8Operand
+    from coda_cutlass.nn.fp8.paths import BlockwisePath
+    from types import SimpleNamespace
+    from fp8_helpers import RecordingRunner
+    h = torch.randn(128, 256).to(BF16)
+    run = RecordingRunner()
+    step = SimpleNamespace(runner=run, fp8=RECIPES["blockwise_g16"], dtype=BF16)
+    q = BlockwisePath(None).quantize_input(step, Fp8Operand(h.to(torch.float8_e4m3fn), torch.ones(128, 2),
+                                                           h.t().to(torch.float8_e4m3fn), torch.ones(256, 1)))
+    assert run.sites == ["h.quant"] and q.group == 16 and q.st.shape == (16, 1)
+    assert BlockwisePath(None).quantize_input(step, q) is q

@@ -18,7 +18,7 @@ from fp8_helpers import RecordingRunner, blocks_step
 from coda_cutlass.pipeline import lower_program
 
 BF16 = torch.bfloat16
-NAMES = ("blockwise", "tensorwise")
+NAMES = ("blockwise", "blockwise_g16", "tensorwise")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -34,8 +34,8 @@ def test_every_launch_of_an_fp8_step_is_listed_with_its_program_and_formats(name
         prog, kinds, scaling, part = sites[site]
         assert (program, layout, partial, fp8) == (prog, "nk", part, recipe.gemm(kinds, scaling)), site
     for site, program, partial in run.maps:
-        if site.endswith(".quant") and site != "y.quant":
-            site = "o.quant"                  # every other quantisation map kernel is the same program
+        if site not in maps and site.endswith(".quant"):
+            site = "o.quant"                  # tensorwise lists one program for its quantisation map kernels
         assert maps.get(site) == (program, partial), site
 
 
@@ -57,7 +57,7 @@ def test_every_listed_fp8_kernel_has_a_configuration_that_plans(name):
         o = gemm_options(BF16, "nk", (opts["dtype"], opts["scaling"], opts["fast_accum"]))
         graph = lower_program(program, o).graph
         plan(graph, default_config(graph), "nk")          # raises if nothing fits
-    assert len(map_items(recipe)) == len(map_sites(recipe))
+    assert len(map_items(recipe)) == len({program for program, _ in map_sites(recipe).values()})
 
 
 def test_the_weight_copies_are_bit_for_bit_the_tile_quantisation():
@@ -72,3 +72,15 @@ def test_the_weight_copies_are_bit_for_bit_the_tile_quantisation():
         q_ref, s_ref = quantize_tiles(w, dtype, 128, True)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), dtype
         assert torch.equal(qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8)) and torch.equal(st, s_ref.t())
+
+
+def test_the_grouped_recipe_changes_only_the_activations_transposed_copies_and_their_weight_gradients():
+    from coda_cutlass import epilogues as E
+    base, g16 = gemm_sites(RECIPES["blockwise"]), gemm_sites(RECIPES["blockwise_g16"])
+    assert set(base) == set(g16)
+    changed = {s for s in base if base[s] != g16[s]}
+    assert changed == {"o", "down", "gate_up", "qkv.wgrad", "o.wgrad", "gate_up.wgrad", "down.wgrad"}
+    assert all(g16[s][2] == "block_16x128" and g16[s][0] is E.identity for s in changed if s.endswith(".wgrad"))
+    assert g16["gate_up"][0] is E.swiglu_fp8_g16 and g16["o"][0] is g16["down"][0] is E.residual_norm_stats_fp8_g16
+    maps_base, maps_g16 = map_sites(RECIPES["blockwise"]), map_sites(RECIPES["blockwise_g16"])
+    assert {s for s in maps_base if maps_base[s] != maps_g16[s]} == {"norm0", "o.quant", "h.quant"}  # activations

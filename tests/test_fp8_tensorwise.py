@@ -117,7 +117,7 @@ def _block(seed: int = 0, recipe: str = "tensorwise") -> LlamaBlock:
     return draw_weights(b)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "blockwise_g16"])
 def test_each_recipe_matches_an_fp8_emulation_of_it(recipe):
     blk = _block(recipe=recipe)
     g = torch.Generator().manual_seed(1)

@@ -98,7 +98,7 @@ def test_kernel_config_from_name_rejects_huge_or_foreign_numbers(name):
         KernelConfig.from_name(name)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "blockwise_g16"])
 @pytest.mark.parametrize("dims", [dict(dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336),
                                   dict(dim=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672)], ids=["8b", "70b"])
 def test_the_shipped_h200_plans_cover_the_fp8_blocks_every_site(recipe, dims, tmp_path):

@@ -234,3 +234,81 @@ def test_map_kernels_write_block_scaled_transposed_outputs_and_refuse_half_width
     half = cc.epilogue(lambda acc: {"t": cc.quantize(cc.half_width(acc), block=128, transpose=True)})
     with pytest.raises(EpilogueError, match="half-width transposed"):
         cc.emit_map(half)
+
+
+# ---------------------------------------------------------------------------- grouped transposed copies
+@cc.epilogue
+def rows_and_grouped_t(acc, r: cc.PerRow, t: cc.Tile):
+    y = acc * r + t
+    return {"q": cc.quantize(y, block=128), "qt": cc.quantize(y, block=128, transpose=True, group=16)}
+
+
+def emulate_groups(xt: torch.Tensor, dtype, group: int = 16, block: int = 128):
+    """Blocks of ``group`` rows x ``block`` columns of the stored transpose (pow2 scales): the max over
+    the block's rows of each row's run amax, then each row's run as emulate_blocks does it."""
+    R, C = xt.shape
+    amax_rows = torch.stack([xt[:, b * block:(b + 1) * block].abs().amax(1) for b in range(math.ceil(C / block))], 1)
+    scales = torch.stack([amax_rows[g:g + group].amax(0) for g in range(0, R, group)])   # (ceil(R/group), runs)
+    codes = torch.empty(R, C, dtype=dtype)
+    for i in range(R):
+        for b in range(scales.shape[1]):
+            # one row whose run amax is the group's: emulate_blocks gives that run the group's scale
+            run = xt[i, b * block:(b + 1) * block]
+            probe = torch.cat([run, scales[i // group, b].reshape(1)])
+            c, s = emulate_blocks(probe.reshape(1, -1), dtype, pow2=True, block=probe.numel())
+            codes[i, b * block:(b + 1) * block] = c[0, :-1]
+    _, s = emulate_blocks(scales.reshape(-1, 1), dtype, pow2=True, block=1)
+    return codes, s.reshape(scales.shape)
+
+
+@pytest.mark.parametrize("shape", [(200, 384, 64), (130, 200, 32)])   # 200 channels: a partial last group
+def test_grouped_transposed_copies_match_a_hand_written_emulation(shape):
+    M, N, K = shape
+    A, W, r, t = inputs(M, N, K, M * N)
+    out = cc.reference(rows_and_grouped_t, A, W, r=r, t=t)
+    y = (A.float() @ W.float().t()) * r.float()[:, None] + t.float()
+    codes, scales = emulate_groups(y.t().contiguous(), E4M3)
+    assert out["qt"].shape == (N, M) and out["qt_scale"].shape == (math.ceil(N / 16), math.ceil(M / 128))
+    assert same_bits(out["qt"], codes) and same_bits(out["qt_scale"], scales)
+    rows, _ = emulate_blocks(y, E4M3, pow2=True)                      # the row-major copy is unchanged
+    assert same_bits(out["q"], rows)
+    # the scales are what a block_16x128 GEMM reads as W's: (N/16, M/128), rows contiguous, padded ld
+    assert out["qt_scale"].stride(0) == 1 and out["qt_scale"].stride(1) % 4 == 0
+
+
+def test_grouped_half_width_and_map_kernel_copies():
+    A, W, r, _ = inputs(140, 512, 64, 5)
+    out = cc.reference(E.swiglu_fp8_g16, A, W, r=r.float())
+    z = (A.float() @ W.float().t()) * r.float()[:, None]
+    y = (torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]).bfloat16().float()   # y is stored as bf16 too
+    yt = torch.nn.functional.silu(z[:, 0::2]) * z[:, 1::2]
+    codes, scales = emulate_groups(yt.t().contiguous(), E4M3)        # groups of 16 outputs: 32 tile columns
+    assert out["yt_scale"].shape == (16, 2) and same_bits(out["yt"], codes) and same_bits(out["yt_scale"], scales)
+    assert torch.equal(out["y"].float(), y)
+    X = (torch.randn(260, 400, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16)
+    m = cc.map_reference(E.quantize_rows_t_g16, X)
+    codes, scales = emulate_groups(X.float().t().contiguous(), E4M3)
+    assert same_bits(m["qt"], codes) and same_bits(m["qt_scale"], scales) and m["qt_scale"].shape == (25, 3)
+
+
+def test_grouped_copies_in_the_generated_source_and_their_configuration_errors():
+    src = cc.emit(rows_and_grouped_t, config=cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1,
+                                                             cluster_n=2))
+    assert "/*Block=*/128, /*Half=*/false, /*Pow2=*/true, /*Group=*/16>" in src
+    assert "qt_scale: output f32 block scales, stored [runs, N/16]" in src and "16x128 block scales" in src
+    assert "ColumnScales<cutlass::float_e4m3_t, true, /*Group=*/16>" in cc.emit_map(E.quantize_rows_t_g16)
+    assert "Group" not in cc.emit(rows_and_t, config=cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64,
+                                                                      cluster_m=1, cluster_n=2))
+    narrow = cc.KernelConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, cluster_n=2, epilogue_tile=(128, 16))
+    with pytest.raises(ConfigError, match="16 half-width output columns are 32 tile columns.*multiple of 32"):
+        cc.emit(E.swiglu_fp8_g16, torch.float8_e4m3fn, scaling="block", config=narrow)
+
+
+@pytest.mark.parametrize("body, message", [
+    (lambda acc: {"q": cc.quantize(acc, block=128, transpose=True, group=8)}, r"group must be one of \(1, 16\)"),
+    (lambda acc: {"q": cc.quantize(acc, block=128, group=16)}, "group= applies to transposed copies"),
+    (lambda acc: {"q": cc.quantize(acc, scale=1.0, transpose=True, group=16)}, "group= applies to transposed"),
+])
+def test_group_misuse_is_a_clear_error(body, message):
+    with pytest.raises(EpilogueError, match=message):
+        cc.emit(cc.epilogue(body))

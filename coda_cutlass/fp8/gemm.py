@@ -13,6 +13,11 @@ Scalings (``SCALINGS``; the scales' exact shapes and memory layouts are in ``sca
   by CUTLASS's sm90 blockwise-scaled mainloop to each 128-deep K block's partial product.
 - ``"block_1x128"``: 1 x 128 blocks along K for both A and W (both operands quantised like
   activations, e.g. the weight-gradient GEMM), same mainloop.
+- ``"block_16x128"``: 1 x 128 blocks for A, 16 x 128 blocks for W (16 rows of W share a scale per
+  128-deep K block: a weight-gradient GEMM whose W is a transposed copy quantised with
+  ``cc.quantize(..., transpose=True, group=16)``). Per K block a thread then scales its partial
+  sums by one product per (row, 16-row group) instead of one per accumulator; coda's overlapped
+  consumer loop only (cooperative tiles).
 
 ``fast_accum`` (tensor and row scaling only) uses CUTLASS's FP8FastAccum schedules: the wgmma
 accumulators are never promoted to a separate fp32 sum, which is faster and less accurate (the
@@ -28,8 +33,8 @@ from typing import Any
 from ..dtypes import BF16, FP8_DTYPES, DType, as_dtype
 from ..errors import ConfigError
 
-SCALINGS = ("tensor", "row", "block", "block_1x128")
-BLOCK_SCALINGS = ("block", "block_1x128")
+SCALINGS = ("tensor", "row", "block", "block_1x128", "block_16x128")
+BLOCK_SCALINGS = ("block", "block_1x128", "block_16x128")
 EPILOGUE_SCALINGS = ("tensor", "row")       # applied by a visitor node before the program
 BLOCK_K = 128                               # K extent of one scale block (blockwise scalings)
 # The dtype of tile inputs and outputs of FP8 kernels unless input_dtypes / output_dtypes say
@@ -76,7 +81,7 @@ class Fp8Gemm:
     @property
     def w_block(self) -> tuple[int, int] | None:
         """The (N, K) extent of one W scale block (blockwise scalings), else None."""
-        return {"block": (128, BLOCK_K), "block_1x128": (1, BLOCK_K)}.get(self.scaling)
+        return {"block": (128, BLOCK_K), "block_1x128": (1, BLOCK_K), "block_16x128": (16, BLOCK_K)}.get(self.scaling)
 
     def describe(self) -> str:
         """One line: 'e4m3 x e5m2, tensor scaling, fast accumulation'."""

@@ -31,9 +31,7 @@ def _expand(scale: torch.Tensor, layout: ScaleLayout, rows: int, K: int) -> torc
         return s.reshape(1, 1)
     if layout.kind == "row":
         return s.reshape(rows, 1)
-    if layout.kind == "block_1x128":
-        return s.repeat_interleave(BLOCK_K, dim=1)
-    return s.repeat_interleave(128, dim=0)[:rows].repeat_interleave(BLOCK_K, dim=1)
+    return s.repeat_interleave(layout.row_block, dim=0)[:rows].repeat_interleave(BLOCK_K, dim=1)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, scaling: str, operand: str) -> torch.Tensor:
@@ -62,9 +60,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str = "tensor", opera
         q, s = quantize_blocks(x, dtype, block=K, pow2=pow2)
         return q, (s.reshape(rows, 1) if operand == "A" else s.reshape(1, rows))
     _check_k(K)
-    if layout.kind == "block_1x128":
-        q, s = quantize_blocks(x, dtype, block=BLOCK_K, pow2=pow2)
-        scale = new_scales(rows, K, (1, BLOCK_K), device=x.device, fill=1.0)
+    if layout.rows_contiguous:
+        g = layout.row_block
+        q, s = quantize_blocks(x, dtype, block=BLOCK_K, pow2=pow2, rows=g)
+        scale = new_scales(rows, K, (g, BLOCK_K), device=x.device, fill=1.0)
         scale.copy_(s)
         return q, scale
     if rows % 128:

@@ -10,6 +10,7 @@ A scale is what the FP8 value is multiplied by to give the real value (``x ~ q *
 | row | (M, 1) or (M,), contiguous | (1, N) or (N,), contiguous |
 | block | (M, K/128): 1 x 128 blocks, M-major | (N/128, K/128): 128 x 128 blocks, K-major |
 | block_1x128 | (M, K/128): 1 x 128 blocks, M-major | (N, K/128): 1 x 128 blocks, N-major |
+| block_16x128 | (M, K/128): 1 x 128 blocks, M-major | (N/16, K/128): 16 x 128 blocks, N-major |
 
 1 x 128 scales (``scale_a`` of both block scalings, ``scale_b`` of ``block_1x128``), for an operand
 X with R rows: element (r, j) scales X[r, 128 j : 128 j + 128]. Memory: rows contiguous, strides
@@ -18,6 +19,10 @@ X with R rows: element (r, j) scales X[r, 128 j : 128 j + 128]. Memory: rows con
 the padding rows' values are never used). ``new_scales`` allocates exactly this with
 ld = round_up(R, 4); with R % 4 == 0 the layout is torch's 1x128 ``_scaled_mm`` layout
 (``torch.empty(K // 128, M).t()``).
+
+16 x 128 scales (``scale_b`` of ``block_16x128``): element (i, j) scales W[16 i : 16 i + 16,
+128 j : 128 j + 128]; memory as 1 x 128 scales with R = ceil(N / 16) rows (``new_scales(N, K,
+(16, 128))``; what ``cc.quantize(..., transpose=True, group=16)`` writes).
 
 128 x 128 scales (``scale_b`` of ``block``): element (i, j) scales W[128 i : 128 i + 128,
 128 j : 128 j + 128]. Memory: K-blocks contiguous, strides (ld, 1) with ld >= K/128 (a row-major
@@ -47,7 +52,7 @@ class ScaleLayout:
     """The scale tensor of one operand under one scaling."""
     name: str                 # "scale_a" or "scale_b"
     operand: str              # "A" or "W"
-    kind: str                 # "tensor", "row", "block_1x128" or "block_128x128"
+    kind: str                 # "tensor", "row", "block_1x128", "block_16x128" or "block_128x128"
 
     def shape(self, rows: int, K: int) -> tuple[int, ...]:
         """The logical shape for an operand of ``rows`` rows (M for A, N for W) and depth K."""
@@ -55,14 +60,17 @@ class ScaleLayout:
             return ()
         if self.kind == "row":
             return (rows, 1) if self.operand == "A" else (1, rows)
-        if self.kind == "block_1x128":
-            return (rows, K // BLOCK_K)
-        return (-(-rows // 128), K // BLOCK_K)
+        return (-(-rows // self.row_block), K // BLOCK_K)
+
+    @property
+    def row_block(self) -> int:
+        """Rows of the operand one block scale covers (block kinds)."""
+        return {"block_1x128": 1, "block_16x128": 16, "block_128x128": 128}[self.kind]
 
     @property
     def rows_contiguous(self) -> bool:
-        """1 x 128 scales keep each K block's scales of all rows together (M- / N-major)."""
-        return self.kind == "block_1x128"
+        """1 x 128 and 16 x 128 scales keep each K block's scales of all row blocks together (M- / N-major)."""
+        return self.kind in ("block_1x128", "block_16x128")
 
     def describe(self) -> str:
         return {
@@ -71,6 +79,8 @@ class ScaleLayout:
                    f"{self.operand}, contiguous",
             "block_1x128": f"{self.name}: fp32 ({'M' if self.operand == 'A' else 'N'}, K/128), one scale per row and "
                            "128-deep K block; rows contiguous: strides (1, ld), ld >= rows, ld % 4 == 0",
+            "block_16x128": f"{self.name}: fp32 (N/16, K/128), one scale per 16 rows of W and 128-deep K block; "
+                            "rows contiguous: strides (1, ld), ld >= N/16, ld % 4 == 0",
             "block_128x128": f"{self.name}: fp32 (N/128, K/128), one scale per 128 x 128 block of W; K blocks "
                              "contiguous: strides (ld, 1), ld >= K/128",
         }[self.kind]
@@ -81,15 +91,18 @@ def scale_layouts(scaling: str) -> tuple[ScaleLayout, ScaleLayout]:
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     a_kind = {"tensor": "tensor", "row": "row"}.get(scaling, "block_1x128")
-    b_kind = {"tensor": "tensor", "row": "row", "block": "block_128x128"}.get(scaling, "block_1x128")
+    b_kind = {"tensor": "tensor", "row": "row", "block": "block_128x128"}.get(scaling, scaling)
     return ScaleLayout("scale_a", "A", a_kind), ScaleLayout("scale_b", "W", b_kind)
+
+
+SCALE_BLOCKS = ((1, BLOCK_K), (16, BLOCK_K), (128, BLOCK_K))
 
 
 def block_scale_shape(rows: int, K: int, block: tuple[int, int] = (1, BLOCK_K)) -> tuple[int, int]:
     """The shape of the scales of an operand with ``rows`` rows and depth ``K`` quantised in
-    ``block`` = (rows, K) blocks: (1, 128) -> (rows, K/128); (128, 128) -> (ceil(rows/128), K/128)."""
-    if block not in ((1, BLOCK_K), (128, BLOCK_K)):
-        raise ValueError(f"block must be (1, 128) or (128, 128), got {block!r}")
+    ``block`` = (rows, K) blocks: (g, 128) -> (ceil(rows/g), K/128)."""
+    if block not in SCALE_BLOCKS:
+        raise ValueError(f"block must be one of {SCALE_BLOCKS}, got {block!r}")
     if K % BLOCK_K:
         raise ValueError(f"K = {K} is not a multiple of {BLOCK_K}")
     return (-(-rows // block[0]), K // BLOCK_K)
@@ -97,13 +110,14 @@ def block_scale_shape(rows: int, K: int, block: tuple[int, int] = (1, BLOCK_K)) 
 
 def new_scales(rows: int, K: int, block: tuple[int, int] = (1, BLOCK_K), *, device: Any = None,
                fill: float = 0.0) -> torch.Tensor:
-    """An fp32 scale tensor in exactly the layout FP8 kernels read (module docstring): 1 x 128
-    blocks as an (rows, K/128) view with strides (1, round_up(rows, 4)), 128 x 128 blocks as a
-    contiguous (ceil(rows/128), K/128) tensor. Padding is filled with ``fill`` too."""
+    """An fp32 scale tensor in exactly the layout FP8 kernels read (module docstring): 1 x 128 and
+    16 x 128 blocks as an (R, K/128) view with strides (1, round_up(R, 4)), R = ceil(rows / 16) for
+    16 x 128; 128 x 128 blocks as a contiguous (ceil(rows/128), K/128) tensor. Padding is filled
+    with ``fill`` too."""
     r, kb = block_scale_shape(rows, K, block)
-    if block[0] == 1:
-        ld = max(round_up(rows, TMA_ALIGN), TMA_ALIGN)
-        return torch.full((kb, ld), fill, dtype=torch.float32, device=device)[:, :rows].t()
+    if block[0] < 128:
+        ld = max(round_up(r, TMA_ALIGN), TMA_ALIGN)
+        return torch.full((kb, ld), fill, dtype=torch.float32, device=device)[:, :r].t()
     return torch.full((r, kb), fill, dtype=torch.float32, device=device)
 
 
@@ -143,7 +157,7 @@ def check_scale(layout: ScaleLayout, t: Any, rows: int, K: int, device: torch.de
     if not tma:
         return 0
     if layout.rows_contiguous:
-        return _check_rows_contiguous(name, t, rows, expect[1])
+        return _check_rows_contiguous(name, t, expect[0], expect[1], f"{layout.row_block} x {BLOCK_K}")
     ld = t.stride(0) if expect[0] > 1 else max(expect[1], t.stride(0))
     if expect[1] > 1 and t.stride(1) != 1:
         raise CallError(f"{name}: 128 x 128 scales must have contiguous K blocks (strides (ld, 1)), got strides "
@@ -153,10 +167,10 @@ def check_scale(layout: ScaleLayout, t: Any, rows: int, K: int, device: torch.de
     return ld
 
 
-def _check_rows_contiguous(name: str, t: torch.Tensor, rows: int, kb: int) -> int:
+def _check_rows_contiguous(name: str, t: torch.Tensor, rows: int, kb: int, what: str = "1 x 128") -> int:
     ld = t.stride(1) if kb > 1 else round_up(rows, TMA_ALIGN)
     if rows > 1 and t.stride(0) != 1:
-        raise CallError(f"{name}: 1 x 128 scales must have contiguous rows (strides (1, ld), i.e. the transpose of "
+        raise CallError(f"{name}: {what} scales must have contiguous rows (strides (1, ld), i.e. the transpose of "
                         f"a (K/128, ld) tensor), got strides {t.stride()}; allocate with "
                         "coda_cutlass.fp8.new_scales or pass s.t().contiguous().t()")
     if ld < rows or ld % TMA_ALIGN:

@@ -249,10 +249,11 @@ def gather(x: Any, index: Any) -> ReductionResult:
 
 
 QUANT_BLOCKS = (128,)
+QUANT_GROUPS = (1, 16)    # columns sharing a transposed copy's run scale (1, or the W scales of "block_16x128")
 
 
 def quantize(value: Any, dtype: Any = torch.float8_e4m3fn, *, scale: Any = None, block: int | None = None,
-             transpose: bool = False, pow2: bool = True) -> Quantized:
+             transpose: bool = False, pow2: bool = True, group: int = 1) -> Quantized:
     """Mark an output as stored in FP8 (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``), quantised by
     the kernel that computes it. Exactly one of:
 
@@ -270,7 +271,11 @@ def quantize(value: Any, dtype: Any = torch.float8_e4m3fn, *, scale: Any = None,
 
     ``transpose=True`` stores the transpose (N x M, M contiguous: the K-major operand of a weight
     gradient GEMM whose K is the token dimension); with ``block`` its runs are 128 x 1 blocks of
-    the untransposed output (128 rows of one column). ``value`` may be ``cc.half_width(v)``."""
+    the untransposed output (128 rows of one column). ``group=16`` (with ``block`` and ``transpose``)
+    gives 16 neighbouring stored rows (output columns) one scale per run: 128 x 16 blocks of the
+    untransposed output, 16 x 128 blocks of the stored transpose, scales (ceil(rows / 16), runs):
+    what an FP8 GEMM with ``scaling="block_16x128"`` reads as W's scales. ``value`` may be
+    ``cc.half_width(v)`` (a group then counts output columns, i.e. pairs of tile columns)."""
     if isinstance(value, (Accumulate, ReductionResult, Quantized)):
         raise EpilogueError("cc.quantize takes an elementwise value or cc.half_width(value)")
     try:
@@ -287,11 +292,18 @@ def quantize(value: Any, dtype: Any = torch.float8_e4m3fn, *, scale: Any = None,
                             f"1 x 128 scales), got {block!r}")
     if not isinstance(transpose, bool) or not isinstance(pow2, bool):
         raise EpilogueError("cc.quantize: transpose and pow2 are True or False")
+    if isinstance(group, bool) or group not in QUANT_GROUPS:
+        raise EpilogueError(f"cc.quantize: group must be one of {QUANT_GROUPS} (stored rows sharing a run's scale), "
+                            f"got {group!r}")
+    if group != 1 and (block is None or not transpose):
+        raise EpilogueError("cc.quantize: group= applies to transposed copies with block scales "
+                            "(cc.quantize(v, block=128, transpose=True, group=16)); a row-major output's runs "
+                            "are 1 x 128 of one row")
     if scale is not None and not pow2:
         raise EpilogueError("cc.quantize: pow2= applies to block scales; with scale= the scale is given")
     if isinstance(scale, (HalfWidth, Accumulate, ReductionResult, Quantized)):
         raise EpilogueError("cc.quantize: scale must be a number or a traced scalar value")
-    return Quantized(value, d, scale, block, transpose, pow2)
+    return Quantized(value, d, scale, block, transpose, pow2, group)
 
 
 def amax(x: Any) -> ReductionResult:

@@ -262,10 +262,11 @@ def _record_quantized(tracer: Tracer, name: str, q: Quantized) -> str | None:
         tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=False, layout=layout, qdtype=q.dtype.name)
         return None
     scale_name = f"{name}_scale"
+    grouped = {"group": q.group} if q.group != 1 else {}   # ungrouped IR (and cache keys) as before
     tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=False, layout=layout, qdtype=q.dtype.name,
-                quant="block", block=q.block, pow2=q.pow2)
+                quant="block", block=q.block, pow2=q.pow2, **grouped)
     tracer.emit("block_scale", (v.id,), Kind.TILE, name=scale_name, of=name, layout=layout, qdtype=q.dtype.name,
-                block=q.block, pow2=q.pow2)
+                block=q.block, pow2=q.pow2, **grouped)
     return scale_name
 
 

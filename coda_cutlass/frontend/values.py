@@ -326,12 +326,14 @@ class HalfWidth(_OutputMarker):
 class Quantized(_OutputMarker):
     """``cc.quantize(v, ...)`` in the returned dict: an FP8 output (and, with ``block``, its scales)."""
 
-    __slots__ = ("dtype", "scale", "block", "transpose", "pow2")
+    __slots__ = ("dtype", "scale", "block", "transpose", "pow2", "group")
     marker = "cc.quantize"
 
-    def __init__(self, value: Any, dtype: Any, scale: Any, block: int | None, transpose: bool, pow2: bool):
+    def __init__(self, value: Any, dtype: Any, scale: Any, block: int | None, transpose: bool, pow2: bool,
+                 group: int = 1):
         super().__init__(value)
         self.dtype, self.scale, self.block, self.transpose, self.pow2 = dtype, scale, block, transpose, pow2
+        self.group = group
 
 
 class Accumulate(_OutputMarker):

@@ -20,10 +20,12 @@ Node ops:
                                 "packed" (a pack(a, b) value, M x 2N), "half" (M x N/2, the even
                                 column of each pair), "t" (the transpose, N x M: row n holds column
                                 n) or "half_t" (the transpose of a half-width output, N/2 x M);
-                                attrs quant "block" (with block, pow2): an FP8 output scaled per
-                                1 x block run of each stored row (``cc.quantize(..., block=)``)
-- ``block_scale`` attrs name, of, layout, block, pow2   the dequantisation scales of the quantised
-                                output ``of`` (sink, fp32): one per 1 x block run of its stored rows
+                                attrs quant "block" (with block, pow2, and group when > 1): an FP8
+                                output scaled per 1 x block run of each stored row, or per group
+                                x block block of stored rows (``cc.quantize(..., block=, group=)``)
+- ``block_scale`` attrs name, of, layout, block, pow2 (group)   the dequantisation scales of the
+                                quantised output ``of`` (sink, fp32): one per 1 x block run of its
+                                stored rows (per group x block block with group)
 - ``reduce``  attrs name, fn, axis      a reduction output (sink): fn sum/max/min over axis
                                 row/col/all; fn lse (log-sum-exp) over row; fn sum over axis segment
                                 (attrs width: one sum per row and width-wide column segment)
@@ -66,11 +68,12 @@ def layout_shape(layout: str, M: int, N: int) -> tuple[int, int]:
     return (cols, M) if layout in TRANSPOSED_LAYOUTS else (M, cols)
 
 
-def scale_shape(codes_layout: str, M: int, N: int, block: int) -> tuple[int, int]:
+def scale_shape(codes_layout: str, M: int, N: int, block: int, group: int = 1) -> tuple[int, int]:
     """The (rows, blocks) of the block scales of a quantised output: one per 1 x block run of each
-    stored row (a partial run at the end of a row included)."""
+    stored row (a partial run at the end of a row included); with ``group``, one per run of each
+    ``group`` stored rows (a group x block block; a partial group at the end included)."""
     rows, cols = layout_shape(codes_layout, M, N)
-    return rows, -(-cols // block)
+    return -(-rows // group), -(-cols // block)
 
 
 @dataclass(frozen=True)

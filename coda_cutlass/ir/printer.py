@@ -39,7 +39,8 @@ def node_text(n: Node) -> str:
         layout = n.attr("layout", "tile")
         notes = [] if layout == "tile" else [layout]
         if n.attr("quant") == "block":
-            notes.append(f"quantised per 1x{n.attr('block')} run{', pow2 scales' if n.attr('pow2') else ''}")
+            notes.append(f"quantised per {n.attr('group', 1)}x{n.attr('block')} "
+                         f"{'block' if n.attr('group', 1) > 1 else 'run'}{', pow2 scales' if n.attr('pow2') else ''}")
         return f"{verb} {n.attr('name')} = {args}" + (f" ({'; '.join(notes)})" if notes else "")
     if n.op == "block_scale":
         return f"block_scale {n.attr('name')} = scales of {n.attr('of')} {args}"

@@ -68,7 +68,8 @@ def host_slots(program: Program) -> LowerContext:
                                       or n.attr("quant") is not None))
         elif n.op == "block_scale":
             tensors.append(TensorSlot(len(tensors), name, "output", Kind.TILE, F32, layout="scale",
-                                      scale_of=n.attr("layout"), block=n.attr("block"), stored_from_registers=True))
+                                      scale_of=n.attr("layout"), block=n.attr("block"), group=n.attr("group", 1),
+                                      stored_from_registers=True))
         else:
             partials = PartialLayout.of(n)
             tensors.append(TensorSlot(len(tensors), name, "partials", Kind.ROW if partials.over_n else Kind.COL,

@@ -39,6 +39,7 @@ class TensorSlot:
     partials: PartialLayout | None = None   # role "partials": how the reduction's buffer is laid out
     scale_of: str | None = None   # layout "scale": the block scales of a quantised output of this layout
     block: int = 0                # layout "scale": elements per run (1 x block along its stored rows)
+    group: int = 1                # layout "scale": stored rows sharing each run's scale
     stored_from_registers: bool = False   # written by a coda node without TMA (no 16-byte row rule)
 
     def columns(self, N: int) -> int:
@@ -48,7 +49,7 @@ class TensorSlot:
     def shape(self, M: int, N: int) -> tuple[int, int]:
         """The (rows, columns) of the tensor a call returns for this output slot."""
         if self.layout == "scale":
-            return scale_shape(self.scale_of, M, N, self.block)
+            return scale_shape(self.scale_of, M, N, self.block, self.group)
         return layout_shape(self.layout, M, N)
 
     def storage(self, M: int, N: int) -> tuple[int, int]:
@@ -77,6 +78,8 @@ class TensorSlot:
             d["layout"] = self.layout
         if self.scale_of is not None:
             d["scale_of"], d["block"] = self.scale_of, self.block
+            if self.group != 1:
+                d["group"] = self.group
         return d
 
 

@@ -31,6 +31,7 @@ from .graph import EvtGraph
 
 FP8_HEADER = "coda/fp8.hpp"
 OVERLAP_HEADER = "coda/block_scaled_mma.hpp"
+GROUPED_LOAD_HEADER = "coda/grouped_scale_load.hpp"   # W scales in 2..16-row blocks (block_16x128)
 _FP8_SCHEDULE = {
     ("cooperative", "exact"): "cutlass::gemm::KernelTmaWarpSpecializedCooperative",
     ("pingpong", "exact"): "cutlass::gemm::KernelTmaWarpSpecializedPingpong",
@@ -80,6 +81,12 @@ class Mainloop:
     def blockwise(self) -> bool:
         return self.scale_granularity is not None
 
+    @property
+    def grouped_sfb_load(self) -> bool:
+        """W scales in 2..16-row blocks: CUTLASS 4.2's cp.async scale loader skips every other block
+        of those; coda/grouped_scale_load.hpp loads them (only with the overlapped loop)."""
+        return self.overlapped and self.blockwise and 1 < self.scale_granularity[1] < 32  # type: ignore[index]
+
     def doc(self) -> list[str]:
         """The .cu header's lines on the mainloop and the scales it reads."""
         f = self.fp8
@@ -95,6 +102,8 @@ class Mainloop:
         if self.overlapped:
             lines.append("           consumer loop coda::fp8::OverlappedBlockScaledMma: each K block's scale-and-add "
                          "runs behind the next K block's wgmma")
+        if self.grouped_sfb_load:
+            lines.append("           W scale loads coda::fp8::GroupedScaleLoad (one lane per W row block and K block)")
         if f.scaling == "tensor":
             lines.append("Scales     scale_a, scale_b: one fp32 each, read on the device; acc = (A @ W^T) * sa * sb")
         elif f.scaling == "row":
@@ -105,6 +114,9 @@ class Mainloop:
             if self.sfb_k_major:
                 lines.append(f"           scale_b [N/{gn}, K/{gk}] fp32, {gn}x{gk} blocks, K-major: element (i, j) at "
                              "i * ld_b + j")
+            elif gn > 1:
+                lines.append(f"           scale_b [N/{gn}, K/{gk}] fp32, {gn}x{gk} blocks, N-major: element (i, j) at "
+                             "i + j * ld_b")
             else:
                 lines.append(f"           scale_b [N, K/{gk}] fp32, 1x{gk} blocks, N-major: element (n, j) at n + j * ld_b")
         return lines
@@ -147,7 +159,12 @@ def check_fp8_config(f: Fp8Gemm, c: KernelConfig, program: str) -> None:
         gn = f.w_block[0]  # type: ignore[index]
         if c.tile_n % gn:
             raise bad(f"tile_n must be a multiple of the W scale block's {gn} rows")
-        if gn > 1 and c.tile_n != gn:
+        if 1 < gn < c.tile_n and not (c.schedule == "cooperative" and overlapped_loop_chosen()):
+            # several W scale blocks per tile fail CUTLASS 4.2's static assertion "Accumulator and
+            # scaleB must have same shape" (fp8_accumulation.hpp); coda's loop reads them per thread
+            raise bad(f"{gn}-row W scale blocks, several per tile, need coda's overlapped consumer loop: a "
+                      "cooperative schedule and CODA_CUTLASS_BLOCKWISE_LOOP unset or 'overlapped'")
+        if gn > 1 and c.tile_n != gn and gn == 128:
             # a 256-wide tile over 128-row W scale blocks fails CUTLASS 4.2's static assertion
             # "Accumulator and scaleB must have same shape" (fp8_accumulation.hpp)
             raise bad(f"tile_n must be the W scale block's {gn} rows (CUTLASS 4.2's blockwise mainloop "

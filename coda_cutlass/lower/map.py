@@ -68,12 +68,15 @@ class MapSlot:
                                   # (block scales)
     partials: PartialLayout | None = None   # role "partials" (with PARTIALS_TILE)
     scale_of: str | None = None   # layout "scale": the layout of the quantised output it scales
+    group: int = 1                # layout "scale": stored rows sharing each run's scale
 
     def describe(self) -> dict[str, Any]:
         d = {"index": self.index, "name": self.name, "role": self.role, "kind": self.kind.value,
              "dtype": self.dtype.name}
         if self.layout != "tile":
             d["layout"] = self.layout
+        if self.group != 1:
+            d["group"] = self.group
         if self.partials:
             d["reduce"] = f"{self.partials.axis}_{self.partials.fn}"
         return d
@@ -153,7 +156,7 @@ def lower_map(program: Program, dtype: DType) -> MapGraph:
         elif n.op == "block_scale":
             slot_of[name] = len(slots)
             slots.append(MapSlot(len(slots), name, "output", Kind.TILE, F32, layout="scale",
-                                 scale_of=n.attr("layout")))
+                                 scale_of=n.attr("layout"), group=n.attr("group", 1)))
         else:
             slot_of[name] = len(slots)
             out = as_dtype(n.attr("out_dtype", "f32"))   # partials are fp32; the finished result is this
@@ -237,7 +240,7 @@ def _node(program: Program, n: Node, slot_of: dict[str, int], scalars: tuple[str
             if n.attr("quant") == "block":
                 return "t_quant_store", {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype),
                                          "scale": slot_of[f"{n.attr('name')}_scale"],
-                                         "pow2": "true" if n.attr("pow2") else "false"}
+                                         "pow2": "true" if n.attr("pow2") else "false", "group": n.attr("group", 1)}
             return "t_store", {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype)}
         if n.attr("quant") == "block":
             return "quant_store", {"slot": slot_of[n.attr("name")], "element": _cpp(n.dtype),

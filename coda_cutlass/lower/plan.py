@@ -17,7 +17,7 @@ from ..dtypes import DType
 from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Program
 from .graph import ABI_VERSION, EvtGraph, TensorSlot
-from .mainloop import FP8_DEFAULTS, FP8_HEADER, OVERLAP_HEADER, Mainloop, mainloop_of
+from .mainloop import FP8_DEFAULTS, FP8_HEADER, GROUPED_LOAD_HEADER, OVERLAP_HEADER, Mainloop, mainloop_of
 from .smem import check_fits, epilogue_smem_bytes, estimate_stages, fits
 
 # Smaller tiles for programs that do not fit DEFAULT (shared memory, segment widths), in order.
@@ -58,13 +58,15 @@ class KernelPlan:
         """The coda headers beyond the base set that the nodes need (kernels that use none of them
         include exactly the base headers, so their content keys do not change). FP8 kernels add
         coda/fp8.hpp (their host checks and block-scale layouts), cooperative blockwise ones also
-        coda/block_scaled_mma.hpp (their consumer loop)."""
+        coda/block_scaled_mma.hpp (their consumer loop), with grouped W scales coda/grouped_scale_load.hpp."""
         headers = {h for v in self.graph.nodes for h in v.kind.headers(v, self)}
         if self.graph.fp8 is not None:
             headers.add(FP8_HEADER)
             mainloop = self.mainloop
             if mainloop is not None and mainloop.overlapped:
                 headers.add(OVERLAP_HEADER)
+            if mainloop is not None and mainloop.grouped_sfb_load:
+                headers.add(GROUPED_LOAD_HEADER)
         return tuple(sorted(headers))
 
     def describe(self) -> dict[str, Any]:

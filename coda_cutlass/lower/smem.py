@@ -7,9 +7,7 @@ prune configurations and pick defaults before compiling. Each visitor node kind 
 
 from __future__ import annotations
 
-from math import gcd
-
-from ..config import KernelConfig
+from ..config import KernelConfig, epilogue_tile
 from ..errors import ConfigError
 from .graph import EvtGraph
 from .kinds import Staging
@@ -20,13 +18,6 @@ MIN_MAINLOOP_STAGES = 2
 FEASIBILITY_MARGIN = 4096
 
 
-def epilogue_tile(c: KernelConfig) -> tuple[int, int]:
-    """The epilogue subtile (CUTLASS's EpilogueTileAuto unless the config names one)."""
-    if c.epilogue_tile is not None:
-        return c.epilogue_tile
-    if c.schedule == "cooperative":
-        return min(128, c.tile_m), gcd(min(32, c.tile_n), c.tile_n)
-    return min(64, c.tile_m), gcd(min(32, c.tile_n), c.tile_n)
 
 
 def epilogue_smem_bytes(c: KernelConfig, graph: EvtGraph) -> int:

@@ -68,6 +68,9 @@ def slot_doc(t: TensorSlot, tile_n: int) -> str:
         return f"{role} {t.dtype.name} [{cols}, M], the transpose (M contiguous; ld = row stride)"
     if t.layout == "scale":
         rows = {"tile": "M", "half": "M", "t": "N", "half_t": "N/2"}[t.scale_of]
+        if t.group != 1:
+            return (f"{role} f32 block scales, stored [runs, {rows}/{t.group}] (run-major; ld >= {rows}/{t.group}): "
+                    f"one per {t.group} x {t.block} block of the quantised output's stored rows")
         return (f"{role} f32 block scales, stored [runs, {rows}] (run-major; ld = {rows}): one per 1 x {t.block} "
                 "run of each stored row of the quantised output")
     return f"{role} {t.dtype.name} {shape}"

@@ -216,7 +216,7 @@ class CompiledMap(ReductionOutputs):
             elif s.role == "output" and s.layout == "scale":
                 if out and s.name in out:
                     raise CallError(f"{self.name}: out['{s.name}']: block scales are allocated by the kernel call")
-                rows, runs = scale_shape(s.scale_of, M, N, 128)   # "t": one run per 128 rows of X's columns
+                rows, runs = scale_shape(s.scale_of, M, N, 128, s.group)   # "t": a run per 128 rows of X's columns
                 ld = -(-rows // 4) * 4                # run-major, 16-byte aligned runs (TensorSlot.storage)
                 t = new_buffer((runs, ld), torch.float32, device, poison)
                 view = (0, ld, max(rows, 1), 0, 1)

@@ -121,6 +121,13 @@ struct OverlappedBlockScaledMma : Base {
         for (int i = 0; i < size(filter_zeros(sfb)); ++i) filter_zeros(sfb)(i) = filter_zeros(sfb)(i) * sa;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfb(i);
+      } else if constexpr (ScaleNsPerTile < size<1>(TileShape{})) {
+        // W scales shared by groups of rows (16 x 128): a thread's accumulators see a few distinct
+        // (sa, sb) pairs, so one product per pair (the compiler keeps one per pair of registers)
+        // and one FFMA per accumulator, as the single-scale cases above. part * (sa * sb) rounds as
+        // (part * sa) * sb when the scales are powers of two (what cc.quantize writes by default).
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * (sfa(i) * sfb(i));
       } else {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * sfa(i) * sfb(i);

@@ -157,12 +157,17 @@ struct TransposedTile {
 // rows its warp visited (a first pass over the rows); ``finish`` meets the 8 warps' partials in
 // shared memory, thread t turns column t's amax into its scale (the same rule as the 1 x 128 runs:
 // coda::quant::scales) and writes it, and every thread takes the multipliers of its own 8 columns.
-template <class T, bool Pow2>
+// Group > 1: Group neighbouring columns (lanes) share one scale, the max of their amaxes (a Group x
+// 128 block of the transpose; columns past N hold 0, which never wins).
+template <class T, bool Pow2, int Group = 1>
 struct ColumnScales {
+  static_assert(Group >= 1 && Group <= 32 && (Group & (Group - 1)) == 0 && kTileN % Group == 0,
+                "coda map kernel: a column group is a power of two of at most one warp's lanes");
   alignas(16) float part[kWarps][kTileN];
   float inv[kTileN];
 
-  // scale: the scales' row for this block's run (length N); n_block: the block's first column.
+  // scale: the scales' row for this block's run (length ceil(N / Group)); n_block: the block's first
+  // column (a multiple of kTileN).
   CUTLASS_DEVICE void finish(float const (&amax)[kVec], int warp, int lane, float* scale, int64_t n_block,
                              int64_t N, float (&mult)[kVec]) {
     CUTLASS_PRAGMA_UNROLL
@@ -172,10 +177,12 @@ struct ColumnScales {
     float a = 0.0f;
     CUTLASS_PRAGMA_UNROLL
     for (int w = 0; w < kWarps; ++w) a = coda::quant::nan_max(a, part[w][t]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int d = 1; d < Group; d <<= 1) a = coda::quant::nan_max(a, __shfl_xor_sync(0xffffffffu, a, d));
     float s, iv;
     coda::quant::scales<T, Pow2>(a, s, iv);
     inv[t] = iv;
-    if (n_block + t < N) scale[n_block + t] = s;
+    if (n_block + t < N && t % Group == 0) scale[(n_block + t) / Group] = s;
     __syncthreads();
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kVec; ++i) mult[i] = inv[lane * kVec + i];

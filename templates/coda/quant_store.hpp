@@ -301,14 +301,22 @@ struct QuantRowStore : NoWorkspace {
 // ------------------------------------------------------------------------------------------------
 // The transpose, [cols, rows]: Block == 0 stores the value as it comes (already scaled: per-tensor
 // quantisation, or any dtype); Block == TileM quantises each column's run over the tile's rows.
+// Group > 1: Group neighbouring output columns (stored rows) share one scale per run, the max of
+// their runs' amaxes: Group x 128 blocks of the stored transpose, scale[run][stored row / Group].
+// A group lies inside one epilogue subtile, so it costs a few shuffles over the per-column path.
 // ------------------------------------------------------------------------------------------------
-template <class Element, class CtaTileShapeMNK, class EpilogueTile, int Threads, int Block, bool Half, bool Pow2>
+template <class Element, class CtaTileShapeMNK, class EpilogueTile, int Threads, int Block, bool Half, bool Pow2,
+          int Group = 1>
 struct TransposedStore {
   static constexpr int TileM = cute::size<0>(CtaTileShapeMNK{});
   static constexpr int EpiN = cute::size<1>(EpilogueTile{});
   static constexpr int Warps = Threads / 32;
   static_assert(Block == 0 || Block == TileM,
                 "coda quantised transposed store: 128 x 1 runs need a CTA tile exactly 128 rows high");
+  static constexpr int GroupCols = Group * (Half ? 2 : 1);   // tile columns of one group
+  static_assert(Group == 1 || (Block != 0 && EpiN % GroupCols == 0 && 32 % GroupCols == 0),
+                "coda quantised transposed store: a column group must lie inside one epilogue subtile and one "
+                "warp's lanes (lower/kinds/quantized.py checks the configuration)");
   static_assert(TileM % 16 == 0, "coda transposed store: the tile's rows are written in 16-byte runs");
 
   static constexpr int OutCols = Half ? EpiN / 2 : EpiN;    // output rows (tile columns) of one subtile
@@ -444,17 +452,25 @@ struct TransposedStore {
             if ((lane & lane_mask) == 0) smem->amax[warp][uo(j) % EpiN] = v;
           }
           synchronize();
-          // one thread per column: the max over the warps, the scale (to global) and the multiplier
+          // one thread per column: the max over the warps (and over its group's columns: whole warps
+          // shuffle), the scale (to global) and the multiplier
           int const thread = warp * 32 + lane;
-          if (thread < EpiN) {
+          if (thread < (EpiN + 31) / 32 * 32) {
             float a = 0.0f;
-            CUTLASS_PRAGMA_UNROLL
-            for (int w = 0; w < Warps; ++w) a = quant::nan_max(a, smem->amax[w][thread]);
-            float s, inv;
-            quant::scales<Element, Pow2>(a, s, inv);
-            smem->inv[thread] = inv;
-            int n = n_tile * cute::size<1>(CtaTileShapeMNK{}) + epi_n * EpiN + thread;
-            if (n < N && (!Half || n % 2 == 0)) p.scale[int64_t(m_tile) * p.scale_ld + (Half ? n / 2 : n)] = s;
+            if (thread < EpiN) {
+              CUTLASS_PRAGMA_UNROLL
+              for (int w = 0; w < Warps; ++w) a = quant::nan_max(a, smem->amax[w][thread]);
+            }
+            if constexpr (Group > 1) a = quant::shuffle_max(a, GroupCols - 1);
+            if (thread < EpiN) {
+              float s, inv;
+              quant::scales<Element, Pow2>(a, s, inv);
+              smem->inv[thread] = inv;
+              int n = n_tile * cute::size<1>(CtaTileShapeMNK{}) + epi_n * EpiN + thread;
+              if (n < N && n % GroupCols == 0) {
+                p.scale[int64_t(m_tile) * p.scale_ld + (Half ? n / 2 : n) / Group] = s;
+              }
+            }
           }
           synchronize();
           CUTLASS_PRAGMA_UNROLL

@@ -63,6 +63,7 @@ CASES: tuple[Fp8Case, ...] = (
     Fp8Case("norm_stats_block", E.residual_norm_stats, {"dtype": E4, "scaling": "block"}, _resid_g),
     Fp8Case("swiglu_row", E.swiglu, {"dtype": E4, "scaling": "row"}, _r),
     Fp8Case("swiglu_block", E.swiglu, {"dtype": E4, "scaling": "block"}, _r),
+    Fp8Case("identity_block_16x128", E.identity, {"dtype": E4, "scaling": "block_16x128"}, _none),
     Fp8Case("lm_head_lse_block_1x128_mixed", E.lm_head_lse, {"dtype": (E4, E5), "scaling": "block_1x128"}, _lse),
     Fp8Case("identity_tensor_e5m2_x_e4m3", E.identity, {"dtype": (E5, E4)}, _none),
     Fp8Case("identity_tensor_e5m2", E.identity, {"dtype": E5}, _none),

@@ -1,4 +1,4 @@
-"""The FP8 Llama block and model (nn.fp8, recipes "blockwise" and "tensorwise") on a Hopper GPU
+"""The FP8 Llama block and model (nn.fp8, recipes "blockwise", "blockwise_g16" and "tensorwise") on a Hopper GPU
 (skips cleanly without an sm_90 GPU): the compiled kernels against the reference interpreter running
 the same FP8 math on the same GPU (the CPU tests' path), and against the bf16 block; the backward
 started every way users start it; a model that trains. The CPU halves are tests/test_fp8_block.py and test_fp8_kernels.py.
@@ -42,7 +42,7 @@ def run(block: LlamaBlock, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Ten
     return y.detach(), xi.grad, {n: p.grad.clone() for n, p in block.named_parameters()}
 
 
-RECIPES = ("blockwise", "tensorwise")
+RECIPES = ("blockwise", "blockwise_g16", "tensorwise")
 
 
 @pytest.fixture(scope="module", params=RECIPES)

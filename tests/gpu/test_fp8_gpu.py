@@ -1,6 +1,6 @@
 """FP8 kernels on the GPU (skips cleanly without an sm_90 GPU): every case of fp8_cases.py against
 the reference at the usual shapes, with poisoned outputs, every scaling (tensor, row, block,
-block_1x128), e4m3, e5m2 and mixed operands, batched inputs, the call checks that need CUDA
+block_1x128, block_16x128), e4m3, e5m2 and mixed operands, batched inputs, the call checks that need CUDA
 tensors, torch.compile, and the tuner over FP8 candidates.
 
 The error rule is the suite's (docs/TRANSFORMER_MATH.md): for every output

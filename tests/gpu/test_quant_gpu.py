@@ -260,3 +260,62 @@ def test_map_kernel_transposed_block_scaled_outputs_are_exact(shape):
     assert out["qt_scale"].shape == (N, -(-M // 128)) and out["qt_scale"].float().isnan().sum() == 1
     k2 = cc.compile_map(map_column_blocks_fp32, torch.bfloat16)
     _check_exact(k2(X), cc.map_reference(map_column_blocks_fp32, X), f"map column blocks fp32 scales {shape}")
+
+
+@cc.epilogue
+def rows_and_grouped_t(acc, r: cc.PerRow, t: cc.Tile):
+    y = acc * r + t
+    return {"q": cc.quantize(y, block=128), "qt": cc.quantize(y, block=128, transpose=True, group=16)}
+
+
+@pytest.mark.parametrize("config", [COOP, PING], ids=["cooperative", "pingpong"])
+@pytest.mark.parametrize("shape", [(1024, 512, 256), (1000, 392, 256), (128, 128, 64)])
+def test_grouped_transposed_copies_are_exact(shape, config):
+    """Transposed copies with one scale per 16 columns and 128 rows (cc.quantize(..., group=16)): codes
+    and scales bit for bit the reference, a partial last group (392 = 24 x 16 + 8) and run
+    (1000 rows), an inf making its group's run (and only it) NaN."""
+    M, N, K = shape
+    k = cc.compile_epilogue(rows_and_grouped_t, torch.bfloat16, config=config)
+    A, W, ops = _integer_inputs(M, N, K, seed=3 * M + N)
+    ops["t"][min(M - 1, 130), min(N - 1, 37)] = float("inf")
+    out = k(A, W, **ops)
+    ref = cc.reference(rows_and_grouped_t, A, W, **ops)
+    _check_exact(out, ref, f"grouped {config.name()} {shape}")
+    assert out["qt_scale"].shape == (-(-N // 16), -(-M // 128)) and int(out["qt_scale"].isnan().sum()) == 1
+
+
+def test_grouped_half_width_swiglu_with_fp8_operands():
+    """The "blockwise_g16" recipe's gate/up kernel (FP8 operands, 1 x 128 / 128 x 128 scales): y^T in
+    16 x 128 blocks (32 tile columns), against the reference. Small integers make every product and
+    sum exact (in any order), so only silu's hardware exp2 lets a code at a rounding boundary land
+    one step away, as in test_half_width_swiglu_quantised_in_its_epilogue."""
+    from coda_cutlass import epilogues as E
+    from coda_cutlass import fp8
+    M, N, K = 1024, 1024, 512
+    g = torch.Generator(device="cuda").manual_seed(11)
+    ints = lambda *shape: torch.randint(-2, 3, shape, device="cuda", generator=g).float()   # noqa: E731
+    A8, sa = fp8.quantize(ints(M, K), E4M3, "block", "A", pow2=True)
+    W8, sb = fp8.quantize(ints(N, K), E4M3, "block", "W", pow2=True)
+    ops = {"scale_a": sa, "scale_b": sb, "r": torch.rand(M, device="cuda", generator=g) + 0.5}
+    k = cc.compile_epilogue(E.swiglu_fp8_g16, E4M3, scaling="block")
+    out, ref = k(A8, W8, **ops), k.reference(A8, W8, **ops)
+    same = out["yt_scale"] == ref["yt_scale"]
+    assert out["yt_scale"].shape == (N // 2 // 16, M // 128) and same.float().mean() > 0.99
+    in_same = same.repeat_interleave(16, 0).repeat_interleave(128, 1)
+    differ = (out["yt"].float() != ref["yt"].float()) & in_same
+    steps = (out["yt"].view(torch.uint8).int() - ref["yt"].view(torch.uint8).int()).abs()
+    assert differ.float().mean() < 5e-3 and (not differ.any() or int(steps[differ].max()) <= 1)
+    print(f"yt: {int(differ.sum())} of {differ.numel()} codes one step apart; {int((~same).sum())} scales differ")
+
+
+@pytest.mark.parametrize("shape", [(4096, 1024), (1000, 392)])
+def test_map_kernel_grouped_transposed_copies_are_exact(shape):
+    from coda_cutlass import epilogues as E
+    M, N = shape
+    g = torch.Generator(device="cuda").manual_seed(5 * M + N)
+    X = (torch.randn(M, N, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    X[min(M - 1, 300), min(N - 1, 40)] = float("nan")
+    k = cc.compile_map(E.quantize_rows_t_g16, torch.bfloat16)
+    out, ref = k(X), cc.map_reference(E.quantize_rows_t_g16, X)
+    _check_exact(out, ref, f"map grouped {shape}")
+    assert out["qt_scale"].shape == (-(-N // 16), -(-M // 128)) and int(out["qt_scale"].isnan().sum()) == 1

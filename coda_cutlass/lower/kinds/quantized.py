@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...config import KernelConfig
+from ...config import KernelConfig, epilogue_tile
 from ...ir.nodes import HALF_LAYOUTS, TRANSPOSED_LAYOUTS, Node
 from ..graph import VisitorNode
 from .base import LowerContext, NodeKind, Staging, element
@@ -81,16 +81,26 @@ class TransposedStore(NodeKind):
         block = n.attr("block", 0) if n.attr("quant") == "block" else 0
         scale = ctx.slot(f"{n.attr('name')}_scale").index if block else None
         return {"slot": slot.index, "element": element(slot), "scale": scale, "block": block,
-                "half": n.attr("layout") in HALF_LAYOUTS, "pow2": bool(n.attr("pow2"))}
+                "half": n.attr("layout") in HALF_LAYOUTS, "pow2": bool(n.attr("pow2")),
+                "group": n.attr("group", 1) if block else 1}
 
     def config_problem(self, v: VisitorNode, config: KernelConfig) -> str | None:
-        b = v.params["block"]
+        b, g = v.params["block"], v.params["group"]
         if b and config.tile_m != b:
             return f"its {b} x 1 scale runs are the tile's rows: tile_m must be {b}, got {config.tile_m}"
+        if g != 1:
+            cols = g * (2 if v.params["half"] else 1)
+            epi_n = epilogue_tile(config)[1]
+            if epi_n % cols or cols > 32:
+                what = f" ({g} half-width output columns are {cols} tile columns)" if v.params["half"] else ""
+                return (f"its groups of {g} columns sharing a scale must lie inside one epilogue subtile{what}: the "
+                        f"epilogue tile's N must be a multiple of {cols} (and {cols} <= 32), got {epi_n}")
         return None
 
     def comment(self, v: VisitorNode, plan: "KernelPlan") -> str:
-        b = v.params["block"]
+        b, g = v.params["block"], v.params["group"]
+        if b and g != 1:
+            return f"{v.comment}: transposed, {g}x{b} block scales (groups of {g} columns), staged in shared memory"
         if b:
             return f"{v.comment}: transposed, {b}x1 scales, staged in shared memory"
         return f"{v.comment}: transposed" + (", staged in shared memory" if self._staged(v) else " from registers")
@@ -104,7 +114,8 @@ class TransposedStore(NodeKind):
         p = v.params
         threads = EPILOGUE_THREADS[plan.config.schedule]
         return (f"coda::TransposedStore<{p['element'].cpp}, TileShape, typename EpilogueDescriptor::EpilogueTile, "
-                f"{threads}, /*Block=*/{p['block']}, /*Half=*/{_bool(p['half'])}, /*Pow2=*/{_bool(p['pow2'])}>")
+                f"{threads}, /*Block=*/{p['block']}, /*Half=*/{_bool(p['half'])}, /*Pow2=*/{_bool(p['pow2'])}"
+                + (f", /*Group=*/{p['group']}>" if p["group"] != 1 else ">"))
 
     def arguments(self, v: VisitorNode, plan: "KernelPlan") -> str:
         return _store_arguments(v.params)

@@ -1,7 +1,9 @@
-"""An FP8 Llama block's forward and backward (recipe "blockwise"), written once over a ``Runner`` as
-the bf16 block is (nn/functional.py): every linear's forward, dX and dW GEMM reads FP8 operands,
-and every operand is quantised by the kernel that produces it (epilogues/fp8_block.py) where that
-kernel is a GEMM or a map kernel; attention stays bf16 (SDPA).
+"""An FP8 Llama block's forward and backward (recipes "blockwise" and "blockwise_g16"), written once
+over a ``Runner`` as the bf16 block is (nn/functional.py): every linear's forward, dX and dW GEMM
+reads FP8 operands, and every operand is quantised by the kernel that produces it
+(epilogues/fp8_block.py, fp8_block_grouped.py) where that kernel is a GEMM or a map kernel;
+attention stays bf16 (SDPA). Which program and scaling each site runs is the recipe's site list
+(kernels.py).
 
 Each activation or gradient travels as an ``Fp8Operand``: its 1 x 128 codes and scales (the A of the
 GEMM that consumes it) and its transposed copy with 128 x 1 scales (the A or W of the weight-gradient
@@ -21,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ... import epilogues as E
 from ...errors import CallError
 from ..stats import row_mean, rstd
+from .kernels import gemm_sites, map_sites
 from .recipe import Fp8Recipe
 from .weights import Fp8Weights
 
@@ -31,36 +33,45 @@ from .weights import Fp8Weights
 @dataclass
 class Fp8Operand:
     """An (M, N) activation or gradient in FP8: ``q`` (M, N) with ``s`` (M, N/128) 1 x 128 scales,
-    and ``qt`` (N, M) with ``st`` (N, M/128): the transposed copy, 128 x 1 runs of the original."""
+    and ``qt`` (N, M) with ``st`` (N / group, M/128): the transposed copy, 128 x 1 runs of the
+    original (``group`` > 1: one scale per run of ``group`` neighbouring columns, recipe
+    ``"blockwise_g16"``'s activations)."""
     q: torch.Tensor
     s: torch.Tensor
     qt: torch.Tensor
     st: torch.Tensor
+    group: int = 1
 
     @classmethod
-    def of(cls, out: dict[str, torch.Tensor], name: str, tname: str) -> "Fp8Operand":
-        return cls(out[name], out[f"{name}_scale"], out[tname], out[f"{tname}_scale"])
+    def of(cls, out: dict[str, torch.Tensor], name: str, tname: str, group: int = 1) -> "Fp8Operand":
+        return cls(out[name], out[f"{name}_scale"], out[tname], out[f"{tname}_scale"], group)
 
 
-def quantize_operand(step: Any, site: str, x: torch.Tensor) -> Fp8Operand:
+def _map(step: Any, site: str, x: torch.Tensor, **operands: Any) -> dict:
+    program, partial = map_sites(step.fp8)[site]
+    return step.runner.map(site, program, x, partial=partial, **operands)
+
+
+def quantize_operand(step: Any, site: str, x: torch.Tensor, activation: bool = False) -> Fp8Operand:
     """An operand no GEMM epilogue quantised: both copies by one map kernel (e4m3, power-of-two
-    scales: the blockwise recipe's only formats, Fp8Recipe checks)."""
-    return Fp8Operand.of(step.runner.map(site, E.quantize_rows_t, x), "q", "qt")
+    scales: the blockwise recipe's only formats, Fp8Recipe checks). ``activation``: the operand is
+    a weight gradient's W (its transposed copy in the recipe's wgrad groups)."""
+    return Fp8Operand.of(_map(step, site, x), "q", "qt", step.fp8.wgrad_group if activation else 1)
 
 
 def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Fp8Operand, torch.Tensor]:
     """(h, r) of the stream entering the first block: h = x * g quantised by one map kernel."""
     check_tokens(x.shape[0])
-    out = step.runner.map("norm0", E.norm_stats_fp8, x, partial=True, g=g)
-    return Fp8Operand.of(out, "h", "ht"), rstd(out["sumsq"], step.dims.dim, step.dims.eps)
+    out = _map(step, "norm0", x, g=g)
+    return Fp8Operand.of(out, "h", "ht", step.fp8.wgrad_group), rstd(out["sumsq"], step.dims.dim, step.dims.eps)
 
 
 # The norm-backward dX GEMMs write dx in bf16 and a map kernel (+ the transposed copy) quantises it:
 # measured on the H200 (8B widths, M = 8192, in the block's sequence) the fused norm_backward_fp8
 # epilogue took 2000 us at the QKV dX site (the FP8 GEMM alone: ~300 us; its kernel keeps a 1.8 KB
 # stack frame, from the dgamma column sum), against ~350 + 245 us for this pair. docs/FP8.md.
-# dgamma: the column sums of acc * x, in fp32 outside the epilogue (norm_backward_ax).
-DGRAD_NORM = E.norm_backward_ax
+# dgamma: the column sums of acc * x, in fp32 outside the epilogue (norm_backward_ax, listed at both
+# sites in kernels.py).
 
 
 def dgamma_of(step: Any, site: str, ax: torch.Tensor) -> torch.Tensor:
@@ -74,9 +85,14 @@ def check_tokens(M: int) -> None:
                         f"GEMMs' K, read in 128-deep blocks), got {M}")
 
 
-def _gemm(step: Any, site: str, program: Any, a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor,
-          sw: torch.Tensor, kinds: tuple[str, str], scaling: str = "block", **operands: Any) -> dict:
+def _gemm(step: Any, site: str, a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
+          **operands: Any) -> dict:
+    """The GEMM of ``site`` with its program, operand formats, scaling and partial reductions from
+    the recipe's site list (nn/fp8/kernels.py: what prebuilds and tuning see is what runs)."""
     rec: Fp8Recipe = step.fp8
+    program, kinds, scaling, partial = gemm_sites(rec)[site]
+    if partial:
+        operands["partial"] = True
     return step.runner.gemm(site, program, a, w, fp8=rec.gemm(kinds, scaling), scale_a=sa, scale_b=sw,
                             **operands)
 
@@ -89,29 +105,24 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
     d = step.dims
     check_tokens(x.shape[0])
     wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
-    qkv = _gemm(step, "qkv", E.rope, h.q, h.s, wqkv.w, wqkv.scale, ("activation", "weight"),        # F4
-                r=r, pos=step.pos, freq=step.freq)["D"]
+    group = step.fp8.wgrad_group            # activations' transposed copies: the weight gradients' W
+    qkv = _gemm(step, "qkv", h.q, h.s, wqkv.w, wqkv.scale, r=r, pos=step.pos, freq=step.freq)["D"]    # F4
     o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
-    oq = quantize_operand(step, "o.quant", o)
-    f1 = _gemm(step, "o", E.residual_norm_stats_fp8, oq.q, oq.s, wo.w, wo.scale, ("activation", "weight"),  # F1
-               partial=True, resid=x, g=w.mlp_norm)
-    x1, h1 = f1["D"], Fp8Operand.of(f1, "h", "ht")
+    oq = quantize_operand(step, "o.quant", o, activation=True)
+    f1 = _gemm(step, "o", oq.q, oq.s, wo.w, wo.scale, resid=x, g=w.mlp_norm)                        # F1
+    x1, h1 = f1["D"], Fp8Operand.of(f1, "h", "ht", group)
     r1 = rstd(f1["sumsq"], d.dim, d.eps)                                                       # R1
-    f2 = _gemm(step, "gate_up", E.swiglu_fp8, h1.q, h1.s, wgu.w, wgu.scale, ("activation", "weight"),  # F2
-               r=r1)
-    yq = step.runner.map("y.quant", E.quantize_rows, f2["y"])   # 1 x 128 runs of y: 256 tile columns
-    z, y = f2["z"], Fp8Operand(yq["q"], yq["q_scale"], f2["yt"], f2["yt_scale"])
+    f2 = _gemm(step, "gate_up", h1.q, h1.s, wgu.w, wgu.scale, r=r1)                                  # F2
+    yq = _map(step, "y.quant", f2["y"])                         # 1 x 128 runs of y: 256 tile columns
+    z, y = f2["z"], Fp8Operand(yq["q"], yq["q_scale"], f2["yt"], f2["yt_scale"], group)
     if g_next is None:                                                                         # F3
-        x2 = _gemm(step, "down.last", E.residual_add, y.q, y.s, wd.w, wd.scale, ("activation", "weight"),
-                   resid=x1)["D"]
+        x2 = _gemm(step, "down.last", y.q, y.s, wd.w, wd.scale, resid=x1)["D"]
         h2 = r2 = None
     elif next_fp8:
-        f3 = _gemm(step, "down", E.residual_norm_stats_fp8, y.q, y.s, wd.w, wd.scale, ("activation", "weight"),
-                   partial=True, resid=x1, g=g_next)
-        x2, h2, r2 = f3["D"], Fp8Operand.of(f3, "h", "ht"), rstd(f3["sumsq"], d.dim, d.eps)   # R2
+        f3 = _gemm(step, "down", y.q, y.s, wd.w, wd.scale, resid=x1, g=g_next)
+        x2, h2, r2 = f3["D"], Fp8Operand.of(f3, "h", "ht", group), rstd(f3["sumsq"], d.dim, d.eps)   # R2
     else:
-        f3 = _gemm(step, "down.to_bf16", E.residual_norm_stats, y.q, y.s, wd.w, wd.scale, ("activation", "weight"),
-                   partial=True, resid=x1, g=g_next)
+        f3 = _gemm(step, "down.to_bf16", y.q, y.s, wd.w, wd.scale, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)
     return x2, h2, r2, (x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx)
 
@@ -124,40 +135,34 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
     wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
     if dx2q is None:                  # a gradient no coda epilogue quantised (the LM head's, a user's)
         dx2q = quantize_operand(step, "dx2.quant", dx2)
-    grad_w = ("gradient", "weight")
     # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
-    b4 = _gemm(step, "down.dgrad", E.swiglu_backward_scaled, dx2q.q, dx2q.s, wd.wt, wd.scale_t, grad_w,  # B4
-               partial=True, z=z, r=r1)
-    d_down = _gemm(step, "down.wgrad", E.identity, dx2q.qt, dx2q.st, y.qt, y.st, ("gradient", "activation"),  # B5
-                   scaling="block_1x128")["D"]
+    b4 = _gemm(step, "down.dgrad", dx2q.q, dx2q.s, wd.wt, wd.scale_t, z=z, r=r1)                     # B4
+    d_down = _gemm(step, "down.wgrad", dx2q.qt, dx2q.st, y.qt, y.st)["D"]                            # B5
     c1 = row_mean(b4["zdz"], d.dim)
     dzq = quantize_operand(step, "dz.quant", b4["dz"])
-    b6 = _gemm(step, "gate_up.dgrad", DGRAD_NORM, dzq.q, dzq.s, wgu.wt, wgu.scale_t, grad_w,  # B6
-               partial=True, x=x1, r=r1, c=c1, g=w.mlp_norm, dres=dx2)
+    b6 = _gemm(step, "gate_up.dgrad", dzq.q, dzq.s, wgu.wt, wgu.scale_t, x=x1, r=r1, c=c1, g=w.mlp_norm,  # B6
+               dres=dx2)
     dx1 = b6["dx"]
     dx1q = quantize_operand(step, "dx1.quant", dx1)
-    d_gate_up = _gemm(step, "gate_up.wgrad", E.identity, dzq.qt, dzq.st, h1.qt, h1.st,                 # B7
-                      ("gradient", "activation"), scaling="block_1x128")["D"]
+    d_gate_up = _gemm(step, "gate_up.wgrad", dzq.qt, dzq.st, h1.qt, h1.st)["D"]                     # B7
     # ---- attention: out-proj dX and dW, attention backward in bf16, the RoPE backward map kernels
-    d_attn = _gemm(step, "o.dgrad", E.identity, dx1q.q, dx1q.s, wo.wt, wo.scale_t, grad_w)["D"]      # B8
-    d_o = _gemm(step, "o.wgrad", E.identity, dx1q.qt, dx1q.st, oq.qt, oq.st, ("gradient", "activation"),  # B9
-                scaling="block_1x128")["D"]
+    d_attn = _gemm(step, "o.dgrad", dx1q.q, dx1q.s, wo.wt, wo.scale_t)["D"]                          # B8
+    d_o = _gemm(step, "o.wgrad", dx1q.qt, dx1q.st, oq.qt, oq.st)["D"]                                # B9
     grads = run.timed("attention.bwd", lambda: step.attention.backward(attn_ctx, d_attn))
     dqkv = torch.empty_like(qkv)
     zdz, start = [], 0
     for g4 in grads:                                                                           # B1
         width = g4.shape[2] * g4.shape[3]
         cols = slice(start, start + width)
-        res = run.map("rope.dgrad", E.rope_backward, g4, partial=True, out={"dz": dqkv[:, cols]},
-                      y=qkv[:, cols], r=r, pos=step.pos, freq=step.freq[cols])
+        res = _map(step, "rope.dgrad", g4, out={"dz": dqkv[:, cols]}, y=qkv[:, cols], r=r, pos=step.pos,
+                   freq=step.freq[cols])
         zdz.append(res["zdz"])
         start += width
     c = row_mean(torch.cat(zdz), d.dim)
     dqkvq = quantize_operand(step, "dqkv.quant", dqkv)
-    b2 = _gemm(step, "qkv.dgrad", DGRAD_NORM, dqkvq.q, dqkvq.s, wqkv.wt, wqkv.scale_t, grad_w,  # B2
-               partial=True, x=x, r=r, c=c, g=w.attn_norm, dres=dx1)
-    d_qkv = _gemm(step, "qkv.wgrad", E.identity, dqkvq.qt, dqkvq.st, h.qt, h.st, ("gradient", "activation"),  # B3
-                  scaling="block_1x128")["D"]
+    b2 = _gemm(step, "qkv.dgrad", dqkvq.q, dqkvq.s, wqkv.wt, wqkv.scale_t, x=x, r=r, c=c, g=w.attn_norm,  # B2
+               dres=dx1)
+    d_qkv = _gemm(step, "qkv.wgrad", dqkvq.qt, dqkvq.st, h.qt, h.st)["D"]                            # B3
     grads_w = {"qkv": d_qkv, "o": d_o, "gate_up": d_gate_up, "down": d_down,
                "attn_norm": dgamma_of(step, "qkv.dgamma", b2["ax"]),
                "mlp_norm": dgamma_of(step, "gate_up.dgamma", b6["ax"])}

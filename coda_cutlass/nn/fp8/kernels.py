@@ -52,9 +52,24 @@ TENSOR_GEMM_SITES: dict[str, tuple[Any, tuple[str, str], str, bool]] = {
 # map kernels (16-bit input): site -> (program, partial reductions)
 MAP_SITES: dict[str, tuple[Any, bool]] = {
     "norm0": (E.norm_stats_fp8, True),
-    "o.quant": (E.quantize_rows_t, False),        # every ".quant" site but y's: o, dz, dx, dqkv, h, a gradient
+    "o.quant": (E.quantize_rows_t, False),        # activations: the attention output, a block's incoming h
+    "h.quant": (E.quantize_rows_t, False),
     "y.quant": (E.quantize_rows, False),          # y^T comes from the gate/up epilogue
     "rope.dgrad": (E.rope_backward, True),
+    **{f"{g}.quant": (E.quantize_rows_t, False) for g in ("dx2", "dz", "dx1", "dqkv", "dx")},   # gradients
+}
+
+# recipe "blockwise_g16": the activations' transposed copies in 16 x 128 blocks (their producers'
+# "_g16" programs, epilogues/fp8_block_grouped.py), read by the weight gradients as 16 x 128 W scales
+_G16_PROGRAMS = {"o": E.residual_norm_stats_fp8_g16, "down": E.residual_norm_stats_fp8_g16,
+                 "gate_up": E.swiglu_fp8_g16}
+G16_GEMM_SITES: dict[str, tuple[Any, tuple[str, str], str, bool]] = {
+    site: (_G16_PROGRAMS.get(site, program), kinds, "block_16x128" if site.endswith(".wgrad") else scaling, partial)
+    for site, (program, kinds, scaling, partial) in GEMM_SITES.items()
+}
+G16_MAP_SITES: dict[str, tuple[Any, bool]] = {
+    **MAP_SITES, "norm0": (E.norm_stats_fp8_g16, True), "o.quant": (E.quantize_rows_t_g16, False),
+    "h.quant": (E.quantize_rows_t_g16, False),
 }
 TENSOR_MAP_SITES: dict[str, tuple[Any, bool]] = {
     "norm0": (E.norm_stats, True),                # the first block quantises its h itself ("h.quant")
@@ -64,11 +79,15 @@ TENSOR_MAP_SITES: dict[str, tuple[Any, bool]] = {
 
 
 def gemm_sites(recipe: Fp8Recipe) -> dict[str, tuple[Any, tuple[str, str], str, bool]]:
-    return TENSOR_GEMM_SITES if recipe.scaling == "tensor" else GEMM_SITES
+    if recipe.scaling == "tensor":
+        return TENSOR_GEMM_SITES
+    return G16_GEMM_SITES if recipe.wgrad_group == 16 else GEMM_SITES
 
 
 def map_sites(recipe: Fp8Recipe) -> dict[str, tuple[Any, bool]]:
-    return TENSOR_MAP_SITES if recipe.scaling == "tensor" else MAP_SITES
+    if recipe.scaling == "tensor":
+        return TENSOR_MAP_SITES
+    return G16_MAP_SITES if recipe.wgrad_group == 16 else MAP_SITES
 
 
 def prebuild_items(recipe: Fp8Recipe) -> list[tuple[Any, dict]]:
@@ -88,5 +107,5 @@ def prebuild_items(recipe: Fp8Recipe) -> list[tuple[Any, dict]]:
 
 def map_items(recipe: Fp8Recipe, dtype: torch.dtype = torch.bfloat16) -> list[tuple[Any, dict]]:
     """(program, options) of every distinct map kernel of ``recipe``, for ``cc.compile_map``."""
-    sites = map_sites(recipe).values()
+    sites = map_sites(recipe).values()      # one kernel per program (several sites share one)
     return [(p, {"dtype": dtype, "partial_reductions": partial}) for p, partial in dict(sites).items()]

@@ -54,9 +54,9 @@ class BlockwisePath(Path):
         return blockwise.block_backward_fp8(step, saved, w, self.weights, dx2, q)
 
     def quantize_input(self, step, h):
-        if isinstance(h, blockwise.Fp8Operand):
+        if isinstance(h, blockwise.Fp8Operand) and h.group == step.fp8.wgrad_group:
             return h
-        return blockwise.quantize_operand(step, "h.quant", _bf16(h, step.dtype or torch.bfloat16))
+        return blockwise.quantize_operand(step, "h.quant", _bf16(h, step.dtype or torch.bfloat16), activation=True)
 
 
 class TensorwisePath(Path):

@@ -5,6 +5,12 @@ granularity and format), so the block code takes a recipe, never flags.
   weights in 128 x 128 tiles, fp32 dequantisation scales rounded up to powers of two; every scale
   is computed from the tensor it scales (nothing delayed), inside the epilogue that produces it
   where the run lies inside the tile (``cc.quantize(..., block=128)``).
+- ``"blockwise_g16"``: ``"blockwise"`` with one change: the weight-gradient GEMMs' activation
+  operand (the transposed copies of h, o and y) shares one scale per 16 channels and 128 tokens
+  (``cc.quantize(..., transpose=True, group=16)``), so those GEMMs read 16 x 128 W scales
+  (``scaling="block_16x128"``) instead of 1 x 128 on both operands. Gradients keep 1 x 128 runs
+  along their GEMMs' K everywhere (DeepSeek-V3 reports that 128 x 128 blocks for activation
+  gradients made a ~16B MoE model diverge).
 - ``"tensorwise"``: one scale per tensor, delayed (Transformer Engine's DelayedScaling): each
   quantised tensor's scale comes from the largest amax of its last ``history`` steps, which the
   epilogue that quantises it reports beside the codes; a tensor's first step runs its producing
@@ -23,6 +29,7 @@ from ...errors import ConfigError
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALINGS = ("block", "tensor")
+WGRAD_GROUPS = (1, 16)
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,9 @@ class Fp8Recipe:
     effect) or amax / fp8_max.
     ``history`` / ``margin`` ("tensor"): a delayed scale is the largest amax of the last ``history``
     steps times 2^margin, over fp8_max.
+    ``wgrad_group`` ("block"): 1, or 16: the activation operand of the weight-gradient GEMMs (h^T,
+    o^T, y^T, whose K is the token dimension) in 16 x 128 blocks (16 channels x 128 tokens) instead
+    of 1 x 128 runs; the weight-gradient GEMMs then run ``scaling="block_16x128"``.
     ``fast_accum`` ("tensor"): the FP8 GEMMs accumulate in the tensor cores' own precision instead
     of adding into fp32 every 128 of K (measured on the H200: 1.2x faster, and a GEMM error of
     ~3e-3 at K = 14336 against FP8's own ~5e-2; docs/RESULTS.md). Blockwise GEMMs always promote."""
@@ -49,6 +59,7 @@ class Fp8Recipe:
     history: int = 16
     margin: int = 0
     fast_accum: bool = False
+    wgrad_group: int = 1
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -61,6 +72,12 @@ class Fp8Recipe:
                               "mainloop applies its scales while it adds into fp32)")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= 8:
             raise ConfigError(f"FP8 recipe {self.name!r}: margin must be an int in 0..8, got {self.margin!r}")
+        if isinstance(self.wgrad_group, bool) or self.wgrad_group not in WGRAD_GROUPS:
+            raise ConfigError(f"FP8 recipe {self.name!r}: wgrad_group must be one of {WGRAD_GROUPS}, got "
+                              f"{self.wgrad_group!r}")
+        if self.wgrad_group != 1 and self.scaling != "block":
+            raise ConfigError(f"FP8 recipe {self.name!r}: wgrad_group applies to blockwise scaling (per-tensor "
+                              "scales need no blocks)")
         for what in ("activation", "gradient", "weight"):
             if getattr(self, what) not in (E4M3, E5M2):
                 raise ConfigError(f"FP8 recipe {self.name!r}: {what} format must be torch.float8_e4m3fn or "
@@ -85,6 +102,7 @@ class Fp8Recipe:
 
 RECIPES: dict[str, Fp8Recipe] = {
     "blockwise": Fp8Recipe("blockwise"),
+    "blockwise_g16": Fp8Recipe("blockwise_g16", wgrad_group=16),
     "tensorwise": Fp8Recipe("tensorwise", scaling="tensor", fast_accum=True),
 }
 
