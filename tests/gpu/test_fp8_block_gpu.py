@@ -45,6 +45,23 @@ def run(block: LlamaBlock, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Ten
 RECIPES = ("blockwise", "blockwise_g16", "tensorwise")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def prebuilt():
+    """Every kernel these tests launch, built first with one nvcc per core (the blocks would
+    otherwise compile them one at a time on first use: ~10 minutes on a cold cache)."""
+    from coda_cutlass.nn import kernels as bf16_kernels
+    from coda_cutlass.nn.fp8 import RECIPES as ALL
+    from coda_cutlass.nn.fp8.kernels import map_items, prebuild_items
+    items = bf16_kernels.prebuild_items((BF16,))
+    maps = []
+    for name in RECIPES:
+        items += prebuild_items(ALL[name])
+        maps += map_items(ALL[name])
+    cc.compile_many(items)
+    for program, options in maps:
+        cc.compile_map(program, **options)
+
+
 @pytest.fixture(scope="module", params=RECIPES)
 def outputs(request):
     g = torch.Generator(device="cuda").manual_seed(1)
