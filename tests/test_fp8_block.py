@@ -170,3 +170,30 @@ def test_a_grouped_block_takes_a_blockwise_blocks_operand_by_quantising_it_again
                                                            h.t().to(torch.float8_e4m3fn), torch.ones(256, 1)))
     assert run.sites == ["h.quant"] and q.group == 16 and q.st.shape == (16, 1)
     assert BlockwisePath(None).quantize_input(step, q) is q
+
+
+def test_blockwise_blocks_report_their_operands_scales_when_asked():
+    for recipe in ("blockwise", "blockwise_g16"):
+        b = _block(recipe)
+        x = torch.randn(1, 128, 256).to(BF16).requires_grad_()
+        b(x).backward(torch.randn(1, 128, 256).to(BF16))
+        assert b.fp8_stats() == {}                       # off by default
+        b.track_fp8_stats()
+        x.grad = None
+        b(x).backward(torch.randn(1, 128, 256).to(BF16))
+        st = b.fp8_stats()
+        assert set(st) == {"h", "o", "h1", "y", "dx2", "dz", "dx1", "dqkv", "dx"}, set(st)
+        for name, s in st.items():
+            assert 0 < s["min_scale"] <= s["max_scale"] and s["nonfinite_runs"] == 0, (name, s)
+        # power-of-two scales: the largest |dx| lies in (bound / 2, bound]
+        amax = float(x.grad.float().abs().max())
+        assert st["dx"]["amax_bound"] / 2 < amax <= st["dx"]["amax_bound"], (amax, st["dx"])
+        b.track_fp8_stats(False)
+        assert b.fp8_stats() == {}
+    with pytest.raises(ConfigError, match="runs in 16 bits"):
+        _block(None).track_fp8_stats()
+    m = LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
+    m.track_fp8_stats()
+    tok = torch.randint(0, 512, (1, 128))
+    m(tok, tok).backward()
+    assert set(m.fp8_stats()) == {0} and m.fp8_stats()[0]["dz"]["nonfinite_runs"] == 0

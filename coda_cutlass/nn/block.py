@@ -355,11 +355,18 @@ class LlamaBlock(nn.Module):
         return self.fp8_path().weights
 
     def fp8_stats(self) -> dict[str, Any]:
-        """Per quantised tensor of a "tensorwise" block: its amax history, scale and format (host
-        values: this waits for the GPU; call it for logging). Empty for other recipes or before the
-        first step."""
-        scales = self._fp8_scales()
-        return {} if scales is None else scales.stats()
+        """Per quantised tensor of a "tensorwise" block: its amax history, scale and format; of a
+        blockwise block that tracks them (``track_fp8_stats``): each operand's largest and smallest
+        block scale in the last step, the bound on its amax they give, and its non-finite runs
+        (nn/fp8/block_stats.py). Host values: this waits for the GPU; call it for logging. Empty for
+        bf16 blocks or before the first step."""
+        return {} if self.fp8 is None else fp8_support.stats(self.fp8_path())
+
+    def track_fp8_stats(self, on: bool = True) -> None:
+        """Blockwise recipes: keep per-step scale statistics of every quantised operand for
+        ``fp8_stats`` (off by default: a few small reductions per operand and step). Per-tensor
+        recipes keep their amax histories anyway."""
+        fp8_support.track_stats(self.fp8, None if self.fp8 is None else self.fp8_path(), on)
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:
         """Tune this block's kernels inside its own forward + backward on (batch, seq) tokens,

@@ -117,9 +117,17 @@ class LlamaModel(nn.Module):
         return self.blocks[0].dims
 
     def fp8_stats(self) -> dict[int, dict[str, Any]]:
-        """Per FP8 "tensorwise" block (by index): each quantised tensor's amax history, scale and format
-        (LlamaBlock.fp8_stats; host values, so this waits for the GPU: call it for logging)."""
+        """Per FP8 block (by index): each quantised tensor's amax history, scale and format
+        ("tensorwise"), or each operand's last block scales ("blockwise" recipes, once
+        ``track_fp8_stats()`` is on); LlamaBlock.fp8_stats. Host values, so this waits for the GPU:
+        call it for logging."""
         return {i: st for i, b in enumerate(self.blocks) if b.fp8 is not None and (st := b.fp8_stats())}
+
+    def track_fp8_stats(self, on: bool = True) -> None:
+        """Every FP8 block keeps per-step scale statistics for ``fp8_stats`` (LlamaBlock.track_fp8_stats)."""
+        for b in self.blocks:
+            if b.fp8 is not None:
+                b.track_fp8_stats(on)
 
     def final_gain(self) -> torch.Tensor:
         """The final norm's gain: its weight plus norm_offset."""

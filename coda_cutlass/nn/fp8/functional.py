@@ -97,11 +97,20 @@ def _gemm(step: Any, site: str, a: torch.Tensor, sa: torch.Tensor, w: torch.Tens
                             **operands)
 
 
+def _note(stats: Any, operands: dict[str, Any]) -> None:
+    """Operands' 1 x 128 scales into the block's statistics, when it keeps them (block_stats.py)."""
+    if stats is not None:
+        for name, op in operands.items():
+            if isinstance(op, Fp8Operand):
+                stats.record(name, op.s)
+
+
 def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor, w: Any, wq: Fp8Weights,
-                      g_next: torch.Tensor | None, next_fp8: bool
+                      g_next: torch.Tensor | None, next_fp8: bool, stats: Any = None
                       ) -> tuple[torch.Tensor, Any, torch.Tensor | None, tuple]:
     """One FP8 block: (x2, h2, r2, saved). h2 is an Fp8Operand when the next consumer is an FP8
-    block (``next_fp8``), the bf16 h of the bf16 programs otherwise (the LM head), None at the end."""
+    block (``next_fp8``), the bf16 h of the bf16 programs otherwise (the LM head), None at the end.
+    ``stats``: a BlockScaleStats that records each quantised operand's scales."""
     d = step.dims
     check_tokens(x.shape[0])
     wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
@@ -124,11 +133,13 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
     else:
         f3 = _gemm(step, "down.to_bf16", y.q, y.s, wd.w, wd.scale, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)
+    _note(stats, {"h": h, "o": oq, "h1": h1, "y": y, "h2": h2})
     return x2, h2, r2, (x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx)
 
 
 def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: torch.Tensor,
-                       dx2q: Fp8Operand | None) -> tuple[torch.Tensor, Fp8Operand, dict[str, torch.Tensor]]:
+                       dx2q: Fp8Operand | None, stats: Any = None
+                       ) -> tuple[torch.Tensor, Fp8Operand, dict[str, torch.Tensor]]:
     """(dx, its FP8 copies for the previous block, the weight gradients by name)."""
     d, run = step.dims, step.runner
     x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx = saved
@@ -166,4 +177,6 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
     grads_w = {"qkv": d_qkv, "o": d_o, "gate_up": d_gate_up, "down": d_down,
                "attn_norm": dgamma_of(step, "qkv.dgamma", b2["ax"]),
                "mlp_norm": dgamma_of(step, "gate_up.dgamma", b6["ax"])}
-    return b2["dx"], quantize_operand(step, "dx.quant", b2["dx"]), grads_w
+    dxq = quantize_operand(step, "dx.quant", b2["dx"])
+    _note(stats, {"dx2": dx2q, "dz": dzq, "dx1": dx1q, "dqkv": dqkvq, "dx": dxq})
+    return b2["dx"], dxq, grads_w

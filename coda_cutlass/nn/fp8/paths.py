@@ -10,6 +10,7 @@ import torch
 
 from ...quantization import dequantize_blocks
 from . import functional as blockwise
+from .block_stats import BlockScaleStats
 from . import tensorwise
 from .delayed import DelayedScales
 from .weights import Fp8Weights
@@ -46,12 +47,14 @@ def _bf16(h: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 class BlockwisePath(Path):
+    stats: BlockScaleStats | None = None      # LlamaBlock.track_fp8_stats() sets one
+
     def forward(self, step, x, h, r, w, g_next, next_fp8):
-        return blockwise.block_forward_fp8(step, x, h, r, w, self.weights, g_next, next_fp8)
+        return blockwise.block_forward_fp8(step, x, h, r, w, self.weights, g_next, next_fp8, stats=self.stats)
 
     def backward(self, step, saved, w, dx2, dx2q):
         q = dx2q if isinstance(dx2q, blockwise.Fp8Operand) else None
-        return blockwise.block_backward_fp8(step, saved, w, self.weights, dx2, q)
+        return blockwise.block_backward_fp8(step, saved, w, self.weights, dx2, q, stats=self.stats)
 
     def quantize_input(self, step, h):
         if isinstance(h, blockwise.Fp8Operand) and h.group == step.fp8.wgrad_group:

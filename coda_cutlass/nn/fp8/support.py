@@ -12,18 +12,36 @@ from ..functional import BlockWeights, first_norm
 from ..precision import cast, no_autocast
 from . import functional as blockwise
 from .autograd import Fp8BlockFunction
+from .block_stats import BlockScaleStats
 from .paths import BlockwisePath, Path, TensorwisePath
 from .recipe import Fp8Recipe
 from .tensorwise import new_scales
 from .weights import Fp8Weights
 
-__all__ = ["check_block", "first_norm_fp8", "new_path", "run"]
+__all__ = ["check_block", "first_norm_fp8", "new_path", "run", "stats", "track_stats"]
 
 
 def new_path(recipe: Fp8Recipe) -> Path:
     """A block's per-recipe state: its FP8 weight copies (and delayed scales)."""
     weights = Fp8Weights(recipe)
     return TensorwisePath(weights, new_scales(recipe)) if recipe.scaling == "tensor" else BlockwisePath(weights)
+
+
+def track_stats(recipe: Fp8Recipe | None, path: Path | None, on: bool) -> None:
+    """Blockwise paths keep per-step scale statistics (block_stats.py) while ``on``; per-tensor ones
+    keep their amax histories anyway."""
+    if recipe is None or path is None:
+        raise ConfigError("track_fp8_stats: this block runs in 16 bits (fp8=None); there are no FP8 operands")
+    if isinstance(path, BlockwisePath):
+        path.stats = BlockScaleStats() if on else None
+
+
+def stats(path: Path) -> dict[str, Any]:
+    """What LlamaBlock.fp8_stats returns: the delayed scales' histories, or the tracked block scales."""
+    if isinstance(path, TensorwisePath):
+        return path.scales.stats()
+    tracked = getattr(path, "stats", None)
+    return {} if tracked is None else tracked.stats()
 
 
 def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Any, torch.Tensor]:
