@@ -179,7 +179,7 @@ def write_markdown(rows: list[dict], env: dict, unsupported: dict, path: Path) -
              "one by one in a shuffled order over 2 rotating input sets. Ratio: time / torch._scaled_mm of the "
              "same scaling and accumulation (`fast`: use_fast_accum=True); block scaling also / _scaled_mm "
              "tensorwise. Real epilogues are compared with the bare _scaled_mm GEMM.", "",
-             "| shape (N x K) | variant | config | us | TFLOP/s | reference | ref us | ratio | / tensorwise |",
+             "| shape (M x N x K) | variant | config | us | TFLOP/s | reference | ref us | ratio | / tensorwise |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["variant"].startswith("scaled_mm_"):
@@ -187,10 +187,10 @@ def write_markdown(rows: list[dict], env: dict, unsupported: dict, path: Path) -
         ratio = f"**{r['ratio']:.3f}**" if r.get("ratio") else "n/a"
         tw = f"{r['ratio_to_tensorwise']:.3f}" if r.get("ratio_to_tensorwise") else ""
         ref_us = f"{r['reference_us']:.1f}" if r.get("reference_us") else "n/a"
-        lines.append(f"| {r['shape']} {r['N']}x{r['K']} | {r['variant']} | {r['config']} | {r['us']:.1f} | "
+        lines.append(f"| {r['shape']} {r['M']}x{r['N']}x{r['K']} | {r['variant']} | {r['config']} | {r['us']:.1f} | "
                      f"{r['tflops']:.0f} | {r['reference']} | {ref_us} | {ratio} | {tw} |")
     lines += ["", "torch._scaled_mm alone:", "", "| shape | variant | us | TFLOP/s |", "|---|---|---|---|"]
-    lines += [f"| {r['shape']} {r['N']}x{r['K']} | {r['variant'][10:]} | {r['us']:.1f} | {r['tflops']:.0f} |"
+    lines += [f"| {r['shape']} {r['M']}x{r['N']}x{r['K']} | {r['variant'][10:]} | {r['us']:.1f} | {r['tflops']:.0f} |"
               for r in rows if r["variant"].startswith("scaled_mm_")]
     if unsupported:
         lines += ["", "Not supported by this torch (so not compared):", ""]
