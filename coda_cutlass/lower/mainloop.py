@@ -159,16 +159,15 @@ def check_fp8_config(f: Fp8Gemm, c: KernelConfig, program: str) -> None:
         gn = f.w_block[0]  # type: ignore[index]
         if c.tile_n % gn:
             raise bad(f"tile_n must be a multiple of the W scale block's {gn} rows")
-        if 1 < gn < c.tile_n and not (c.schedule == "cooperative" and overlapped_loop_chosen()):
-            # several W scale blocks per tile fail CUTLASS 4.2's static assertion "Accumulator and
-            # scaleB must have same shape" (fp8_accumulation.hpp); coda's loop reads them per thread
-            raise bad(f"{gn}-row W scale blocks, several per tile, need coda's overlapped consumer loop: a "
-                      "cooperative schedule and CODA_CUTLASS_BLOCKWISE_LOOP unset or 'overlapped'")
-        if gn > 1 and c.tile_n != gn and gn == 128:
-            # a 256-wide tile over 128-row W scale blocks fails CUTLASS 4.2's static assertion
-            # "Accumulator and scaleB must have same shape" (fp8_accumulation.hpp)
+        # several W scale blocks per tile fail CUTLASS 4.2's static assertion "Accumulator and scaleB
+        # must have same shape" (fp8_accumulation.hpp): a 256-wide tile over 128-row blocks never
+        # builds; 16-row blocks only with coda's consumer loop, which reads them per thread
+        if gn == 128 and c.tile_n != gn:
             raise bad(f"tile_n must be the W scale block's {gn} rows (CUTLASS 4.2's blockwise mainloop "
                       "builds with one W scale block per tile)")
+        if 1 < gn < c.tile_n and not (c.schedule == "cooperative" and overlapped_loop_chosen()):
+            raise bad(f"{gn}-row W scale blocks, several per tile, need coda's overlapped consumer loop: a "
+                      "cooperative schedule and CODA_CUTLASS_BLOCKWISE_LOOP unset or 'overlapped'")
     elif c.tile_k not in (64, 128):
         raise bad("tile_k must be 64 or 128 (FP8 wgmma reads K in steps of 32; 128 is the usual choice)")
 

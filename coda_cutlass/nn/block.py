@@ -20,6 +20,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..partials import cached_tensor
 from .activations import activation as find_activation
 from .attention import Attention
@@ -366,7 +367,9 @@ class LlamaBlock(nn.Module):
         """Blockwise recipes: keep per-step scale statistics of every quantised operand for
         ``fp8_stats`` (off by default: a few small reductions per operand and step). Per-tensor
         recipes keep their amax histories anyway."""
-        fp8_support.track_stats(self.fp8, None if self.fp8 is None else self.fp8_path(), on)
+        if self.fp8 is None:
+            raise ConfigError("track_fp8_stats: this block runs in 16 bits (fp8=None); there are no FP8 operands")
+        fp8_support.track_stats(self.fp8_path(), on)
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:
         """Tune this block's kernels inside its own forward + backward on (batch, seq) tokens,

@@ -177,8 +177,7 @@ struct ColumnScales {
     float a = 0.0f;
     CUTLASS_PRAGMA_UNROLL
     for (int w = 0; w < kWarps; ++w) a = coda::quant::nan_max(a, part[w][t]);
-    CUTLASS_PRAGMA_UNROLL
-    for (int d = 1; d < Group; d <<= 1) a = coda::quant::nan_max(a, __shfl_xor_sync(0xffffffffu, a, d));
+    if constexpr (Group > 1) a = coda::quant::shuffle_max(a, Group - 1);
     float s, iv;
     coda::quant::scales<T, Pow2>(a, s, iv);
     inv[t] = iv;

@@ -27,11 +27,9 @@ def new_path(recipe: Fp8Recipe) -> Path:
     return TensorwisePath(weights, new_scales(recipe)) if recipe.scaling == "tensor" else BlockwisePath(weights)
 
 
-def track_stats(recipe: Fp8Recipe | None, path: Path | None, on: bool) -> None:
+def track_stats(path: Path, on: bool) -> None:
     """Blockwise paths keep per-step scale statistics (block_stats.py) while ``on``; per-tensor ones
     keep their amax histories anyway."""
-    if recipe is None or path is None:
-        raise ConfigError("track_fp8_stats: this block runs in 16 bits (fp8=None); there are no FP8 operands")
     if isinstance(path, BlockwisePath):
         path.stats = BlockScaleStats() if on else None
 
@@ -40,8 +38,9 @@ def stats(path: Path) -> dict[str, Any]:
     """What LlamaBlock.fp8_stats returns: the delayed scales' histories, or the tracked block scales."""
     if isinstance(path, TensorwisePath):
         return path.scales.stats()
-    tracked = getattr(path, "stats", None)
-    return {} if tracked is None else tracked.stats()
+    if isinstance(path, BlockwisePath) and path.stats is not None:
+        return path.stats.stats()
+    return {}
 
 
 def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Any, torch.Tensor]:
