@@ -18,7 +18,7 @@ Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through
   plan is judged against the old in one run, not across runs.
 - with --fp8 (bench/fp8_variants.py): coda-fp8-RECIPE (LlamaBlock(fp8=RECIPE) as a middle block of
   a stack), torchao-tensorwise / torchao-rowwise (torchao float8 training + torch.compile, when
-  importable) and cublas-fp8 (the 12 GEMMs as torch._scaled_mm on operands quantised beforehand,
+  importable), torchao-blockwise (torchao's DeepSeek-V3 blockwise prototype + torch.compile) and cublas-fp8 (the 12 GEMMs as torch._scaled_mm on operands quantised beforehand,
   and the same attention: the FP8 floor); an FP8 table gives each against bf16 torch.compile and
   torchao, the non-GEMM non-attention share, and the per-site times. With --tune each FP8 block
   is tuned in its own sequence too (its plan context is the bf16 one plus ":fp8-RECIPE"), and
@@ -507,8 +507,8 @@ def fp8_markdown(results: list[dict[str, Any]]) -> list[str]:
     out = ["\nFP8 (fwd+bwd, same rounds as above): speed-up over each peer (>1: faster), and the share of device "
            "time in kernels that are neither GEMMs nor attention:\n",
            "| width | M | variant | fwd+bwd ms | x bf16 compile | x torchao tensorwise | x torchao rowwise | "
-           "GEMM / attention / other us | other share | weight copies ms per optimizer step |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "x torchao blockwise | GEMM / attention / other us | other share | weight copies ms per optimizer step |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fb = {n: v["median_ms"] for n, v in r["fwd_bwd"].items()}
         for n in [n for n in fb if n.startswith(("coda", "torchao", "cublas")) or n == "compile"]:
@@ -517,7 +517,7 @@ def fp8_markdown(results: list[dict[str, Any]]) -> list[str]:
             x = lambda peer: f"{fb[peer] / fb[n]:.2f}" if peer in fb else "-"  # noqa: E731
             wq = r.get("fp8_weight_quant_ms", {}).get(n)
             out.append(f"| {r['width']} | {r['M']} | {n} | {fb[n]:.2f} | {x('compile')} | {x('torchao-tensorwise')} | "
-                       f"{x('torchao-rowwise')} | {dev.get('gemm', 0):.0f} / {dev.get('attention', 0):.0f} / "
+                       f"{x('torchao-rowwise')} | {x('torchao-blockwise')} | {dev.get('gemm', 0):.0f} / {dev.get('attention', 0):.0f} / "
                        f"{dev.get('other', 0):.0f} | {dev.get('other', 0) / tot if tot else float('nan'):.1%} | "
                        f"{'-' if wq is None else f'{wq:.2f}'} |")
     out += ["\nFP8 per site inside the block's sequence (fwd+bwd, median us; quantisation launches are their own "
@@ -565,7 +565,7 @@ def main() -> None:
                     help="variants left out (e.g. coda coda-identity: no bf16 coda kernels to build)")
     ap.add_argument("--fp8", nargs="*", metavar="RECIPE", default=None,
                     help="also time FP8 variants: coda's FP8 block with these recipes (no names: blockwise), "
-                         "torchao float8 tensorwise and rowwise + torch.compile (when importable) and the FP8 "
+                         "torchao float8 tensorwise, rowwise and blockwise + torch.compile (when importable) and the FP8 "
                          "cuBLAS floor (torch._scaled_mm), in the same rounds")
     ap.add_argument("--out", type=Path, default=Path("bench/results_block"))
     args = ap.parse_args()

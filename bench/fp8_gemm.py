@@ -58,7 +58,7 @@ VARIANTS: dict[str, tuple[Any, dict[str, Any], str, str]] = {
     "block": (E.identity, {"scaling": "block"}, "blockwise", ""),
     "block_alt": (E.identity, {"scaling": "block", "config": ALT_PROMOTING}, "blockwise", ""),
     # the weight gradients' scalings (W: an activation's transposed copy), against tensorwise
-    "block_1x128": (E.identity, {"scaling": "block_1x128"}, "tensorwise", ""),
+    "block_1x128": (E.identity, {"scaling": "block_1x128"}, "blockwise_1x128", ""),
     "block_16x128": (E.identity, {"scaling": "block_16x128"}, "tensorwise", ""),
     "norm_stats_tensor": (E.residual_norm_stats, {"scaling": "tensor"}, "tensorwise", "norm_stats"),
     "swiglu_block": (E.swiglu, {"scaling": "block"}, "blockwise", "swiglu"),
@@ -72,9 +72,10 @@ def kernel_items(variants: list[str] | None = None) -> list[tuple[Any, dict[str,
 
 def scaled_mm(x: dict[str, Any], scaling: str, fast: bool) -> torch.Tensor:
     """torch._scaled_mm with our operands in its layouts (b = W.t(); its 128x128 scale_b is the
-    transpose of ours, which is already the (N/128, K/128) row-major tensor it checks)."""
+    transpose of ours, which is already the (N/128, K/128) row-major tensor it checks; its 1x128
+    scale_b is the transpose of our N-major (N, K/128), as cuBLAS reads it)."""
     q = x[scaling]
-    sb = q["sb"].t() if scaling == "block" else q["sb"]
+    sb = q["sb"].t() if scaling in ("block", "block_1x128") else q["sb"]
     return torch._scaled_mm(q["A"], q["W"].t(), scale_a=q["sa"], scale_b=sb, out_dtype=torch.bfloat16,
                             use_fast_accum=fast)
 
@@ -98,7 +99,7 @@ def references(probe: dict[str, Any]) -> tuple[dict[str, Callable[[dict], Any]],
     fns, unsupported = {}, {}
     for name, scaling, fast in (("tensorwise", "tensor", False), ("tensorwise_fast", "tensor", True),
                                 ("rowwise", "row", False), ("rowwise_fast", "row", True),
-                                ("blockwise", "block", False)):
+                                ("blockwise", "block", False), ("blockwise_1x128", "block_1x128", False)):
         fn = (lambda x, s=scaling, f=fast: scaled_mm(x, s, f))
         try:
             fn(probe)

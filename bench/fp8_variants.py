@@ -9,6 +9,10 @@ and gradient as the bf16 variants:
 - torchao-tensorwise / torchao-rowwise: the standard block with nn.Linear layers converted by
   ``torchao.float8.convert_to_float8_training`` with that recipe, then torch.compile (torchao's
   documented use; it quantises the weights inside every step).
+- torchao-blockwise: the same block with torchao's DeepSeek-V3 recipe
+  (``torchao.prototype.blockwise_fp8_training``: 1 x 128 activations and gradients, 128 x 128
+  weights, Triton quantisation kernels, cuBLAS blockwise GEMMs through ``torch._scaled_mm``), then
+  torch.compile: the peer of coda's "blockwise" recipe (when that prototype imports).
 - cublas-fp8: the block's 12 GEMMs as ``torch._scaled_mm`` with per-tensor scales on operands
   quantised beforehand (fast accumulation, as torchao's tensorwise forward), and the same attention,
   nothing else: the FP8 floor.
@@ -21,14 +25,13 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from coda_cutlass.nn import KernelRunner, LlamaBlock
 from coda_cutlass.nn.fp8.autograd import stash_put
 from coda_cutlass.nn.fp8.functional import quantize_operand
 from coda_cutlass.nn.fp8.support import first_norm_fp8
 from coda_cutlass.nn.fp8.tensorwise import TensorOperand
-from coda_cutlass.nn.reference import rotate_half
+from coda_cutlass.nn.reference import LinearBlock
 from coda_cutlass.nn.runner import Runner
 from coda_cutlass.quantization import quantize_tensor
 
@@ -43,45 +46,24 @@ def torchao_available() -> bool:
     return True
 
 
-class LinearLayer(nn.Module):
-    """The standard Llama layer of bench/block.py (nn/reference.standard_block) with nn.Linear
-    projections, the modules torchao's float8 conversion swaps."""
-
-    def __init__(self, w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor):
-        super().__init__()
-        self.dims = dims
-        for name in ("q", "k", "v", "o", "gate", "up", "down"):
-            t = w[name].detach()
-            lin = nn.Linear(t.shape[1], t.shape[0], bias=False, device=t.device, dtype=t.dtype)
-            with torch.no_grad():
-                lin.weight.copy_(t)
-            setattr(self, name, lin)
-        self.attn_norm = nn.Parameter(w["attn_norm"].detach().clone())
-        self.mlp_norm = nn.Parameter(w["mlp_norm"].detach().clone())
-        self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, S, D = x.shape
-        d = self.dims
-        hd, H, KV = d.head_dim, d.n_heads, d.n_kv_heads
-        h = F.rms_norm(x, (D,), weight=self.attn_norm, eps=d.eps)
-        q = self.q(h).view(B, S, H, hd).transpose(1, 2)
-        k = self.k(h).view(B, S, KV, hd).transpose(1, 2)
-        v = self.v(h).view(B, S, KV, hd).transpose(1, 2)
-        theta = torch.arange(S, dtype=torch.float32, device=x.device)[:, None] * self.inv_freq.float()[None]
-        emb = torch.cat((theta, theta), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KV)
-        x1 = x + self.o(o.transpose(1, 2).reshape(B, S, H * hd))
-        h1 = F.rms_norm(x1, (D,), weight=self.mlp_norm, eps=d.eps)
-        return x1 + self.down(F.silu(self.gate(h1)) * self.up(h1))
-
-
 def torchao_layer(w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor, recipe: str) -> nn.Module:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    layer = LinearLayer(w, dims, inv_freq)
+    layer = LinearBlock(w, dims, inv_freq)
     convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name(recipe))
+    return torch.compile(layer)
+
+
+def torchao_blockwise_layer(w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor) -> nn.Module | None:
+    """The standard block with torchao's blockwise FP8 linears, compiled; None where that prototype
+    does not import (it is a prototype: its module path may move between torchao releases)."""
+    try:
+        from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
+    except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+        print(f"torchao blockwise FP8 training not importable ({type(e).__name__}: {e}): skipped", flush=True)
+        return None
+    layer = LinearBlock(w, dims, inv_freq)
+    for name in ("q", "k", "v", "o", "gate", "up", "down"):
+        setattr(layer, name, Float8BlockwiseLinear.from_float(getattr(layer, name)))
     return torch.compile(layer)
 
 
@@ -218,8 +200,11 @@ def fp8_variants(wl: Any, recipes: list[str], dims: dict[str, int], device: torc
     v["cublas-fp8"] = skel.run
     coda["cublas-fp8"] = skel          # type: ignore[assignment]   (timed per site like the others)
     if torchao_available():
-        for r in ("tensorwise", "rowwise"):
-            layer = torchao_layer(wl.w, wl.block.dims, wl.inv, r)
+        layers = {r: torchao_layer(wl.w, wl.block.dims, wl.inv, r) for r in ("tensorwise", "rowwise")}
+        layers["blockwise"] = torchao_blockwise_layer(wl.w, wl.block.dims, wl.inv)
+        for r, layer in layers.items():
+            if layer is None:
+                continue
             params += list(layer.parameters())
 
             def run(backward: bool, layer: nn.Module = layer) -> None:

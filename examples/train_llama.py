@@ -9,8 +9,10 @@ Data: the repository's own documentation as a byte stream (bundled, 256 tokens).
 master weights and the same AdamW: coda_cutlass.nn.LlamaModel in bf16 (kernels on a Hopper GPU,
 the reference interpreter modelling them elsewhere), the plain torch twin in bf16 (eager PyTorch),
 the twin in fp32 (the reference all are measured against), and with ``--fp8 RECIPE`` (repeatable)
-the coda model with that FP8 recipe. The coda curve passes when its mean distance to fp32 is
-within twice eager bf16's (plus 0.01); an FP8 recipe passes within 1.25x of eager bf16's. Writes
+the coda model with that FP8 recipe, plus (on a GPU, when torchao imports) the twin with torchao's
+float8 tensorwise training, the peer's curve beside coda's (``--no-torchao`` leaves it out). The
+coda curve passes when its mean distance to fp32 is within twice eager bf16's (plus 0.01); an FP8
+recipe passes within 1.25x of eager bf16's (torchao's curve is reported, not judged). Writes
 loss.json (and loss.png when matplotlib is installed) into the folder given with --out.
 """
 
@@ -48,6 +50,24 @@ def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int) -> 
     return out
 
 
+PEER = "torchao fp8 tensorwise"
+
+
+def torchao_twin(model: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module | None:
+    """The plain twin with its block projections converted by torchao's float8 training
+    (tensorwise, its default recipe; the LM head stays bf16, as coda's does), or None without
+    torchao or off the GPU (its FP8 GEMMs are torch._scaled_mm)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as e:  # noqa: BLE001 - torchao missing or built for another torch: no peer curve
+        print(f"torchao float8 not importable ({type(e).__name__}): its curve is left out", flush=True)
+        return None
+    twin = ReferenceLlama(model, dtype, linear=True)
+    return convert_to_float8_training(twin, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+
+
 def train(model: torch.nn.Module, data: list, lr: float, device: torch.device,
           loss_fn: Callable[[Any, Any], torch.Tensor]) -> list[float]:
     """AdamW on fp32 master copies of the (possibly bf16) parameters; returns the loss per step."""
@@ -81,6 +101,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True, help="folder for loss.json / loss.png (created)")
     ap.add_argument("--fp8", action="append", default=[], metavar="RECIPE",
                     help="also train the coda model with this FP8 recipe (coda_cutlass.nn.fp8.RECIPES)")
+    ap.add_argument("--no-torchao", dest="torchao", action="store_false",
+                    help="leave out the torchao float8 tensorwise twin (trained by default with --fp8 on a GPU)")
     args = ap.parse_args()
     device = torch.device(args.device)
     low = torch.bfloat16
@@ -94,6 +116,9 @@ def main() -> int:
             b.down.mul_(0.5)
     lowp = "eager bf16"
     twins = {lowp: ReferenceLlama(model, low), "eager fp32": ReferenceLlama(model, torch.float32)}
+    peer = torchao_twin(model, low, device) if args.fp8 and args.torchao else None
+    if peer is not None:
+        twins = {PEER: peer, **twins}
     fp8_models = []
     for recipe in args.fp8:
         m8 = LlamaModel(**dims, fp8=recipe, device=device, dtype=torch.float32)
@@ -113,7 +138,7 @@ def main() -> int:
     dist = {n: sum(abs(a - b) for a, b in zip(c, ref)) / len(ref) for n, c in curves.items() if n != "eager fp32"}
     ok = dist["coda"] <= 2 * dist[lowp] + 0.01
     fp8_ok = {n: dist[n] <= 1.25 * dist[lowp] for n, _ in fp8_models}
-    finite = all(all(v == v and abs(v) != float("inf") for v in c) for c in curves.values())
+    finite = all(all(v == v and abs(v) != float("inf") for v in c) for n, c in curves.items() if n != PEER)
     ok = ok and all(fp8_ok.values()) and finite
     summary = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(low),
                "torch": torch.__version__, "steps": args.steps, "tokens_per_step": args.batch * args.seq,
@@ -123,6 +148,7 @@ def main() -> int:
     (args.out / "loss.json").write_text(json.dumps(summary, indent=1))
     wrote = ["loss.json"] + (["loss.png"] if plot(curves, args.out / "loss.png", summary) else [])
     fp8_text = "".join(f", {n} {dist[n]:.4f} ({'ok' if fp8_ok[n] else 'over'} 1.25x eager bf16)" for n in fp8_ok)
+    fp8_text += f", {PEER} {dist[PEER]:.4f} (peer, not judged)" if PEER in dist else ""
     print(f"mean |loss - fp32 loss|: coda {dist['coda']:.4f}, {lowp} {dist[lowp]:.4f}{fp8_text} -> "
           f"{'PASS' if ok else 'FAIL'} (coda within 2x eager bf16 + 0.01; FP8 recipes within 1.25x eager bf16; all finite); "
           f"wrote {', '.join(str(args.out / w) for w in wrote)}")

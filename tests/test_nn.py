@@ -11,6 +11,7 @@ import torch
 
 import coda_cutlass as cc
 from coda_cutlass.nn import LlamaBlock, LlamaModel, ReferenceRunner
+from coda_cutlass.nn.reference import PROJECTIONS, ReferenceLlama
 from llama_reference import coda_grads_standard, standard_block, standard_model_loss, standard_weights
 
 RTOL = 1e-4      # the issue's bound for fp32 (measured: ~1e-6)
@@ -127,6 +128,34 @@ def test_model_loss_and_every_gradient_match_a_standard_model():
         grads = coda_grads_standard(block)
         for name, leaf in w.items():
             assert rel(grads[name], leaf.grad) < RTOL, name
+
+
+def test_linear_twin_matches_the_plain_twin_and_the_model():
+    """ReferenceLlama(linear=True) (nn.Linear projections, the twin torchao's float8 training swaps
+    in examples/train_llama.py) computes the plain twin's loss and gradients, and the model's."""
+    g = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+    model = LlamaModel(64, 64, 2, 4, 2, 96, eps=1e-5, rope_theta=10000.0, dtype=torch.float32)
+    perturb_norms(model, g)
+    with torch.no_grad():                # weights ~1/sqrt(fan_in): attention far from uniform
+        for b in model.blocks:
+            for w in (b.qkv, b.o, b.gate_up, b.down):
+                w.copy_(torch.randn(w.shape, generator=g) / w.shape[1] ** 0.5)
+    tokens = torch.randint(0, 64, (2, 16), generator=g)
+    targets = torch.randint(0, 64, (2, 16), generator=g)
+    twin = ReferenceLlama(model, linear=True)
+    assert all(isinstance(getattr(b, n), torch.nn.Linear) for b in twin.blocks for n in PROJECTIONS)
+    loss = twin(tokens, targets)
+    loss.backward()
+    ref, leaves = standard_model_loss(model, tokens, targets)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < RTOL * abs(ref.item())
+    assert abs(loss.item() - model(tokens, targets).item()) < RTOL * abs(ref.item())
+    assert rel(twin.lm_head.grad, leaves["lm_head"].grad) < RTOL
+    for b, w in zip(twin.blocks, leaves["blocks"]):
+        for name in PROJECTIONS:
+            assert rel(getattr(b, name).weight.grad, w[name].grad) < RTOL, name
+        assert rel(b.attn_norm.grad, w["attn_norm"].grad) < RTOL
 
 
 def test_model_logits_match_a_standard_model():
