@@ -31,7 +31,7 @@ from coda_cutlass.nn.fp8.autograd import stash_put
 from coda_cutlass.nn.fp8.functional import quantize_operand
 from coda_cutlass.nn.fp8.support import first_norm_fp8
 from coda_cutlass.nn.fp8.tensorwise import TensorOperand
-from coda_cutlass.nn.reference import LinearBlock
+from coda_cutlass.nn.reference import PROJECTIONS, LinearBlock
 from coda_cutlass.nn.runner import Runner
 from coda_cutlass.quantization import quantize_tensor
 
@@ -53,18 +53,32 @@ def torchao_layer(w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor,
     return torch.compile(layer)
 
 
-def torchao_blockwise_layer(w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor) -> nn.Module | None:
-    """The standard block with torchao's blockwise FP8 linears, compiled; None where that prototype
-    does not import (it is a prototype: its module path may move between torchao releases)."""
+def torchao_blockwise_layer(w: dict[str, torch.Tensor], dims: Any, inv_freq: torch.Tensor,
+                            probe: torch.Tensor) -> nn.Module | None:
+    """The standard block with torchao's blockwise FP8 linears, compiled (eager where torch.compile
+    fails on it; one step on ``probe`` decides); None where that prototype does not import or run
+    (it is a prototype: its module path and its needs may change between torchao releases)."""
     try:
         from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
     except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
         print(f"torchao blockwise FP8 training not importable ({type(e).__name__}: {e}): skipped", flush=True)
         return None
     layer = LinearBlock(w, dims, inv_freq)
-    for name in ("q", "k", "v", "o", "gate", "up", "down"):
+    for name in PROJECTIONS:
         setattr(layer, name, Float8BlockwiseLinear.from_float(getattr(layer, name)))
-    return torch.compile(layer)
+    for how, candidate in (("compiled", torch.compile(layer)), ("eager", layer)):
+        try:
+            x = probe.detach().clone().requires_grad_()
+            candidate(x).float().sum().backward()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            print(f"torchao blockwise ({how}) failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        layer.zero_grad(set_to_none=True)
+        if how == "eager":
+            print("torchao-blockwise runs eagerly (torch.compile failed on it)", flush=True)
+        return candidate
+    return None
 
 
 def _q(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +215,7 @@ def fp8_variants(wl: Any, recipes: list[str], dims: dict[str, int], device: torc
     coda["cublas-fp8"] = skel          # type: ignore[assignment]   (timed per site like the others)
     if torchao_available():
         layers = {r: torchao_layer(wl.w, wl.block.dims, wl.inv, r) for r in ("tensorwise", "rowwise")}
-        layers["blockwise"] = torchao_blockwise_layer(wl.w, wl.block.dims, wl.inv)
+        layers["blockwise"] = torchao_blockwise_layer(wl.w, wl.block.dims, wl.inv, wl.x3)
         for r, layer in layers.items():
             if layer is None:
                 continue

@@ -63,7 +63,7 @@ QUICK = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 VARIANTS = ("eager", "compile", "liger", "coda")
 # opt-in (--variants ...,coda-fp8-tensorwise): from_hf(..., fp8=RECIPE); each holds its own weights,
 # gradients, optimizer states and FP8 weight copies, so at 3B widths not every variant fits beside the rest
-FP8_VARIANTS = ("coda-fp8-tensorwise", "coda-fp8-blockwise")
+FP8_VARIANTS = ("coda-fp8-tensorwise", "coda-fp8-blockwise", "coda-fp8-blockwise_g16")
 ALL_VARIANTS = VARIANTS + FP8_VARIANTS
 
 

@@ -130,6 +130,24 @@ def test_fp8_model_trains_on_the_gpu_like_the_bf16_model(recipe):
     assert all(abs(a - b) < 0.03 * bf[0] for a, b in zip(bf, f8)), (bf, f8)
 
 
+@pytest.mark.parametrize("recipe", ("blockwise", "blockwise_g16"))
+def test_scale_statistics_of_the_kernels_bound_the_operands_they_scale(recipe):
+    """track_fp8_stats() on the GPU: the statistics come from the scales the kernels wrote (their
+    epilogues and map kernels), so they bound the tensors those scales quantised: with power-of-two
+    scales the largest |dx| of the step lies in (bound / 2, bound]."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    blk = make_block(recipe)
+    blk.track_fp8_stats()
+    x = torch.randn(2, 512, 512, device="cuda", generator=g).to(BF16).requires_grad_()
+    blk(x).backward(torch.randn(2, 512, 512, device="cuda", generator=g).to(BF16))
+    st = blk.fp8_stats()
+    assert set(st) == {"h", "o", "h1", "y", "dx2", "dz", "dx1", "dqkv", "dx"}, set(st)
+    for name, s in st.items():
+        assert 0 < s["min_scale"] <= s["max_scale"] and s["nonfinite_runs"] == 0, (name, s)
+    amax = float(x.grad.float().abs().max())
+    assert st["dx"]["amax_bound"] / 2 < amax <= st["dx"]["amax_bound"], (amax, st["dx"])
+
+
 def test_the_operand_map_kernel_is_bit_for_bit_the_quantisation_semantics():
     """quantize_rows_t (both copies of an operand no GEMM epilogue quantised) against
     quantization.quantize_blocks at the edges of the power-of-two rule: an all-zero run, NaN and
