@@ -18,7 +18,7 @@ Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through
   plan is judged against the old in one run, not across runs.
 - with --fp8 (bench/fp8_variants.py): coda-fp8-RECIPE (LlamaBlock(fp8=RECIPE) as a middle block of
   a stack), torchao-tensorwise / torchao-rowwise (torchao float8 training + torch.compile, when
-  importable), torchao-blockwise (torchao's DeepSeek-V3 blockwise prototype + torch.compile) and cublas-fp8 (the 12 GEMMs as torch._scaled_mm on operands quantised beforehand,
+  importable), torchao-blockwise (with --torchao-blockwise: torchao's DeepSeek-V3 blockwise prototype) and cublas-fp8 (the 12 GEMMs as torch._scaled_mm on operands quantised beforehand,
   and the same attention: the FP8 floor); an FP8 table gives each against bf16 torch.compile and
   torchao, the non-GEMM non-attention share, and the per-site times. With --tune each FP8 block
   is tuned in its own sequence too (its plan context is the bf16 one plus ":fp8-RECIPE"), and
@@ -110,7 +110,8 @@ def liger_block(x: torch.Tensor, w: dict[str, torch.Tensor], dims: Any, inv_freq
 class Workload:
     """One block at one width and token count, with every variant's inputs."""
 
-    def __init__(self, width: str, M: int, device: torch.device, max_autotune: bool, fp8: list[str] | None = None):
+    def __init__(self, width: str, M: int, device: torch.device, max_autotune: bool, fp8: list[str] | None = None,
+                 torchao_blockwise: bool = False):
         torch.manual_seed(0)
         self.width, self.M = width, M
         self.batch, self.seq = M // SEQ, SEQ
@@ -147,7 +148,7 @@ class Workload:
         self.identity = Skeleton(self, device, identity=True)
         self.plan_before: dict[str, Any] | None = None     # set by --tune: the plan tuning replaced
         # --fp8: the FP8 variants (bench/fp8_variants.py), same weights, tokens and gradient
-        self.fp8_v, self.fp8_params, self.fp8_parts = fp8_variants(self, fp8, dims, device) if fp8 is not None \
+        self.fp8_v, self.fp8_params, self.fp8_parts = fp8_variants(self, fp8, dims, device, torchao_blockwise) if fp8 is not None \
             else ({}, [], {})
 
     def params(self) -> list[torch.Tensor]:
@@ -369,7 +370,7 @@ def device_breakdown(wl: Workload, names: list[str], iters: int, backward: bool 
 
 def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     t0 = time.monotonic()
-    wl = Workload(width, M, device, args.max_autotune, args.fp8)
+    wl = Workload(width, M, device, args.max_autotune, args.fp8, args.torchao_blockwise)
     names = [n for n in wl.variants() if n not in args.skip]
     print(f"[{width} M={M}] warm-up / compile ...", flush=True)
     for n in names:
@@ -567,6 +568,8 @@ def main() -> None:
                     help="also time FP8 variants: coda's FP8 block with these recipes (no names: blockwise), "
                          "torchao float8 tensorwise, rowwise and blockwise + torch.compile (when importable) and the FP8 "
                          "cuBLAS floor (torch._scaled_mm), in the same rounds")
+    ap.add_argument("--torchao-blockwise", action="store_true",
+                    help="with --fp8: also torchao's blockwise (DeepSeek-V3) prototype as a peer (slow to compile)")
     ap.add_argument("--out", type=Path, default=Path("bench/results_block"))
     args = ap.parse_args()
     if args.fp8 is not None and not args.fp8:

@@ -12,7 +12,9 @@ and gradient as the bf16 variants:
 - torchao-blockwise: the same block with torchao's DeepSeek-V3 recipe
   (``torchao.prototype.blockwise_fp8_training``: 1 x 128 activations and gradients, 128 x 128
   weights, Triton quantisation kernels, cuBLAS blockwise GEMMs through ``torch._scaled_mm``), then
-  torch.compile: the peer of coda's "blockwise" recipe (when that prototype imports).
+  torch.compile: the peer of coda's "blockwise" recipe. Opt-in (``bench/block.py
+  --torchao-blockwise``): on the H200 (torchao 0.18, torch 2.11) its first compiled step had not
+  finished after 200 s (dynamo cannot trace ``_scaled_mm_v2`` and breaks the graph there).
 - cublas-fp8: the block's 12 GEMMs as ``torch._scaled_mm`` with per-tensor scales on operands
   quantised beforehand (fast accumulation, as torchao's tensorwise forward), and the same attention,
   nothing else: the FP8 floor.
@@ -200,8 +202,8 @@ class PlanBefore:
             self.runner.plan = tuned
 
 
-def fp8_variants(wl: Any, recipes: list[str], dims: dict[str, int], device: torch.device
-                 ) -> tuple[dict[str, Callable[[bool], None]], list[torch.Tensor], dict[str, Any]]:
+def fp8_variants(wl: Any, recipes: list[str], dims: dict[str, int], device: torch.device,
+                 torchao_blockwise: bool = False) -> tuple[dict[str, Callable[[bool], None]], list[torch.Tensor], dict[str, Any]]:
     """(variants by name, their parameters for zero_grad, the coda FP8 blocks by variant name)."""
     v: dict[str, Callable[[bool], None]] = {}
     params: list[torch.Tensor] = []
@@ -215,7 +217,8 @@ def fp8_variants(wl: Any, recipes: list[str], dims: dict[str, int], device: torc
     coda["cublas-fp8"] = skel          # type: ignore[assignment]   (timed per site like the others)
     if torchao_available():
         layers = {r: torchao_layer(wl.w, wl.block.dims, wl.inv, r) for r in ("tensorwise", "rowwise")}
-        layers["blockwise"] = torchao_blockwise_layer(wl.w, wl.block.dims, wl.inv, wl.x3)
+        if torchao_blockwise:   # opt-in: see torchao_blockwise_layer
+            layers["blockwise"] = torchao_blockwise_layer(wl.w, wl.block.dims, wl.inv, wl.x3)
         for r, layer in layers.items():
             if layer is None:
                 continue
