@@ -18,8 +18,9 @@ Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through
   plan is judged against the old in one run, not across runs.
 - with --fp8 (bench/fp8_variants.py): coda-fp8-RECIPE (LlamaBlock(fp8=RECIPE) as a middle block of
   a stack), torchao-tensorwise / torchao-rowwise (torchao float8 training + torch.compile, when
-  importable), torchao-blockwise (with --torchao-blockwise: torchao's DeepSeek-V3 blockwise prototype) and cublas-fp8 (the 12 GEMMs as torch._scaled_mm on operands quantised beforehand,
-  and the same attention: the FP8 floor); an FP8 table gives each against bf16 torch.compile and
+  importable), torchao-blockwise (only with --torchao-blockwise: torchao's DeepSeek-V3 prototype)
+  and cublas-fp8 (the 12 GEMMs as torch._scaled_mm on operands quantised beforehand, and the same
+  attention: the FP8 floor); an FP8 table gives each against bf16 torch.compile and
   torchao, the non-GEMM non-attention share, and the per-site times. With --tune each FP8 block
   is tuned in its own sequence too (its plan context is the bf16 one plus ":fp8-RECIPE"), and
   coda-fp8-RECIPE-before runs it with the plan it had before, in the same rounds.
@@ -148,8 +149,8 @@ class Workload:
         self.identity = Skeleton(self, device, identity=True)
         self.plan_before: dict[str, Any] | None = None     # set by --tune: the plan tuning replaced
         # --fp8: the FP8 variants (bench/fp8_variants.py), same weights, tokens and gradient
-        self.fp8_v, self.fp8_params, self.fp8_parts = fp8_variants(self, fp8, dims, device, torchao_blockwise) if fp8 is not None \
-            else ({}, [], {})
+        self.fp8_v, self.fp8_params, self.fp8_parts = (fp8_variants(self, fp8, dims, device, torchao_blockwise)
+                                                       if fp8 is not None else ({}, [], {}))
 
     def params(self) -> list[torch.Tensor]:
         return list(self.block.parameters()) + list(self.w.values()) + [self.x, self.x3] + self.fp8_params
@@ -566,7 +567,7 @@ def main() -> None:
                     help="variants left out (e.g. coda coda-identity: no bf16 coda kernels to build)")
     ap.add_argument("--fp8", nargs="*", metavar="RECIPE", default=None,
                     help="also time FP8 variants: coda's FP8 block with these recipes (no names: blockwise), "
-                         "torchao float8 tensorwise, rowwise and blockwise + torch.compile (when importable) and the FP8 "
+                         "torchao float8 tensorwise and rowwise + torch.compile (when importable) and the FP8 "
                          "cuBLAS floor (torch._scaled_mm), in the same rounds")
     ap.add_argument("--torchao-blockwise", action="store_true",
                     help="with --fp8: also torchao's blockwise (DeepSeek-V3) prototype as a peer (slow to compile)")

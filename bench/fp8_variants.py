@@ -203,7 +203,8 @@ class PlanBefore:
 
 
 def fp8_variants(wl: Any, recipes: list[str], dims: dict[str, int], device: torch.device,
-                 torchao_blockwise: bool = False) -> tuple[dict[str, Callable[[bool], None]], list[torch.Tensor], dict[str, Any]]:
+                 torchao_blockwise: bool = False
+                 ) -> tuple[dict[str, Callable[[bool], None]], list[torch.Tensor], dict[str, Any]]:
     """(variants by name, their parameters for zero_grad, the coda FP8 blocks by variant name)."""
     v: dict[str, Callable[[bool], None]] = {}
     params: list[torch.Tensor] = []

@@ -68,3 +68,16 @@ def losses(model: Any, tokens: torch.Tensor, opt: torch.optim.Optimizer, steps: 
         opt.step()
         out.append(loss.item())
     return out
+
+
+BLOCK_OPERANDS = {"h", "o", "h1", "y", "dx2", "dz", "dx1", "dqkv", "dx"}   # a standalone block's FP8 operands
+
+
+def check_scale_stats(stats: dict, x_grad: torch.Tensor) -> None:
+    """A blockwise block's fp8_stats() after one step: every operand has finite, ordered scales, and
+    (power-of-two scales) the largest |dx| of the step lies in (bound / 2, bound]."""
+    assert set(stats) == BLOCK_OPERANDS, set(stats)
+    for name, s in stats.items():
+        assert 0 < s["min_scale"] <= s["max_scale"] and s["nonfinite_runs"] == 0, (name, s)
+    amax = float(x_grad.float().abs().max())
+    assert stats["dx"]["amax_bound"] / 2 < amax <= stats["dx"]["amax_bound"], (amax, stats["dx"])
