@@ -361,7 +361,7 @@ class LlamaBlock(nn.Module):
         block scale in the last step, the bound on its amax they give, and its non-finite runs
         (nn/fp8/block_stats.py). Host values: this waits for the GPU; call it for logging. Empty for
         bf16 blocks or before the first step."""
-        return {} if self.fp8 is None else fp8_support.stats(self.fp8_path())
+        return {} if self.fp8 is None else self.fp8_path().stats()
 
     def track_fp8_stats(self, on: bool = True) -> None:
         """Blockwise recipes: keep per-step scale statistics of every quantised operand for
@@ -369,7 +369,7 @@ class LlamaBlock(nn.Module):
         recipes keep their amax histories anyway."""
         if self.fp8 is None:
             raise ConfigError("track_fp8_stats: this block runs in 16 bits (fp8=None); there are no FP8 operands")
-        fp8_support.track_stats(self.fp8_path(), on)
+        self.fp8_path().track_stats(on)
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:
         """Tune this block's kernels inside its own forward + backward on (batch, seq) tokens,

@@ -36,6 +36,14 @@ class Path:
     def begin_step(self, device: torch.device) -> None:
         """A forward begins (the delayed scales move on)."""
 
+    def track_stats(self, on: bool) -> None:
+        """Keep per-step scale statistics while ``on`` (blockwise; per-tensor scaling keeps its amax
+        histories anyway)."""
+
+    def stats(self) -> dict[str, Any]:
+        """What LlamaBlock.fp8_stats returns (empty where nothing is kept)."""
+        return {}
+
 
 def _bf16(h: Any, dtype: torch.dtype) -> torch.Tensor:
     """An operand of either recipe (or a 16-bit tensor) back in ``dtype``."""
@@ -47,14 +55,20 @@ def _bf16(h: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 class BlockwisePath(Path):
-    stats: BlockScaleStats | None = None      # LlamaBlock.track_fp8_stats() sets one
+    scale_stats: BlockScaleStats | None = None      # while LlamaBlock.track_fp8_stats() is on
 
     def forward(self, step, x, h, r, w, g_next, next_fp8):
-        return blockwise.block_forward_fp8(step, x, h, r, w, self.weights, g_next, next_fp8, stats=self.stats)
+        return blockwise.block_forward_fp8(step, x, h, r, w, self.weights, g_next, next_fp8, stats=self.scale_stats)
 
     def backward(self, step, saved, w, dx2, dx2q):
         q = dx2q if isinstance(dx2q, blockwise.Fp8Operand) else None
-        return blockwise.block_backward_fp8(step, saved, w, self.weights, dx2, q, stats=self.stats)
+        return blockwise.block_backward_fp8(step, saved, w, self.weights, dx2, q, stats=self.scale_stats)
+
+    def track_stats(self, on):
+        self.scale_stats = BlockScaleStats() if on else None
+
+    def stats(self):
+        return {} if self.scale_stats is None else self.scale_stats.stats()
 
     def quantize_input(self, step, h):
         if isinstance(h, blockwise.Fp8Operand) and h.group == step.fp8.wgrad_group:
@@ -75,6 +89,9 @@ class TensorwisePath(Path):
 
     def begin_step(self, device):
         self.scales.begin_step(device)
+
+    def stats(self):
+        return self.scales.stats()
 
     def quantize_input(self, step, h):
         if isinstance(h, tensorwise.TensorOperand):

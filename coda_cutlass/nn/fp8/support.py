@@ -12,35 +12,18 @@ from ..functional import BlockWeights, first_norm
 from ..precision import cast, no_autocast
 from . import functional as blockwise
 from .autograd import Fp8BlockFunction
-from .block_stats import BlockScaleStats
 from .paths import BlockwisePath, Path, TensorwisePath
 from .recipe import Fp8Recipe
 from .tensorwise import new_scales
 from .weights import Fp8Weights
 
-__all__ = ["check_block", "first_norm_fp8", "new_path", "run", "stats", "track_stats"]
+__all__ = ["check_block", "first_norm_fp8", "new_path", "run"]
 
 
 def new_path(recipe: Fp8Recipe) -> Path:
     """A block's per-recipe state: its FP8 weight copies (and delayed scales)."""
     weights = Fp8Weights(recipe)
     return TensorwisePath(weights, new_scales(recipe)) if recipe.scaling == "tensor" else BlockwisePath(weights)
-
-
-def track_stats(path: Path, on: bool) -> None:
-    """Blockwise paths keep per-step scale statistics (block_stats.py) while ``on``; per-tensor ones
-    keep their amax histories anyway."""
-    if isinstance(path, BlockwisePath):
-        path.stats = BlockScaleStats() if on else None
-
-
-def stats(path: Path) -> dict[str, Any]:
-    """What LlamaBlock.fp8_stats returns: the delayed scales' histories, or the tracked block scales."""
-    if isinstance(path, TensorwisePath):
-        return path.scales.stats()
-    if isinstance(path, BlockwisePath) and path.stats is not None:
-        return path.stats.stats()
-    return {}
 
 
 def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Any, torch.Tensor]:
