@@ -1,0 +1,134 @@
+"""Build, on a machine without a GPU, every GEMM and map kernel a Llama model launches at given
+widths, with the configurations its shipped (or stored) H200 plan picks, so that a later GPU run
+finds them all in the cache and compiles nothing while it is timed:
+
+    python scripts/plan_prebuild.py --widths 8b 70b --fp8 tensorwise blockwise --tokens 8192
+    python scripts/plan_prebuild.py --widths 1b 3b 8b --bf16 --tokens 8192 --list
+
+The launch sites are found by running a small model of the same kind (3 layers: a first, a middle
+and a last block, the LM head) through the reference interpreter on the CPU with a runner that
+records every launch; each site's configuration is then the one a KernelRunner prepared for the
+real widths would choose (its plan, else the default configuration)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]
+
+import coda_cutlass as cc  # noqa: E402
+from coda_cutlass.nn import LlamaModel  # noqa: E402
+from coda_cutlass.nn.runner import KernelRunner, ReferenceRunner, fp8_parts  # noqa: E402
+
+WIDTHS = {      # as bench/block.py
+    "1b": dict(dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192),
+    "3b": dict(dim=3072, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192),
+    "8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336),
+    "70b": dict(dim=8192, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672),
+}
+DEVICE = "NVIDIA H200|sm90|cuda13.0"   # the plans' device tag (nn.plan_store.plan_key)
+TINY = dict(dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512)
+
+
+class RecordingRunner(ReferenceRunner):
+    """The reference interpreter, noting every GEMM site and map kernel it is asked to run."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.bfloat16)
+        self.gemms: dict[str, tuple[Any, str, bool, Any]] = {}
+        self.maps: dict[tuple[Any, bool], None] = {}
+
+    def gemm(self, site, program, A, W, *, layout="nk", partial=False, out=None, fp8=None, **operands):
+        self.gemms.setdefault(site, (program, layout, partial, fp8))
+        return super().gemm(site, program, A, W, layout=layout, partial=partial, out=out, fp8=fp8, **operands)
+
+    def map(self, site, program, X, *, partial=False, out=None, **operands):
+        self.maps.setdefault((program, partial), None)
+        return super().map(site, program, X, partial=partial, out=out, **operands)
+
+
+def launches(recipe: str | None) -> RecordingRunner:
+    """The launches of one training step (forward with the loss, backward) of a small model."""
+    torch.manual_seed(0)
+    model = LlamaModel(512, n_layers=3, fp8=recipe, dtype=torch.bfloat16, **TINY)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+        model.norm.fill_(1.0)
+        for b in model.blocks:
+            b.attn_norm.fill_(1.0)
+            b.mlp_norm.fill_(1.0)
+    rec = RecordingRunner()
+    model.set_runner(rec)
+    tokens = torch.randint(0, 512, (2, 128))
+    model(tokens, torch.randint(0, 512, (2, 128))).backward()
+    return rec
+
+
+def context(width: str, recipe: str | None) -> str:
+    d = WIDTHS[width]
+    return (f"llama:d{d['dim']}:h{d['n_heads']}/{d['n_kv_heads']}:hd{d['head_dim']}:f{d['ffn_dim']}"
+            + ("" if recipe is None else f":fp8-{recipe}"))
+
+
+def items_for(width: str, recipe: str | None, tokens: int, rec: RecordingRunner) -> list[tuple[Any, dict]]:
+    runner = KernelRunner(torch.bfloat16)
+    runner.prepare(context(width, recipe), tokens, device=DEVICE)
+    out = []
+    for site, (program, layout, partial, fp8) in rec.gemms.items():
+        config = runner.choice(site, program, layout, fp8).config
+        opts: dict[str, Any] = {"weight_layout": layout, "config": config, "partial_reductions": partial}
+        if fp8 is not None:
+            dtype, scaling, fast = fp8_parts(fp8)
+            opts.update(dtype=dtype, scaling=scaling, fast_accum=fast)
+        out.append((program, opts))
+    print(f"{width} {recipe or 'bf16'}: {len(out)} GEMM sites, plan {runner.plan_source or 'none (default configs)'}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--widths", nargs="+", required=True, choices=list(WIDTHS))
+    ap.add_argument("--fp8", nargs="*", default=[], help="FP8 recipes (nn.fp8.RECIPES)")
+    ap.add_argument("--bf16", action="store_true", help="also the bf16 model's kernels")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per step (the plans' M bucket)")
+    ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--list", action="store_true", help="list the kernels, build nothing")
+    args = ap.parse_args()
+    recipes: list[str | None] = ([None] if args.bf16 else []) + list(args.fp8)
+    items: list[tuple[Any, dict]] = []
+    maps: dict[tuple[Any, bool], None] = {}
+    for recipe in recipes:
+        rec = launches(recipe)
+        maps.update(rec.maps)
+        for width in args.widths:
+            items += items_for(width, recipe, args.tokens, rec)
+    seen, unique = set(), []
+    for program, opts in items:      # sites sharing a program and options share a kernel
+        key = (id(program), tuple(sorted((k, str(v)) for k, v in opts.items())))
+        if key not in seen:
+            seen.add(key)
+            unique.append((program, opts))
+    print(f"{len(unique)} distinct GEMM kernels, {len(maps)} map kernels")
+    if args.list:
+        for program, opts in unique:
+            print(f"  {program.name} {opts}")
+        return 0
+    t = time.time()
+    for program, partial in maps:
+        cc.compile_map(program, torch.bfloat16, partial_reductions=partial, verbose=False)
+    built = cc.compile_many(unique, jobs=args.jobs, skip_failed=True)
+    failed = [p.name for (p, _), k in zip(unique, built) if k is None]
+    print(f"built in {time.time() - t:.0f} s; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
