@@ -112,3 +112,26 @@ def test_the_shipped_h200_plans_cover_the_fp8_blocks_every_site(recipe, dims, tm
     assert found is not None and found[0].endswith(f":fp8-{recipe}|M8192")
     middle = set(gemm_sites(RECIPES[recipe])) - {"down.to_bf16", "down.last"}    # the last block's variants
     assert middle <= set(found[1]), middle - set(found[1])
+
+
+def test_plan_prebuild_lists_every_launch_with_the_shipped_plans_configuration():
+    """scripts/plan_prebuild.py (kernels for a GPU run, built ahead on a machine without one): the
+    launches of a small model's step, each with the configuration of the shipped H200 plan of the
+    real widths, which is what a KernelRunner there picks."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "plan_prebuild.py"
+    spec = importlib.util.spec_from_file_location("plan_prebuild", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rec = mod.launches("blockwise")
+    assert {"qkv", "o", "gate_up", "down", "down.dgrad", "gate_up.wgrad", "lm_head.fused"} <= set(rec.gemms)
+    items = dict(zip(rec.gemms, mod.items_for("8b", "blockwise", 8192, rec)))
+    key = plan_key(mod.context("8b", "blockwise"), torch.bfloat16, 8192, mod.DEVICE)
+    _, shipped = find_plan(mod.context("8b", "blockwise"), torch.bfloat16, 8192, device=mod.DEVICE)
+    assert key in plan_store.shipped_plans()
+    program, opts = items["down.dgrad"]
+    assert program.name == "swiglu_backward_fp8" and opts["scaling"] == "block" and opts["partial_reductions"]
+    for site, (_, o) in items.items():
+        if site in shipped:
+            assert o["config"] == shipped[site].config, site
