@@ -9,9 +9,8 @@ Forward:  norm_stats_fp8 (map kernel after the embedding, with h's transposed co
           quantised), swiglu_fp8 (gate/up: the SwiGLU output's transposed copy quantised),
           quantize_rows_t (map kernel: the attention output, both copies), quantize_rows (map
           kernel: the SwiGLU output's row-major copy).
-Backward: swiglu_backward_fp8 (down-proj dX: dz as its gate and up halves, both copies quantised),
-          norm_backward_ax (gate/up and QKV dX: the residual gradient in bf16), quantize_rows_t (map
-          kernel: dx, dqkv and an incoming gradient, both copies); norm_backward_fp8 quantises dx
+Backward: norm_backward_ax (gate/up and QKV dX: the residual gradient in bf16), quantize_rows_t (map
+          kernel: dz, dx, dqkv and an incoming gradient, both copies); norm_backward_fp8 quantises dx
           in the epilogue itself (slower, see nn/fp8/functional.py).
 """
 
@@ -117,21 +116,3 @@ def norm_backward_ax(acc, x: cc.Tile, r: cc.PerRow(F32), c: cc.PerRow(F32), g: c
     change took the tensorwise QKV dX site from 1220 to 375 us at 8B widths, docs/RESULTS.md)."""
     return {"dx": dres + acc * g - (r * r * c) * x, "ax": acc * x}
 
-
-
-@cc.epilogue
-def swiglu_backward_fp8(acc, z: cc.PairTile, r: cc.PerRow(F32)):
-    """Down-proj dX (acc = dy, M x f): the SwiGLU backward of swiglu_backward_scaled, with dz' = r * dz
-    written as its two halves, dg (gate) and du (up), each M x f quantised per 1 x 128 run (the
-    caller points them at the two halves of one M x 2f buffer: the gate/up dX GEMM reads it against
-    W^T's columns in the same order) with its transposed copy in 128 x 1 runs (the gate and up
-    weight gradients' A), and the per-row partials of z . dz. A tile's 128 columns of acc give one
-    1 x 128 run of each half, so no map kernel has to read dz again."""
-    g, u = cc.unpack(z)
-    sg = cc.sigmoid(g)
-    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
-    du = acc * g * sg
-    dgr, dur = dg * r, du * r
-    return {"dg": cc.quantize(dgr, block=128), "dgt": cc.quantize(dgr, block=128, transpose=True),
-            "du": cc.quantize(dur, block=128), "dut": cc.quantize(dur, block=128, transpose=True),
-            "zdz": cc.row_sum(g * dg + u * du)}

@@ -65,28 +65,13 @@ def fake_quant_tiles(w: torch.Tensor, dtype: torch.dtype, rows: int = 128, cols:
     return (round_to(tiles / s, d).float() * s).reshape(R, C)
 
 
-def _halves(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Interleaved (gate, up, gate, ...) along ``dim`` -> gate entries first, then up entries."""
-    m = t.movedim(dim, 0)
-    return torch.cat([m[0::2], m[1::2]]).movedim(0, dim)
-
-
-def _interleave(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """The inverse of _halves."""
-    g, u = t.chunk(2, dim)
-    return torch.stack([g, u], dim + 1).flatten(dim, dim + 1)
-
-
 class Fp8Linear(torch.autograd.Function):
     """a @ w.T with a, w and (in the backward) the output gradient through FP8 as the recipe says;
     both weights' rows (fused q|k|v, gate|up) given as one tensor. ``fmt``: (activation, gradient,
-    weight) formats; ``recipe``: "tensorwise", "blockwise" or "blockwise_g16". ``halves`` (the
-    gate/up linear, rows interleaved): blockwise, the output gradient's 1 x 128 runs and W^T's tiles
-    of the dX GEMM are those of the gate-then-up order (the block writes dz as its two halves)."""
+    weight) formats; ``recipe``: "tensorwise", "blockwise" or "blockwise_g16"."""
 
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, fmt: tuple, recipe: str,  # type: ignore[override]
-                halves: bool = False) -> torch.Tensor:
+    def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor, fmt: tuple, recipe: str) -> torch.Tensor:  # type: ignore[override]
         a2 = a.flatten(0, -2)
         if recipe == "tensorwise":
             qa, qw = fake_quant(a2, fmt[0]), fake_quant(w, fmt[2])
@@ -95,9 +80,8 @@ class Fp8Linear(torch.autograd.Function):
             qa, qw = fake_quant_runs(a2, fmt[0], 1), fake_quant_tiles(w, fmt[2])
             wgrad_a = (fake_quant_tiles(a2, fmt[0], 128, 16) if recipe == "blockwise_g16"   # the weight
                        else fake_quant_runs(a2, fmt[0], 0))                                  # gradient's operand
-            qw_t = _interleave(fake_quant_tiles(_halves(w, 0), fmt[2]), 0) if halves else qw   # the dX GEMM's
-            ctx.save_for_backward(wgrad_a, qw_t)
-        ctx.fmt, ctx.recipe, ctx.shape, ctx.halves = fmt, recipe, a.shape, halves
+            ctx.save_for_backward(wgrad_a, qw)
+        ctx.fmt, ctx.recipe, ctx.shape = fmt, recipe, a.shape
         return (qa @ qw.t()).reshape(*a.shape[:-1], w.shape[0])
 
     @staticmethod
@@ -106,12 +90,9 @@ class Fp8Linear(torch.autograd.Function):
         d2 = dy.flatten(0, -2)
         if ctx.recipe == "tensorwise":
             qd = qd_t = fake_quant(d2, ctx.fmt[1])
-        elif ctx.halves:
-            qd = _interleave(fake_quant_runs(_halves(d2, 1), ctx.fmt[1], 1), 1)
-            qd_t = fake_quant_runs(d2, ctx.fmt[1], 0)      # runs down each column: the order does not matter
         else:
             qd, qd_t = fake_quant_runs(d2, ctx.fmt[1], 1), fake_quant_runs(d2, ctx.fmt[1], 0)
-        return (qd @ qw).reshape(ctx.shape), qd_t.t() @ qa, None, None, None
+        return (qd @ qw).reshape(ctx.shape), qd_t.t() @ qa, None, None
 
 
 def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,9 +114,9 @@ def emulated_block(x: torch.Tensor, w: dict[str, torch.Tensor], dims: Any, inv_f
     q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != KV)
     x1 = x + Fp8Linear.apply(o.transpose(1, 2).reshape(B, S, H * hd), w["o"], fmt, recipe)
-    # gate and up rows interleaved (gate 0, up 0, gate 1, ...), as the block's weight; its dX GEMM
-    # reads dz and W^T in the halves order (per tensor: either order is the same)
+    # gate and up rows interleaved (gate 0, up 0, gate 1, ...): the 128-row weight tiles and 1 x 128
+    # gradient runs of "blockwise" cover the same elements as the block's (per tensor: either order)
     w_gu = torch.stack([w["gate"], w["up"]], dim=1).reshape(-1, w["gate"].shape[1])
-    z = _rstd(x1, dims.eps) * Fp8Linear.apply(x1 * w["mlp_norm"], w_gu, fmt, recipe, True)
+    z = _rstd(x1, dims.eps) * Fp8Linear.apply(x1 * w["mlp_norm"], w_gu, fmt, recipe)
     gate, up = z[..., 0::2], z[..., 1::2]
     return x1 + Fp8Linear.apply(F.silu(gate) * up, w["down"], fmt, recipe)

@@ -131,7 +131,7 @@ def test_plan_prebuild_lists_every_launch_with_the_shipped_plans_configuration()
     _, shipped = find_plan(mod.context("8b", "blockwise"), torch.bfloat16, 8192, device=mod.DEVICE)
     assert key in plan_store.shipped_plans()
     program, opts = items["down.dgrad"]
-    assert program.name == "swiglu_backward_fp8" and opts["scaling"] == "block" and opts["partial_reductions"]
+    assert program.name == "swiglu_backward_scaled" and opts["scaling"] == "block" and opts["partial_reductions"]
     for site, (_, o) in items.items():
         if site in shipped:
             assert o["config"] == shipped[site].config, site

@@ -173,9 +173,3 @@ def test_the_compiled_weight_copies_are_bit_for_bit_the_tile_quantisation():
         q_ref, s_ref = quantize_tiles(w, dtype, 128, True)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), dtype
         assert torch.equal(qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8)) and torch.equal(st, s_ref.t())
-        # the gate/up weight: W^T from the gate rows, then the up rows, in tiles of that order
-        q2, s2, qt2, st2 = weight_tiles(w, dtype, halves=True)
-        qh_ref, sh_ref = quantize_tiles(torch.cat([w[0::2], w[1::2]]), dtype, 128, True)
-        assert torch.equal(q2.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s2, s_ref), dtype
-        assert torch.equal(qt2.view(torch.uint8), qh_ref.t().contiguous().view(torch.uint8))
-        assert torch.equal(st2, sh_ref.t())

@@ -1,8 +1,7 @@
 """FP8 copies of the weights made in torch, bit for bit the kernels' power-of-two quantisation, once
 per optimizer step:
 
-- ``weight_tiles``: a weight's 128 x 128 tiles in both layouts (once per optimizer step);
-  ``halves=True``: W^T's from W's rows reordered even rows first, then odd rows (the gate/up weight).
+- ``weight_tiles``: a weight's 128 x 128 tiles in both layouts (once per optimizer step).
 - ``tensor_copies``: a weight's per-tensor codes in both layouts ("tensorwise").
 
 Bit for bit ``quantize_tiles`` with ``pow2=True`` (coda_cutlass/quantization.py,
@@ -72,28 +71,16 @@ def tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool)
     return _on_device(_tensor_copies, w, dtype)(w.contiguous(), dtype, halves, pow2)
 
 
-def _quant_tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     R, C = w.shape
     wb = w.view(R // BLOCK, BLOCK, C // BLOCK, BLOCK).float()
     s, inv = _pow2_scales(wb.abs().amax(dim=(1, 3)), dtype)     # (R / 128, C / 128)
-    return round_to(wb * inv[:, None, :, None], as_dtype(dtype)).view(R, C), s
-
-
-def _tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    q, s = _quant_tiles(w, dtype)
+    q = round_to(wb * inv[:, None, :, None], as_dtype(dtype)).view(R, C)
     return q, s, q.t().contiguous(), s.t().contiguous()
 
 
-def _tiles_halves(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    q, s = _quant_tiles(w, dtype)
-    qh, sh = _quant_tiles(torch.cat([w[0::2], w[1::2]]), dtype)     # its own 128-row tiles: gate rows, up rows
-    return q, s, qh.t().contiguous(), sh.t().contiguous()
-
-
-def weight_tiles(w: torch.Tensor, dtype: torch.dtype, halves: bool = False) -> tuple[torch.Tensor, ...]:
+def weight_tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """W (R, C), both multiples of 128 -> (codes, scales (R/128, C/128), W^T's codes, W^T's scales):
-    ``quantize_tiles(w, dtype, 128, pow2=True)`` bit for bit, and its transpose (compiled on a GPU).
-    ``halves`` (R a multiple of 256): W^T is quantised from W's even rows followed by its odd rows,
-    in 128 x 128 tiles of that order (so its scales are not W's transposed)."""
-    return _on_device(_tiles_halves if halves else _tiles, w, dtype)(w.contiguous(), dtype)
+    ``quantize_tiles(w, dtype, 128, pow2=True)`` bit for bit, and its transpose (compiled on a GPU)."""
+    return _on_device(_tiles, w, dtype)(w.contiguous(), dtype)
 

@@ -10,7 +10,7 @@ GEMM that consumes it) and its transposed copy with 128 x 1 scales (the A or W o
 GEMM, whose K is the token dimension: FP8 tensor cores read K-major operands only). The weights'
 FP8 copies (both layouts) come from ``weights.Fp8Weights``, once per optimizer step.
 
-Operands that no GEMM epilogue quantises (attention output, dx, dqkv, an incoming gradient, and
+Operands that no GEMM epilogue quantises (attention output, dz, dx, dqkv, an incoming gradient, and
 the first block's h) are quantised by one map kernel each, both copies from one read of the tensor
 (``quantize_rows_t``, ``norm_stats_fp8``: the transposed copy's 128 x 1 scales come from a first pass
 over each block's 128 rows, docs/FP8.md).
@@ -97,15 +97,12 @@ def _gemm(step: Any, site: str, a: torch.Tensor, sa: torch.Tensor, w: torch.Tens
                             **operands)
 
 
-def _note(stats: Any, operands: dict[str, Any], **scales: torch.Tensor) -> None:
-    """Operands' 1 x 128 scales (and ``scales`` given as such) into the block's statistics, when it
-    keeps them (block_stats.py); an operand that is not an Fp8Operand (bf16, absent) is skipped."""
+def _note(stats: Any, operands: dict[str, Any]) -> None:
+    """Operands' 1 x 128 scales into the block's statistics, when it keeps them (block_stats.py)."""
     if stats is not None:
         for name, op in operands.items():
             if isinstance(op, Fp8Operand):
                 stats.record(name, op.s)
-        for name, s in scales.items():
-            stats.record(name, s)
 
 
 def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor, w: Any, wq: Fp8Weights,
@@ -146,27 +143,19 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
     """(dx, its FP8 copies for the previous block, the weight gradients by name)."""
     d, run = step.dims, step.runner
     x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx = saved
-    wqkv, wo, wd = (wq.get(t) for t in (w.qkv, w.o, w.down))
-    wgu = wq.get(w.gate_up, halves=True)             # W_gu^T's columns: gate rows, then up rows
+    wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
     if dx2q is None:                  # a gradient no coda epilogue quantised (the LM head's, a user's)
         dx2q = quantize_operand(step, "dx2.quant", dx2)
-    # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM.
-    # dz leaves the SwiGLU backward quantised, as its gate and up halves (one M x 2f buffer, W_gu^T's
-    # columns in the same order) and their transposed copies: no map kernel reads it again.
-    M, f = dx2.shape[0], d.ffn_dim
-    dz8 = torch.empty(M, 2 * f, dtype=step.fp8.gradient, device=dx2.device)
-    b4 = _gemm(step, "down.dgrad", dx2q.q, dx2q.s, wd.wt, wd.scale_t, out={"dg": dz8[:, :f], "du": dz8[:, f:]},
-               z=z, r=r1)                                                                      # B4
-    dz_s = run.timed("dz.scales", lambda: torch.cat([b4["dg_scale"].t(), b4["du_scale"].t()]).t())   # (M, 2f/128)
+    # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
+    b4 = _gemm(step, "down.dgrad", dx2q.q, dx2q.s, wd.wt, wd.scale_t, z=z, r=r1)                     # B4
     d_down = _gemm(step, "down.wgrad", dx2q.qt, dx2q.st, y.qt, y.st)["D"]                            # B5
     c1 = row_mean(b4["zdz"], d.dim)
-    b6 = _gemm(step, "gate_up.dgrad", dz8, dz_s, wgu.wt, wgu.scale_t, x=x1, r=r1, c=c1, g=w.mlp_norm,  # B6
+    dzq = quantize_operand(step, "dz.quant", b4["dz"])
+    b6 = _gemm(step, "gate_up.dgrad", dzq.q, dzq.s, wgu.wt, wgu.scale_t, x=x1, r=r1, c=c1, g=w.mlp_norm,  # B6
                dres=dx2)
     dx1 = b6["dx"]
     dx1q = quantize_operand(step, "dx1.quant", dx1)
-    d_gate_up = torch.empty(2 * f, d.dim, dtype=dx2.dtype, device=dx2.device)   # rows gate, up interleaved
-    for half, rows in (("g", d_gate_up[0::2]), ("u", d_gate_up[1::2])):                           # B7
-        _gemm(step, "gate_up.wgrad", b4[f"d{half}t"], b4[f"d{half}t_scale"], h1.qt, h1.st, out={"D": rows})
+    d_gate_up = _gemm(step, "gate_up.wgrad", dzq.qt, dzq.st, h1.qt, h1.st)["D"]                     # B7
     # ---- attention: out-proj dX and dW, attention backward in bf16, the RoPE backward map kernels
     d_attn = _gemm(step, "o.dgrad", dx1q.q, dx1q.s, wo.wt, wo.scale_t)["D"]                          # B8
     d_o = _gemm(step, "o.wgrad", dx1q.qt, dx1q.st, oq.qt, oq.st)["D"]                                # B9
@@ -189,5 +178,5 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
                "attn_norm": dgamma_of(step, "qkv.dgamma", b2["ax"]),
                "mlp_norm": dgamma_of(step, "gate_up.dgamma", b6["ax"])}
     dxq = quantize_operand(step, "dx.quant", b2["dx"])
-    _note(stats, {"dx2": dx2q, "dx1": dx1q, "dqkv": dqkvq, "dx": dxq}, dz=dz_s)
+    _note(stats, {"dx2": dx2q, "dz": dzq, "dx1": dx1q, "dqkv": dqkvq, "dx": dxq})
     return b2["dx"], dxq, grads_w

@@ -20,13 +20,13 @@ GEMM_SITES: dict[str, tuple[Any, tuple[str, str], str, bool]] = {
     "down": (E.residual_norm_stats_fp8, ("activation", "weight"), "block", True),
     "down.to_bf16": (E.residual_norm_stats, ("activation", "weight"), "block", True),   # before the LM head
     "down.last": (E.residual_add, ("activation", "weight"), "block", False),
-    "down.dgrad": (E.swiglu_backward_fp8, ("gradient", "weight"), "block", True),    # dz quantised, as halves
+    "down.dgrad": (E.swiglu_backward_scaled, ("gradient", "weight"), "block", True),
     "gate_up.dgrad": (E.norm_backward_ax, ("gradient", "weight"), "block", True),  # dx quantised by a map kernel
     "o.dgrad": (E.identity, ("gradient", "weight"), "block", False),
     "qkv.dgrad": (E.norm_backward_ax, ("gradient", "weight"), "block", True),
     # weight gradients: K is the token dimension, both operands in 1 x 128 runs of their transposes
     "down.wgrad": (E.identity, ("gradient", "activation"), "block_1x128", False),
-    "gate_up.wgrad": (E.identity, ("gradient", "activation"), "block_1x128", False),   # twice: gate, up rows
+    "gate_up.wgrad": (E.identity, ("gradient", "activation"), "block_1x128", False),
     "o.wgrad": (E.identity, ("gradient", "activation"), "block_1x128", False),
     "qkv.wgrad": (E.identity, ("gradient", "activation"), "block_1x128", False),
 }
@@ -56,7 +56,7 @@ MAP_SITES: dict[str, tuple[Any, bool]] = {
     "h.quant": (E.quantize_rows_t, False),
     "y.quant": (E.quantize_rows, False),          # y^T comes from the gate/up epilogue
     "rope.dgrad": (E.rope_backward, True),
-    **{f"{g}.quant": (E.quantize_rows_t, False) for g in ("dx2", "dx1", "dqkv", "dx")},   # gradients
+    **{f"{g}.quant": (E.quantize_rows_t, False) for g in ("dx2", "dz", "dx1", "dqkv", "dx")},   # gradients
 }
 
 # recipe "blockwise_g16": the activations' transposed copies in 16 x 128 blocks (their producers'

@@ -9,10 +9,9 @@ scale is W's current amax over fp8_max and W^T is the same codes transposed. A c
 the weight's data changes (its version counter moves: an optimizer step, a load_state_dict, an
 in-place edit).
 
-``halves=True`` (the gate/up weight, rows interleaved gate, up, gate, ...): W^T's columns are ordered
-gate rows first, then up rows, matching dz written as its two halves by the down-proj dX epilogue
-(epilogues/fp8_tensorwise.py: swiglu_backward_t; fp8_block.py: swiglu_backward_fp8). Blockwise,
-W^T's 128 x 128 tiles are then tiles of that order, quantised apart from W's.
+``halves=True`` (the gate/up weight of a per-tensor block, rows interleaved gate, up, gate, ...):
+W^T's columns are ordered gate rows first, then up rows, matching dz written as its two halves by
+the down-proj dX epilogue (epilogues/fp8_tensorwise.py: swiglu_backward_t).
 """
 
 from __future__ import annotations
@@ -52,24 +51,16 @@ class Fp8Weights:
         with torch.no_grad():
             if self.recipe.scaling == "tensor":
                 entry = _per_tensor(w.detach(), self.recipe, halves)
-            elif self.recipe.pow2 and w.shape[0] % (256 if halves else 128) == 0 and w.shape[1] % 128 == 0:
-                entry = Fp8Weight(*weight_tiles(w.detach(), self.recipe.weight, halves))
+            elif self.recipe.pow2 and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0:
+                entry = Fp8Weight(*weight_tiles(w.detach(), self.recipe.weight))
             else:
-                entry = _tiles_eager(w.detach(), self.recipe, halves)
+                q, s = quantize_tiles(w.detach(), self.recipe.weight, 128, self.recipe.pow2)
+                entry = Fp8Weight(q, s, q.t().contiguous(), s.t().contiguous())
         self._cache[key] = (stamp, entry)
         return entry
 
     def clear(self) -> None:
         self._cache.clear()
-
-
-def _tiles_eager(w: torch.Tensor, recipe: Fp8Recipe, halves: bool) -> Fp8Weight:
-    """128 x 128 tiles of any shape (edge tiles partial), W^T's from the halves order if asked."""
-    q, s = quantize_tiles(w, recipe.weight, 128, recipe.pow2)
-    if not halves:
-        return Fp8Weight(q, s, q.t().contiguous(), s.t().contiguous())
-    qh, sh = quantize_tiles(torch.cat([w[0::2], w[1::2]]), recipe.weight, 128, recipe.pow2)
-    return Fp8Weight(q, s, qh.t().contiguous(), sh.t().contiguous())
 
 
 def _per_tensor(w: torch.Tensor, recipe: Fp8Recipe, halves: bool) -> Fp8Weight:
