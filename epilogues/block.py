@@ -14,7 +14,8 @@ with h = x * g the consumer GEMM's saved A operand: the backward never writes y,
 c = (1/d) z . dz is still the unscaled row sum that the dz producer computes.
 
 Map kernels: norm_stats (the first RMSNorm after the embedding), rope_backward (on the attention
-gradients). Backward GEMM epilogues: swiglu_backward_scaled (down-proj dX), norm_backward (norm
+gradients). Backward GEMM epilogues: swiglu_backward_y (down-proj dX; swiglu_backward_scaled without
+y), norm_backward (norm
 backward dX, residual gradient carried in), norm_backward_first (none carried in: the final norm),
 cross_entropy_backward (LM head recomputed: dlogits' = r * (softmax - onehot) * scale).
 """
@@ -42,6 +43,18 @@ def swiglu_backward_scaled(acc, z: cc.PairTile, r: cc.PerRow(F32)):
     dg = acc * u * s * (1.0 + g * (1.0 - s))
     du = acc * g * s
     return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du)}
+
+
+@cc.epilogue
+def swiglu_backward_y(acc, z: cc.PairTile, r: cc.PerRow(F32)):
+    """swiglu_backward_scaled that also writes y = silu(gate) * up (M x f) again from the saved z,
+    for the down-proj weight gradient: the block's forward then keeps z but not y (a third of its
+    MLP activations; y costs this epilogue one more store)."""
+    g, u = cc.unpack(z)
+    s = cc.sigmoid(g)
+    dg = acc * u * s * (1.0 + g * (1.0 - s))
+    du = acc * g * s
+    return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du), "y": cc.silu(g) * u}
 
 
 @cc.epilogue

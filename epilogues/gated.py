@@ -3,8 +3,9 @@ families of ``coda_cutlass.nn.hf`` (GeGLU-tanh: Gemma; ReGLU: relu configs; q/k/
 
 Each activation has the three programs a block runs (``coda_cutlass.nn.activations``): the gate/up
 GEMM writing z and y (``geglu`` / ``reglu`` in ``pairwise``), the same without z for the forward
-alone (``*_only``), and the down-proj dX GEMM of the backward, which writes dz' = r * dz (packed)
-and the per-row partials of z . dz (``*_backward_scaled``, as ``swiglu_backward_scaled``).
+alone (``*_only``), and the down-proj dX GEMM of the backward, which writes dz' = r * dz (packed),
+the per-row partials of z . dz and y again from z (``*_backward_y``, as ``swiglu_backward_y``;
+``*_backward_scaled``: without y).
 """
 
 import math
@@ -52,6 +53,27 @@ def reglu_backward_scaled(acc, z: cc.PairTile, r: cc.PerRow(F32)):
     dg = cc.where(g > 0.0, acc * u, 0.0)
     du = acc * cc.relu(g)
     return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du)}
+
+
+@cc.epilogue
+def geglu_backward_y(acc, z: cc.PairTile, r: cc.PerRow(F32)):
+    """geglu_backward_scaled that also writes y = gelu(gate) * up (M x f) again from the saved z."""
+    g, u = cc.unpack(z)
+    t = cc.tanh(_K * (g + _C * g * g * g))
+    slope = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _K * (1.0 + 3.0 * _C * g * g)
+    dg = acc * u * slope
+    du = acc * (0.5 * g * (1.0 + t))
+    return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du),
+            "y": cc.gelu(g, approximate="tanh") * u}
+
+
+@cc.epilogue
+def reglu_backward_y(acc, z: cc.PairTile, r: cc.PerRow(F32)):
+    """reglu_backward_scaled that also writes y = relu(gate) * up (M x f) again from the saved z."""
+    g, u = cc.unpack(z)
+    dg = cc.where(g > 0.0, acc * u, 0.0)
+    du = acc * cc.relu(g)
+    return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du), "y": cc.relu(g) * u}
 
 
 @cc.epilogue

@@ -85,6 +85,22 @@ def test_a_forward_without_autograd_skips_the_saved_pre_activation():
     assert "gate_up.infer" in block.runner.sites
 
 
+def test_the_training_forward_keeps_z_but_not_the_swiglu_output():
+    """The block saves z (M x 2f) for its backward and not y = silu(gate) * up (M x f): the
+    down-proj dX epilogue writes y again from z for the weight gradient (swiglu_backward_y), so
+    the gradients still match the standard block (the test above) with a third less MLP memory."""
+    block = LlamaBlock(64, 4, 2, 96, eps=1e-5, rope_theta=10000.0, dtype=torch.float32)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    node = block(x).grad_fn
+    while type(node).__name__ != "BlockFunctionBackward":      # past the view of the output
+        node = node.next_functions[0][0]
+    shapes = [tuple(t.shape) for t in node.saved_tensors if t is not None]
+    assert (16, 192) in shapes and (16, 96) not in shapes, shapes
+    block.runner = SiteLog()
+    block(x).sum().backward()
+    assert "down.dgrad" in block.runner.sites
+
+
 def test_an_inference_site_uses_its_training_sites_tuned_choice():
     from coda_cutlass import epilogues as E
     from coda_cutlass.nn.plan_store import Choice

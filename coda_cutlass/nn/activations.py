@@ -1,6 +1,7 @@
 """The gated MLP activations a block can run, each as its three epilogue programs: the gate/up GEMM
 (z saved for the backward, y = act(gate) * up), the gate/up GEMM of the forward alone (y only) and
-the down-proj dX GEMM of the backward (dz' = r * dz, z . dz partials)."""
+the down-proj dX GEMM of the backward (dz' = r * dz, z . dz partials, and y again from z for the
+down-proj weight gradient, so the forward does not keep y)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ class Activation:
 
 
 ACTIVATIONS: dict[str, Activation] = {
-    "silu": Activation("silu", E.swiglu, E.swiglu_only, E.swiglu_backward_scaled),
-    "gelu_tanh": Activation("gelu_tanh", E.geglu, E.geglu_only, E.geglu_backward_scaled),
-    "relu": Activation("relu", E.reglu, E.reglu_only, E.reglu_backward_scaled),
+    "silu": Activation("silu", E.swiglu, E.swiglu_only, E.swiglu_backward_y),
+    "gelu_tanh": Activation("gelu_tanh", E.geglu, E.geglu_only, E.geglu_backward_y),
+    "relu": Activation("relu", E.reglu, E.reglu_only, E.reglu_backward_y),
 }
 
 # transformers' names (ACT2FN) of the activations above

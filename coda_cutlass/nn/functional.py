@@ -126,20 +126,22 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)                         # R2
     else:
         x2, h2, r2 = run.gemm("down.last" + sfx, E.residual_add, y, w.down, resid=x1)["D"], None, None
-    return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx, post1, post2) if train else None
+    # y is not kept: the down-proj dX epilogue writes it again from z for the weight gradient
+    return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, None, attn_ctx, qk_ctx, post1, post2) if train else None
 
 
 def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor) -> tuple[torch.Tensor, BlockWeights]:
     """dL/dx of the block's input stream and the weight gradients (as a BlockWeights)."""
     d, run = step.dims, step.runner
-    x, h, r, qkv, o, x1, h1, r1, z, y, attn_ctx, qk_ctx, post1, post2 = saved
+    x, h, r, qkv, o, x1, h1, r1, z, _, attn_ctx, qk_ctx, post1, post2 = saved
     # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
     dm, d_pm = dx2, None
     if post2 is not None:       # the down-proj output's own norm first (two map kernels)
         dm, d_pm = sandwich.backward(step, "down", post2, w.post_mlp_norm, dx2)
     b4 = run.gemm("down.dgrad", step.mlp.backward, dm, w.down, layout="kn", partial=True, z=z, r=r1)  # B4
-    dz = b4["dz"]
+    dz, y = b4["dz"], b4.pop("y")            # y = act(gate) * up again, from z
     d_down = run.timed("down.wgrad", lambda: dm.t() @ y)                                       # B5
+    del y
     c1 = row_mean(b4["zdz"], d.dim)
     b6 = run.gemm("gate_up.dgrad", E.norm_backward, dz, w.gate_up, layout="kn", partial=True,  # B6
                   x=x1, r=r1, c=c1, g=w.mlp_norm, dres=dx2)

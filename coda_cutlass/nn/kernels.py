@@ -23,7 +23,7 @@ SITES: dict[str, tuple[Any, str]] = {
     "gate_up": (E.swiglu, "nk"),
     "down": (E.residual_norm_stats, "nk"),
     "down.last": (E.residual_add, "nk"),
-    "down.dgrad": (E.swiglu_backward_scaled, "kn"),
+    "down.dgrad": (E.swiglu_backward_y, "kn"),
     "gate_up.dgrad": (E.norm_backward, "kn"),
     "qkv.dgrad": (E.norm_backward, "kn"),
     "lm_head": (E.lm_head_lse, "nk"),
