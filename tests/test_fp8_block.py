@@ -92,6 +92,21 @@ def test_weight_copies_are_remade_only_when_the_weight_changes():
 
 
 @pytest.mark.parametrize("recipe", ["blockwise", "blockwise_g16", "tensorwise"])
+def test_the_saved_activations_are_their_transposed_copies_only(recipe):
+    """The backward reads h, o, h1 and y only through their weight gradients, which take the
+    transposed FP8 copies: the row-major codes (read by the forward GEMMs) are not kept."""
+    blk = _block(recipe)
+    x = torch.randn(2, 128, 256).to(BF16).requires_grad_()
+    node = blk(x).grad_fn
+    while type(node).__name__ != "Fp8BlockFunctionBackward":     # past the view of the output
+        node = node.next_functions[0][0]
+    saved = node.saved
+    for i in (1, 4, 6, 9):                                        # h, o, h1, y
+        assert saved[i].q is None and saved[i].qt.dtype == torch.float8_e4m3fn, i
+    assert saved[9].qt.shape == (512, 256) and saved[8].shape == (256, 1024)   # y^T (f x M); z (M x 2f)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "blockwise_g16", "tensorwise"])
 def test_every_gemm_of_a_two_block_step_is_fp8_and_gradients_travel_quantised(recipe):
     run = blocks_step(seed=5, fp8=recipe)  # the blocks alone (the LM head stays bf16)
     for site, *_, a_dtype, w_dtype in run.gemms:

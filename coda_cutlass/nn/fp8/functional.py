@@ -36,11 +36,16 @@ class Fp8Operand:
     and ``qt`` (N, M) with ``st`` (N / group, M/128): the transposed copy, 128 x 1 runs of the
     original (``group`` > 1: one scale per run of ``group`` neighbouring columns, recipe
     ``"blockwise_g16"``'s activations)."""
-    q: torch.Tensor
-    s: torch.Tensor
+    q: torch.Tensor | None
+    s: torch.Tensor | None
     qt: torch.Tensor
     st: torch.Tensor
     group: int = 1
+
+    def for_wgrad(self) -> "Fp8Operand":
+        """What a weight gradient reads (qt, st): an activation saved for the backward without its
+        1 x 128 codes and scales, which only the forward GEMM read."""
+        return Fp8Operand(None, None, self.qt, self.st, self.group)
 
     @classmethod
     def of(cls, out: dict[str, torch.Tensor], name: str, tname: str, group: int = 1) -> "Fp8Operand":
@@ -134,7 +139,8 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
         f3 = _gemm(step, "down.to_bf16", y.q, y.s, wd.w, wd.scale, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)
     _note(stats, {"h": h, "o": oq, "h1": h1, "y": y, "h2": h2})
-    return x2, h2, r2, (x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx)
+    # the backward reads the activations' transposed copies only (their weight gradients' operands)
+    return x2, h2, r2, (x, h.for_wgrad(), r, qkv, oq.for_wgrad(), x1, h1.for_wgrad(), r1, z, y.for_wgrad(), attn_ctx)
 
 
 def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: torch.Tensor,

@@ -36,9 +36,14 @@ GRADIENTS = ("dx2", "dz", "dx1", "dqkv", "dx")
 class TensorOperand:
     """An (M, N) activation or gradient in FP8 with one scale ``s`` (0-dim fp32): codes ``q`` (M, N)
     and the transposed copy ``qt`` (N, M), the same codes, written by the kernel that quantised it."""
-    q: torch.Tensor
+    q: torch.Tensor | None
     s: torch.Tensor
     qt: torch.Tensor
+
+    def for_wgrad(self) -> "TensorOperand":
+        """What a weight gradient reads (qt, s): an activation saved for the backward without its
+        row-major codes, which only the forward GEMM read."""
+        return TensorOperand(None, self.s, self.qt)
 
 
 def new_scales(recipe: Any) -> DelayedScales:
@@ -111,7 +116,8 @@ def block_forward(step: Any, x: torch.Tensor, h: TensorOperand, r: torch.Tensor,
     else:
         f3 = _fwd(step, "down.to_bf16", E.residual_norm_stats, y, wd, partial=True, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)
-    return x2, h2, r2, (x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx)
+    # the backward reads the activations' transposed copies only (their weight gradients' operands)
+    return x2, h2, r2, (x, h.for_wgrad(), r, qkv, oq.for_wgrad(), x1, h1.for_wgrad(), r1, z, y.for_wgrad(), attn_ctx)
 
 
 def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedScales, dx2: torch.Tensor,
