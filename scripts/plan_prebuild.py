@@ -102,6 +102,12 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--list", action="store_true", help="list the kernels, build nothing")
     args = ap.parse_args()
+    from coda_cutlass.nn.fp8 import RECIPES
+    unknown = [r for r in args.fp8 if r not in RECIPES]
+    if unknown:
+        ap.error(f"unknown FP8 recipe(s) {unknown}; known: {', '.join(sorted(RECIPES))}")
+    if not args.bf16 and not args.fp8:
+        ap.error("nothing to build: give --bf16 and / or --fp8 RECIPE ...")
     recipes: list[str | None] = ([None] if args.bf16 else []) + list(args.fp8)
     items: list[tuple[Any, dict]] = []
     maps: dict[tuple[Any, bool], None] = {}
