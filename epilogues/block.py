@@ -34,15 +34,22 @@ def norm_stats(acc, g: cc.PerCol):
     return {"h": acc * g, "sumsq": cc.row_sum(acc * acc)}
 
 
-@cc.epilogue
-def swiglu_backward_scaled(acc, z: cc.PairTile, r: cc.PerRow(F32)):
-    """Down-proj dX GEMM (acc = dy, M x f): reads the saved z as packed (gate, up) pairs, writes
-    dz' = r * dz interleaved (M x 2f) and the per-row partials of z . dz (unscaled)."""
+def swiglu_backward_outputs(acc, z, r) -> tuple:
+    """(g, u, outputs) of the SwiGLU backward in the down-proj dX GEMM (acc = dy, M x f): the saved
+    z read as packed (gate, up) pairs, dz' = r * dz interleaved (M x 2f) and the per-row partials
+    of z . dz (unscaled); shared by the two programs below."""
     g, u = cc.unpack(z)
     s = cc.sigmoid(g)
     dg = acc * u * s * (1.0 + g * (1.0 - s))
     du = acc * g * s
-    return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du)}
+    return g, u, {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du)}
+
+
+@cc.epilogue
+def swiglu_backward_scaled(acc, z: cc.PairTile, r: cc.PerRow(F32)):
+    """Down-proj dX GEMM (acc = dy, M x f): reads the saved z as packed (gate, up) pairs, writes
+    dz' = r * dz interleaved (M x 2f) and the per-row partials of z . dz (unscaled)."""
+    return swiglu_backward_outputs(acc, z, r)[2]
 
 
 @cc.epilogue
@@ -50,11 +57,8 @@ def swiglu_backward_y(acc, z: cc.PairTile, r: cc.PerRow(F32)):
     """swiglu_backward_scaled that also writes y = silu(gate) * up (M x f) again from the saved z,
     for the down-proj weight gradient: the block's forward then keeps z but not y (a third of its
     MLP activations; y costs this epilogue one more store)."""
-    g, u = cc.unpack(z)
-    s = cc.sigmoid(g)
-    dg = acc * u * s * (1.0 + g * (1.0 - s))
-    du = acc * g * s
-    return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du), "y": cc.silu(g) * u}
+    g, u, out = swiglu_backward_outputs(acc, z, r)
+    return {**out, "y": cc.silu(g) * u}
 
 
 @cc.epilogue

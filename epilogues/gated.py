@@ -33,47 +33,51 @@ def reglu_only(acc, r: cc.PerRow(F32)):
     return {"y": cc.half_width(cc.relu(g) * u)}
 
 
-@cc.epilogue
-def geglu_backward_scaled(acc, z: cc.PairTile, r: cc.PerRow(F32)):
-    """Down-proj dX GEMM of GeGLU (tanh form): acc = dy; writes dz' = r * dz interleaved and the
-    per-row partials of z . dz."""
+def geglu_backward_outputs(acc, z, r) -> tuple:
+    """(g, u, outputs) of the GeGLU (tanh form) backward: dz' = r * dz interleaved and the per-row
+    partials of z . dz (as swiglu_backward_outputs)."""
     g, u = cc.unpack(z)
     t = cc.tanh(_K * (g + _C * g * g * g))
     slope = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _K * (1.0 + 3.0 * _C * g * g)
     dg = acc * u * slope
     du = acc * (0.5 * g * (1.0 + t))
-    return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du)}
+    return g, u, {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du)}
+
+
+def reglu_backward_outputs(acc, z, r) -> tuple:
+    """(g, u, outputs) of the ReGLU backward (as swiglu_backward_outputs)."""
+    g, u = cc.unpack(z)
+    dg = cc.where(g > 0.0, acc * u, 0.0)
+    du = acc * cc.relu(g)
+    return g, u, {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du)}
+
+
+@cc.epilogue
+def geglu_backward_scaled(acc, z: cc.PairTile, r: cc.PerRow(F32)):
+    """Down-proj dX GEMM of GeGLU (tanh form): acc = dy; writes dz' = r * dz interleaved and the
+    per-row partials of z . dz."""
+    return geglu_backward_outputs(acc, z, r)[2]
 
 
 @cc.epilogue
 def reglu_backward_scaled(acc, z: cc.PairTile, r: cc.PerRow(F32)):
     """Down-proj dX GEMM of ReGLU: acc = dy; writes dz' = r * dz interleaved and the per-row
     partials of z . dz."""
-    g, u = cc.unpack(z)
-    dg = cc.where(g > 0.0, acc * u, 0.0)
-    du = acc * cc.relu(g)
-    return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du)}
+    return reglu_backward_outputs(acc, z, r)[2]
 
 
 @cc.epilogue
 def geglu_backward_y(acc, z: cc.PairTile, r: cc.PerRow(F32)):
     """geglu_backward_scaled that also writes y = gelu(gate) * up (M x f) again from the saved z."""
-    g, u = cc.unpack(z)
-    t = cc.tanh(_K * (g + _C * g * g * g))
-    slope = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _K * (1.0 + 3.0 * _C * g * g)
-    dg = acc * u * slope
-    du = acc * (0.5 * g * (1.0 + t))
-    return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du),
-            "y": cc.gelu(g, approximate="tanh") * u}
+    g, u, out = geglu_backward_outputs(acc, z, r)
+    return {**out, "y": cc.gelu(g, approximate="tanh") * u}
 
 
 @cc.epilogue
 def reglu_backward_y(acc, z: cc.PairTile, r: cc.PerRow(F32)):
     """reglu_backward_scaled that also writes y = relu(gate) * up (M x f) again from the saved z."""
-    g, u = cc.unpack(z)
-    dg = cc.where(g > 0.0, acc * u, 0.0)
-    du = acc * cc.relu(g)
-    return {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du), "y": cc.relu(g) * u}
+    g, u, out = reglu_backward_outputs(acc, z, r)
+    return {**out, "y": cc.relu(g) * u}
 
 
 @cc.epilogue

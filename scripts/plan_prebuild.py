@@ -21,18 +21,12 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import coda_cutlass as cc  # noqa: E402
-from coda_cutlass.nn import LlamaModel  # noqa: E402
+from coda_cutlass.nn import LlamaBlock, LlamaModel  # noqa: E402
 from coda_cutlass.nn.runner import KernelRunner, ReferenceRunner, fp8_parts  # noqa: E402
-
-WIDTHS = {      # as bench/block.py
-    "1b": dict(dim=2048, n_heads=32, n_kv_heads=8, head_dim=64, ffn_dim=8192),
-    "3b": dict(dim=3072, n_heads=24, n_kv_heads=8, head_dim=128, ffn_dim=8192),
-    "8b": dict(dim=4096, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336),
-    "70b": dict(dim=8192, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672),
-}
+from block import WIDTHS  # noqa: E402  (the block benchmark's Llama-3 widths)
 DEVICE = "NVIDIA H200|sm90|cuda13.0"   # the plans' device tag (nn.plan_store.plan_key)
 TINY = dict(dim=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=512)
 
@@ -73,9 +67,8 @@ def launches(recipe: str | None) -> RecordingRunner:
 
 
 def context(width: str, recipe: str | None) -> str:
-    d = WIDTHS[width]
-    return (f"llama:d{d['dim']}:h{d['n_heads']}/{d['n_kv_heads']}:hd{d['head_dim']}:f{d['ffn_dim']}"
-            + ("" if recipe is None else f":fp8-{recipe}"))
+    """The plan context of a block at these widths (LlamaBlock.context, of a block with no storage)."""
+    return LlamaBlock(**WIDTHS[width], fp8=recipe, device="meta", dtype=torch.bfloat16).context()
 
 
 def items_for(width: str, recipe: str | None, tokens: int, rec: RecordingRunner) -> list[tuple[Any, dict]]:
