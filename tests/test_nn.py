@@ -101,6 +101,22 @@ def test_the_training_forward_keeps_z_but_not_the_swiglu_output():
     assert "down.dgrad" in block.runner.sites
 
 
+def test_the_training_forward_keeps_neither_normed_input():
+    """h = x * g and h1 = x1 * g (the QKV and gate/up GEMMs' operands) are not saved: the norm-backward
+    dX epilogues, which read x and x1 anyway, write them again for the weight gradients
+    (norm_backward_h). Of the block's D-wide tensors only x, the attention output o and x1 stay."""
+    block = LlamaBlock(64, 4, 2, 96, eps=1e-5, rope_theta=10000.0, dtype=torch.float32)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    node = block(x).grad_fn
+    while type(node).__name__ != "BlockFunctionBackward":
+        node = node.next_functions[0][0]
+    wide = [t for t in node.saved_tensors if t is not None and tuple(t.shape) == (16, 64)]
+    assert len(wide) == 3, [tuple(t.shape) for t in node.saved_tensors if t is not None]
+    block.runner = SiteLog()
+    block(x).sum().backward()
+    assert {"qkv.dgrad", "gate_up.dgrad"} <= set(block.runner.sites)
+
+
 def test_an_inference_site_uses_its_training_sites_tuned_choice():
     from coda_cutlass import epilogues as E
     from coda_cutlass.nn.plan_store import Choice

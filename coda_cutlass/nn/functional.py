@@ -126,14 +126,14 @@ def block_forward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)                         # R2
     else:
         x2, h2, r2 = run.gemm("down.last" + sfx, E.residual_add, y, w.down, resid=x1)["D"], None, None
-    # y is not kept: the down-proj dX epilogue writes it again from z for the weight gradient
-    return x2, h2, r2, (x, h, r, qkv, o, x1, h1, r1, z, None, attn_ctx, qk_ctx, post1, post2) if train else None
+    # y, h and h1 are not kept: the dX epilogues write them again (y from z, h = x * g, h1 = x1 * g)
+    return x2, h2, r2, (x, None, r, qkv, o, x1, None, r1, z, None, attn_ctx, qk_ctx, post1, post2) if train else None
 
 
 def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor) -> tuple[torch.Tensor, BlockWeights]:
     """dL/dx of the block's input stream and the weight gradients (as a BlockWeights)."""
     d, run = step.dims, step.runner
-    x, h, r, qkv, o, x1, h1, r1, z, _, attn_ctx, qk_ctx, post1, post2 = saved
+    x, _, r, qkv, o, x1, _, r1, z, _, attn_ctx, qk_ctx, post1, post2 = saved
     # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM
     dm, d_pm = dx2, None
     if post2 is not None:       # the down-proj output's own norm first (two map kernels)
@@ -143,10 +143,11 @@ def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor)
     d_down = run.timed("down.wgrad", lambda: dm.t() @ y)                                       # B5
     del y
     c1 = row_mean(b4["zdz"], d.dim)
-    b6 = run.gemm("gate_up.dgrad", E.norm_backward, dz, w.gate_up, layout="kn", partial=True,  # B6
+    b6 = run.gemm("gate_up.dgrad", E.norm_backward_h, dz, w.gate_up, layout="kn", partial=True,  # B6
                   x=x1, r=r1, c=c1, g=w.mlp_norm, dres=dx2)
-    dx1 = b6["dx"]
+    dx1, h1 = b6["dx"], b6.pop("h")          # h1 = x1 * g again, from x1
     d_gate_up = run.timed("gate_up.wgrad", lambda: dz.t() @ h1)                                # B7
+    del h1
     # ---- attention: out-proj dX and dW are plain GEMMs; the RoPE backward is a map kernel
     do, d_pa = dx1, None
     if post1 is not None:
@@ -173,9 +174,11 @@ def block_backward(step: Step, saved: tuple, w: BlockWeights, dx2: torch.Tensor)
         zdz.append(res["zdz"])
         start += width
     c = row_mean(torch.cat(zdz), d.dim)
-    b2 = run.gemm("qkv.dgrad", E.norm_backward, dqkv, w.qkv, layout="kn", partial=True,       # B2
+    b2 = run.gemm("qkv.dgrad", E.norm_backward_h, dqkv, w.qkv, layout="kn", partial=True,     # B2
                   x=x, r=r, c=c, g=w.attn_norm, dres=dx1)
+    h = b2.pop("h")                          # h = x * g again, from x
     d_qkv = run.timed("qkv.wgrad", lambda: dqkv.t() @ h)                                      # B3
+    del h
     d_bias = None
     if w.qkv_bias is not None:      # dbias = column sums of dz = dz'^T (1 / r)
         d_bias = run.timed("qkv.bgrad", lambda: torch.mv(dqkv.t(), r.reciprocal().to(dqkv.dtype)))
