@@ -239,6 +239,32 @@ def test_block_scaled_transposed_outputs_take_two_passes_over_128_rows():
     assert "one per 128 x 1 run of each column of X" in src
 
 
+@cc.epilogue
+def _transposed_blocks_of_a_sum(acc, t: cc.Tile, u: cc.Tile(torch.float32), g: cc.PerCol):
+    y = acc + t + u * g
+    return {"q": cc.quantize(y, block=128), "qt": cc.quantize(y, block=128, transpose=True)}
+
+
+def test_two_pass_kernels_stage_their_16_bit_inputs_once_in_shared_memory():
+    """Both passes of a block-scaled transposed output read X (and further 16-bit tile inputs, while
+    they fit STAGE_BYTES) from shared memory, copied there once per block; fp32 tiles, per-column
+    vectors and kernels of one pass read global memory as before."""
+    from coda_cutlass.lower.map import STAGE_BYTES
+    src = cc.emit_map(_transposed_blocks)
+    assert "kStageBytes = 65536;" in src and "coda::map::stage8<cutlass::bfloat16_t>(stage0," in src
+    first, second = src.index("// First pass"), src.index("// Second pass")
+    assert src.index("coda::map::stage_wait();") < first
+    assert src[first:].count("load8<cutlass::bfloat16_t>(stage0, int(m - m_first)") == 2
+    assert "p.tensors[0], row0" not in src[first:]          # X is never read from global in the passes
+    assert STAGE_BYTES == 128 * 256 * 2                     # one bf16 tile: two blocks of ~108 KB per SM
+    sum_src = cc.emit_map(_transposed_blocks_of_a_sum)
+    assert "stage8<cutlass::bfloat16_t>(stage0," in sum_src and "stage1" not in sum_src   # t would pass the budget
+    assert "load8<cutlass::bfloat16_t>(p.tensors[1], row1 + col1" in sum_src
+    assert "load8<float>(p.tensors[2], row2 + col2" in sum_src
+    plain = cc.emit_map(_transposed)
+    assert "kStageBytes = 0;" in plain and "stage8" not in plain.split("namespace coda_generated")[1]
+
+
 def test_block_scaled_transposed_outputs_are_n_by_m_with_column_run_scales(fake_nvcc):
     k = cc.compile_map(_transposed_blocks, BF)
     X = torch.randn(300, 264).to(BF)                     # M not a multiple of 16: padded rows

@@ -1,14 +1,22 @@
-"""Standalone speed of the quantising map kernels at Llama-3-8B block shapes (M = 8192) against a
-bandwidth reference: torch's own cast of the same tensor to FP8 (reads 2 bytes, writes 1 per
-element) and a bf16 copy. Prints us and the effective bandwidth (bytes the kernel must move / time).
+"""Standalone speed of the quantising map kernels at Llama-3-8B block shapes (M = 8192), each two-pass
+kernel built twice: as generated (its inputs staged in shared memory once per block) and with the
+staging switched off (the second pass re-reads its inputs from L2 / DRAM), timed against each other
+and against a bandwidth reference (torch's own cast to FP8: reads 2 bytes, writes 1 per element),
+calls interleaved in one process. Checks that both builds write the same bytes. Prints a table and
+writes map_speed.json.
 
-    python bench/probes/map_quant_speed.py
+    python bench/probes/map_quant_speed.py --out /tmp/map            # on the GPU
+    python bench/probes/map_quant_speed.py --build-only               # build both variants (no GPU)
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
 import sys
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
@@ -16,29 +24,75 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
+from coda_cutlass.lower import map as lower_map  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
+
+SHAPES = ((8192, 28672, "dz"), (8192, 6144, "dqkv"), (8192, 4096, "o / dx / h"))
+# (name, program, takes the norm gain g, bytes per element that must cross DRAM)
+KERNELS = (("quantize_rows_t", E.quantize_rows_t, False, 4), ("quantize_rows_t_g16", E.quantize_rows_t_g16, False, 4),
+           ("norm_stats_fp8", E.norm_stats_fp8, True, 4))
+
+
+@contextlib.contextmanager
+def unstaged() -> Iterator[None]:
+    """Kernels rendered inside this context do not stage their inputs (the previous generated code)."""
+    prop = lower_map.MapGraph.staged
+    lower_map.MapGraph.staged = property(lambda self: ())
+    try:
+        yield
+    finally:
+        lower_map.MapGraph.staged = prop
+
+
+def builds() -> dict[str, tuple[Any, Any, bool, int]]:
+    out = {}
+    for name, program, gain, moved in KERNELS:
+        staged = cc.compile_map(program, torch.bfloat16, verbose=False)
+        with unstaged():
+            plain = cc.compile_map(program, torch.bfloat16, verbose=False)
+        out[name] = (staged, plain, gain, moved)
+    return out
 
 
 def main() -> None:
-    s = torch.tensor(0.01, device="cuda")
-    rows = []
-    for M, N, what in ((8192, 28672, "dz"), (8192, 4096, "o / dx"), (8192, 6144, "dqkv")):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build-only", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    kernels = builds()
+    if args.build_only:
+        print(f"built {2 * len(kernels)} map kernels")
+        return
+    rows: list[dict[str, Any]] = []
+    for M, N, what in SHAPES:
         xs = [torch.randn(M, N, device="cuda").to(torch.bfloat16) for _ in range(2)]
-        both = cc.compile_map(E.quantize_rows_t, torch.bfloat16)
-        rows_only = cc.compile_map(E.quantize_rows, torch.bfloat16)
-        tensor_t = cc.compile_map(E.quantize_tensor, torch.bfloat16)
-        fns = {"quantize_rows_t": both, "quantize_rows": rows_only,
-               "quantize_tensor (+ t)": lambda x: tensor_t(x, s=s),
-               "torch cast to e4m3": lambda x: x.to(torch.float8_e4m3fn), "torch bf16 copy": lambda x: x.clone()}
-        moved = {"quantize_rows_t": 4, "quantize_rows": 3, "quantize_tensor (+ t)": 4, "torch cast to e4m3": 3,
-                 "torch bf16 copy": 4}          # bytes per element that must cross DRAM
-        times = interleaved(fns, xs, rounds=3, reps=10)
+        g = torch.rand(N, device="cuda").to(torch.bfloat16) + 0.5
+        fns: dict[str, Any] = {"torch cast to e4m3": lambda x: x.to(torch.float8_e4m3fn)}
+        moved = {"torch cast to e4m3": 3}
+        for name, (staged, plain, gain, nbytes) in kernels.items():
+            extra = {"g": g} if gain else {}
+            a, b = staged(xs[0], **extra), plain(xs[0], **extra)
+            same = all(torch.equal(a[k].view(torch.uint8) if a[k].element_size() == 1 else a[k],
+                                   b[k].view(torch.uint8) if b[k].element_size() == 1 else b[k]) for k in a)
+            if not same:
+                raise SystemExit(f"{name} {M}x{N}: the staged and unstaged kernels disagree")
+            fns[f"{name}"] = lambda x, k=staged, e=extra: k(x, **e)
+            fns[f"{name} (unstaged)"] = lambda x, k=plain, e=extra: k(x, **e)
+            moved[name] = moved[f"{name} (unstaged)"] = nbytes
+        times = interleaved(fns, xs, rounds=5, reps=10)
         for name, t in times.items():
-            rows.append((what, M, N, name, t, moved[name] * M * N / t / 1e3))
+            rows.append({"tensor": what, "M": M, "N": N, "kernel": name, "us": t,
+                         "TB/s moved": moved[name] * M * N / t / 1e6})
         del xs
-    print("| tensor | M | N | kernel | us | GB/s moved |\n|---|---|---|---|---|---|")
-    for what, M, N, name, t, bw in rows:
-        print(f"| {what} | {M} | {N} | {name} | {t:.0f} | {bw:.0f} |")
+    lines = ["| tensor | M | N | kernel | us | TB/s moved |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['tensor']} | {r['M']} | {r['N']} | {r['kernel']} | {r['us']:.1f} | {r['TB/s moved']:.2f} |"
+              for r in rows]
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
+        (args.out / "map_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        (args.out / "map_speed.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -263,6 +263,27 @@ def test_map_kernel_transposed_block_scaled_outputs_are_exact(shape):
 
 
 @cc.epilogue
+def map_column_blocks_of_a_sum(acc, t: cc.Tile):
+    y = acc + t
+    return {"q": cc.quantize(y, block=128), "qt": cc.quantize(y, block=128, transpose=True)}
+
+
+@pytest.mark.parametrize("shape", [(2, 500, 3, 128), (1, 128, 2, 64)], ids=["partial_run", "one_run"])
+def test_map_kernel_staged_inputs_from_strided_views_are_exact(shape):
+    """A two-pass kernel reads X from shared memory (staged once per block with cp.async) and t from
+    global memory (it would pass the staging budget): X a strided (B, S, H, D) view of a (B, H, S, D)
+    tensor, as the attention gradients are; M = 1000 (a partial last run of 104 rows), N = 384 (a
+    partial column tile); codes and scales bit for bit the reference."""
+    B, S, H, D = shape
+    g = torch.Generator(device="cuda").manual_seed(B * S + H * D)
+    X = (torch.randn(B, H, S, D, device="cuda", generator=g) * 3).to(torch.bfloat16).transpose(1, 2)
+    t = torch.randn(B * S, H * D, device="cuda", generator=g).to(torch.bfloat16)
+    k = cc.compile_map(map_column_blocks_of_a_sum, torch.bfloat16)
+    assert [s.name for s in k.graph.staged] == ["acc"]
+    _check_exact(k(X, t=t), cc.map_reference(map_column_blocks_of_a_sum, X, t=t), f"map staged strided {shape}")
+
+
+@cc.epilogue
 def rows_and_grouped_t(acc, r: cc.PerRow, t: cc.Tile):
     y = acc * r + t
     return {"q": cc.quantize(y, block=128), "qt": cc.quantize(y, block=128, transpose=True, group=16)}
