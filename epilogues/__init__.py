@@ -7,7 +7,7 @@ Forward:  residual_norm_stats (out-proj / down-proj), rowscale (the consumer of 
           squares), bias_gelu, residual_add, identity.
 Backward: rmsnorm_backward (the norm-backward dX GEMM epilogue), swiglu_backward (down-proj dX).
 Training a Llama block (coda_cutlass.nn; block.py): swiglu_backward_y (swiglu_backward_scaled
-          with y written again), norm_backward(_first),
+          with y written again), norm_backward(_first), norm_backward_h (with h = x * g written again),
           cross_entropy_backward; norm_stats and rope_backward are map kernels (no GEMM).
 Model families (coda_cutlass.nn.hf; gated.py): geglu_only, reglu_only, geglu_backward_scaled /
           _y, reglu_backward_scaled / _y, rope_bias (q/k/v biases), rope_backward_bias; per-head q/k norms
@@ -30,8 +30,8 @@ from .basic import identity, residual_add, rowscale
 from .norms import qk_norm_stats, residual_norm_stats, rmsnorm_backward, rstd_from_sumsq
 from .pairwise import geglu, reglu, rope, rope_generic, swiglu, swiglu_backward, swiglu_only
 from .loss import lm_head_lse, lm_head_lse_logits
-from .block import (cross_entropy_backward, cross_entropy_grad, norm_backward, norm_backward_first, norm_stats, rope_backward,
-                    swiglu_backward_scaled, swiglu_backward_y)
+from .block import (cross_entropy_backward, cross_entropy_grad, norm_backward, norm_backward_first, norm_backward_h,
+                    norm_stats, rope_backward, swiglu_backward_scaled, swiglu_backward_y)
 from .qk_norm import qk_norm_backward, qk_norm_rope, qk_norm_rope_backward
 from .fp8_block import (norm_backward_ax, norm_backward_fp8, norm_stats_fp8, quantize_rows, quantize_rows_t,
                         residual_norm_stats_fp8, swiglu_fp8, swiglu_fp8_rows)
@@ -49,7 +49,7 @@ from .gated import (geglu_backward_scaled, geglu_backward_y, geglu_only, reglu_b
 __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "rowscale_silu",
            "residual_norm_stats", "rmsnorm_backward", "rstd_from_sumsq", "qk_norm_stats",
            "swiglu", "swiglu_only", "geglu", "reglu", "swiglu_backward", "rope", "rope_generic", "lm_head_lse",
-           "lm_head_lse_logits", "swiglu_backward_scaled", "norm_backward", "norm_backward_first", "norm_stats",
+           "lm_head_lse_logits", "swiglu_backward_scaled", "norm_backward", "norm_backward_first", "norm_backward_h", "norm_stats",
            "rope_backward", "cross_entropy_backward", "cross_entropy_grad", "geglu_only", "reglu_only", "geglu_backward_scaled",
            "reglu_backward_scaled", "rope_bias", "rope_backward_bias", "qk_norm_rope", "qk_norm_rope_backward",
            "qk_norm_backward", "out_sumsq", "post_norm_residual", "post_norm_residual_last", "post_norm_c",

@@ -65,7 +65,19 @@ def swiglu_backward_y(acc, z: cc.PairTile, r: cc.PerRow(F32)):
 def norm_backward(acc, x: cc.Tile, r: cc.PerRow(F32), c: cc.PerRow(F32), g: cc.PerCol, dres: cc.Tile):
     """Norm-backward dX GEMM (acc = r * delta, from dz'): dx = dres + acc * g - r^2 c x, with dres
     the incoming residual gradient; dgamma = sum over rows of acc * x. c = (1/d) z . dz."""
+    return norm_backward_outputs(acc, x, r, c, g, dres)
+
+
+def norm_backward_outputs(acc, x, r, c, g, dres) -> dict:
+    """dx and dgamma of the norm backward; shared by norm_backward and norm_backward_h."""
     return {"dx": dres + acc * g - (r * r * c) * x, "dgamma": cc.col_sum(acc * x)}
+
+
+@cc.epilogue
+def norm_backward_h(acc, x: cc.Tile, r: cc.PerRow(F32), c: cc.PerRow(F32), g: cc.PerCol, dres: cc.Tile):
+    """norm_backward that also writes h = x * g again (the weight gradient's operand) from the x it
+    reads anyway: the block's forward then keeps x but not h (one M x D tensor less per norm)."""
+    return {**norm_backward_outputs(acc, x, r, c, g, dres), "h": x * g}
 
 
 @cc.epilogue

@@ -9,6 +9,7 @@
 // Row reductions are per (row, 256-wide column tile) partials, finished on the host.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cuda_runtime.h>
 
@@ -188,6 +189,19 @@ struct ColumnScales {
   }
 };
 
+// A staged input (map.cu.j2, two-pass kernels): the 8 columns of one row, 16 bytes, copied from global
+// to shared memory with cp.async (global: 16-byte aligned, as load8 needs; the host checks).
+template <class T>
+CUTLASS_DEVICE void stage8(T* smem, int offset, void const* base, int64_t g_offset) {
+  static_assert(sizeof(T) == 2, "staged inputs are 16-bit (lower/map.py MapGraph.staged)");
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem + offset));
+  T const* g = static_cast<T const*>(base) + g_offset;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(g) : "memory");
+}
+
+// Every cp.async of this thread has landed (and is visible to it).
+CUTLASS_DEVICE void stage_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // One element of a per-row or per-column vector (any dtype: index vectors are read as fp32).
 template <class T>
 CUTLASS_DEVICE float load1(void const* base, int64_t i) {
@@ -214,6 +228,18 @@ inline const char* status_string(int status) {
     case kLaunch: return "the kernel launch failed";
     default: return "unknown status";
   }
+}
+
+// A block taking more than 48 KB of shared memory needs the kernel's opt-in, once per device
+// (``done``: the kernel's record, one bit for each of the first 64 devices; past those, every launch).
+inline bool allow_dynamic_smem(void const* kernel, int bytes, std::atomic<uint64_t>& done) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  const uint64_t bit = device < 64 ? (uint64_t(1) << device) : 0;
+  if (bit && (done.load(std::memory_order_relaxed) & bit)) return true;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess) return false;
+  done.fetch_or(bit, std::memory_order_relaxed);
+  return true;
 }
 
 inline dim3 grid(int64_t M, int64_t N, int rows) {
