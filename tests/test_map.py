@@ -230,12 +230,17 @@ def _two_transposed_with_blocks(acc, s: cc.DeviceScalar):
 
 
 def test_block_scaled_transposed_outputs_take_two_passes_over_128_rows():
+    """Warp w walks rows 16w .. 16w + 15 of the block's 128 twice; the second pass keeps the
+    transposed codes in registers (8 bytes a row) and transposes them there: no shared-memory tile."""
     src = cc.emit_map(_transposed_blocks)
-    assert "kRows = 128;" in src and "TransposedTile<cutlass::float_e4m3_t, kRows> t1;" in src
+    assert "kRows = 128;" in src and "kRowsPerWarp = kRows / coda::map::kWarps;" in src
+    assert "TransposedTile" not in src.split("namespace coda_generated")[1]
     assert "ColumnScales<cutlass::float_e4m3_t, true> cs1;" in src
     first, second = src.index("// First pass"), src.index("// Second pass")
     assert first < second and "cs1.finish(cmax1" in src[first:second]
-    assert "out[i] = v0[i] * tinv1[i];" in src[second:]
+    assert src[first:].count("const int64_t m = m_first + kRowsPerWarp * warp + j;") == 2
+    assert "out[i] = v0[i] * tinv1[i];" in src[second:] and "tq1[j] = coda::map::pack8<cutlass::float_e4m3_t>(out);" in src
+    assert "coda::map::write_transposed16(p.tensors[1], p.views[1].stride_m, n0," in src[second:]
     assert "one per 128 x 1 run of each column of X" in src
 
 

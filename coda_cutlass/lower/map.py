@@ -21,13 +21,14 @@ reductions (sum, max, min, gather) and total sums as per-(row, 256-column tile) 
 
 A transposed output with 128 x 1 block scales (``cc.quantize(..., block=128, transpose=True)``: the
 weight-gradient operand of the blockwise recipe) makes each block walk 128 rows, one run of each of
-its 256 columns, in two passes: the first evaluates only what that output needs and reduces each
-column's amax (registers, then the 8 warps in shared memory); the second evaluates the whole program
-with the column scales known. The block's tile inputs (up to STAGE_BYTES of them, X first) are
-copied once into shared memory before the first pass (cp.async, every row in flight at once) and
-both passes read them there: re-reading them from L2 in the second pass moved 1.4x the bytes the
-kernel needs and ran at half a cast's bandwidth. One such output per kernel, and no other
-transposed output beside it (their staging tiles would pass the 48 KB of static shared memory).
+its 256 columns, in two passes, warp w over rows 16w .. 16w + 15: the first evaluates only what that
+output needs and reduces each column's amax (registers, then the 8 warps in shared memory); the
+second evaluates the whole program with the column scales known and keeps the transposed codes in
+registers, 8 bytes a row, which byte permutes transpose into 16-byte runs of the output's rows (no
+shared-memory tile: reading one back took an instruction per byte). The block's tile inputs (up to
+STAGE_BYTES of them, X first) are copied once into shared memory before the first pass (cp.async,
+every row in flight at once) and both passes read them there, not L2 again. One such output per
+kernel, and no other transposed output beside it (that one would need a 128-row staging tile).
 
 Refused with an error naming the node: packed pairs, log-sum-exp, segment sums, column reductions,
 half-width transposed outputs, and a second transposed output beside a block-scaled one.
@@ -217,8 +218,8 @@ def _first_pass(program: Program, nodes: list[MapNode]) -> tuple[MapNode, ...]:
         ir = {n.id: n for n in program.nodes}
         names = ", ".join(f"'{ir[m.id].attr('name')}'" for m in transposed)
         raise EpilogueError(f"map kernels write one transposed output when it has 128 x 1 block scales, this program "
-                            f"has {len(transposed)} ({names}): their 128-row staging tiles would pass the 48 KB of "
-                            "static shared memory; split the program into two map kernels",
+                            f"has {len(transposed)} ({names}): the other would need a 128-row shared-memory "
+                            "staging tile; split the program into two map kernels",
                             program=program.name)
     by_id = {m.id: m for m in nodes}
     need: set[int] = set()
