@@ -153,6 +153,61 @@ struct TransposedTile {
   }
 };
 
+// 8 values as 8 FP8 codes (byte i: value i; saturating, as store8 converts).
+template <class T>
+CUTLASS_DEVICE uint2 pack8(float const (&in)[kVec]) {
+  static_assert(sizeof(T) == 1, "FP8 codes");
+  uint2 raw;
+  T* e = reinterpret_cast<T*>(&raw);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kVec; ++i) e[i] = from_float<T>(in[i]);
+  return raw;
+}
+
+// Four rows a, b, c, d of four bytes (byte k: column k) -> the four columns (byte r: row r).
+CUTLASS_DEVICE void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&col)[4]) {
+  const uint32_t ab01 = __byte_perm(a, b, 0x5140), ab23 = __byte_perm(a, b, 0x7362);   // a0 b0 a1 b1 | a2 b2 a3 b3
+  const uint32_t cd01 = __byte_perm(c, d, 0x5140), cd23 = __byte_perm(c, d, 0x7362);
+  col[0] = __byte_perm(ab01, cd01, 0x5410);   // a0 b0 c0 d0
+  col[1] = __byte_perm(ab01, cd01, 0x7632);   // a1 b1 c1 d1
+  col[2] = __byte_perm(ab23, cd23, 0x5410);
+  col[3] = __byte_perm(ab23, cd23, 0x7632);
+}
+
+// A block-scaled transposed output (two-pass map kernels): a thread's codes of 16 consecutive rows
+// m0 .. m0 + 15 (row j: rows[j], byte i = column n0 + i) are, transposed, 16 contiguous bytes of each
+// of the rows n0 .. n0 + 7 of the N x M output (leading dimension ld, elements = bytes). One 16-byte
+// store per row when all 16 rows exist (m0 a multiple of 16, ld and the base 16-byte aligned: the
+// host checks), else the first ``rows`` bytes one by one (the last block's last rows).
+CUTLASS_DEVICE void write_transposed16(void* base, int64_t ld, int64_t n0, int64_t m0, int rows,
+                                       uint2 const (&tq)[16]) {
+  if (rows <= 0) return;
+  uint32_t cols[kVec][4];                 // cols[i][g]: column i, rows 4g .. 4g + 3
+  CUTLASS_PRAGMA_UNROLL
+  for (int g = 0; g < 4; ++g) {
+    uint32_t lo[4], hi[4];
+    transpose4x4(tq[4 * g].x, tq[4 * g + 1].x, tq[4 * g + 2].x, tq[4 * g + 3].x, lo);
+    transpose4x4(tq[4 * g].y, tq[4 * g + 1].y, tq[4 * g + 2].y, tq[4 * g + 3].y, hi);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      cols[i][g] = lo[i];
+      cols[4 + i][g] = hi[i];
+    }
+  }
+  uint8_t* out = static_cast<uint8_t*>(base);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kVec; ++i) {
+    uint8_t* p = out + (n0 + i) * ld + m0;
+    if (rows == 16) {
+      *reinterpret_cast<uint4*>(p) = make_uint4(cols[i][0], cols[i][1], cols[i][2], cols[i][3]);
+    } else {                              // unrolled: cols stays in registers
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 16; ++r)
+        if (r < rows) p[r] = uint8_t(cols[i][r >> 2] >> (8 * (r & 3)));
+    }
+  }
+}
+
 // The 128 x 1 block scales of a transposed output: the block's 128 rows are one run of each of its
 // 256 columns. Before the codes are computed, every thread holds the amax of its 8 columns over the
 // rows its warp visited (a first pass over the rows); ``finish`` meets the 8 warps' partials in
