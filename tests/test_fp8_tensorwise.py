@@ -97,6 +97,24 @@ def test_an_overflow_shows_as_a_nan_scale_on_the_next_step():
     assert math.isnan(float(sc.scale("a")))
 
 
+def test_folding_a_steps_amaxes_makes_no_tensor_from_host_values(monkeypatch):
+    """begin_step stacks the step's amaxes on the device: building a tensor from host values there
+    (an index tensor) is, on a GPU, a copy that waits for the stream, once per block and step, which
+    made a 16-layer "tensorwise" model host-bound. The tensor that was not quantised gets amax 0."""
+    sc = DelayedScales(RECIPES["tensorwise"], {"a": E4M3, "g": E5M2, "b": E4M3})
+    k = FakeKernel()
+    sc.begin_step(torch.device("cpu"))
+    k.amax = 5.0
+    sc.quantize("b", k, torch.device("cpu"))
+    def no_host_tensors(*args, **kwargs):
+        raise AssertionError("torch.tensor called in begin_step")
+    monkeypatch.setattr(torch, "tensor", no_host_tensors)
+    sc.begin_step(torch.device("cpu"))
+    monkeypatch.undo()
+    hist = {n: v["amax_history"][0] for n, v in sc.stats().items()}
+    assert hist == {"a": 0.0, "g": 0.0, "b": 5.0}
+
+
 def test_per_tensor_weight_copies_and_the_gate_up_halves():
     w = torch.nn.Parameter(torch.randn(256, 384) * 3)
     cache = Fp8Weights(RECIPES["tensorwise"])

@@ -121,11 +121,12 @@ class DelayedScales:
         if not self._pending:
             return
         idx = sorted(self._pending)
-        amax = torch.stack([self._pending[i].reshape(()).float() for i in idx])
-        rows = torch.tensor(idx, device=device)
-        col = self._history[:, self._slot].clone().zero_()
-        col.index_copy_(0, rows, amax)
-        self._history[:, self._slot] = col
+        # every name's amax of the step (0 where it was not quantised), stacked on the device: no
+        # index tensor from host values, whose copy would wait for the stream once per block and step
+        # (a 16-layer "tensorwise" model was host-bound on it)
+        zero = self._history.new_zeros(())
+        self._history[:, self._slot] = torch.stack([self._pending[i].reshape(()).float() if i in self._pending
+                                                    else zero for i in range(len(self.names))])
         self._slot = (self._slot + 1) % self.recipe.history
         self._scales = self._scale_of(self._history.amax(1), self._fmax_t)
         for i in idx:
