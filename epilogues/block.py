@@ -10,14 +10,14 @@ instead of dz. Then the norm-backward dX GEMM's accumulator is ``r * delta`` (de
     dx     = r (delta g - x_hat c)   = acc * g - r^2 c x
     dgamma = sum_m delta * x_hat     = sum_m acc * x
     dW     = dz^T y = dz^T (r h)     = dz'^T h
-with h = x * g the consumer GEMM's saved A operand: the backward never writes y, and
+with h = x * g the consumer GEMM's A operand: the backward never writes y, and
 c = (1/d) z . dz is still the unscaled row sum that the dz producer computes.
 
 Map kernels: norm_stats (the first RMSNorm after the embedding), rope_backward (on the attention
-gradients). Backward GEMM epilogues: swiglu_backward_y (down-proj dX; swiglu_backward_scaled without
-y), norm_backward (norm
-backward dX, residual gradient carried in), norm_backward_first (none carried in: the final norm),
-cross_entropy_backward (LM head recomputed: dlogits' = r * (softmax - onehot) * scale).
+gradients). Backward GEMM epilogues: swiglu_backward_scaled (down-proj dX) and swiglu_backward_y
+(also y again, from z), norm_backward (norm backward dX, residual gradient carried in) and
+norm_backward_h (also h = x * g again, from x), norm_backward_first (none carried in: the final
+norm), cross_entropy_backward (LM head recomputed: dlogits' = r * (softmax - onehot) * scale).
 """
 
 import torch

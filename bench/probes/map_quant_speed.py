@@ -36,12 +36,12 @@ KERNELS = (("quantize_rows_t", E.quantize_rows_t, False, 4), ("quantize_rows_t_g
 @contextlib.contextmanager
 def unstaged() -> Iterator[None]:
     """Kernels rendered inside this context do not stage their inputs (the previous generated code)."""
-    prop = lower_map.MapGraph.staged
-    lower_map.MapGraph.staged = property(lambda self: ())
+    prop = lower_map.MapGraph.stage_offsets
+    lower_map.MapGraph.stage_offsets = property(lambda self: {})
     try:
         yield
     finally:
-        lower_map.MapGraph.staged = prop
+        lower_map.MapGraph.stage_offsets = prop
 
 
 def builds() -> dict[str, tuple[Any, Any, bool, int]]:

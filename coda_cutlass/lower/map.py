@@ -53,7 +53,7 @@ TILE_N = 256          # columns per partial (templates/coda/map_kernel.hpp kTile
 ROWS, RUN_ROWS = 32, 128   # rows per block: plain, and with a 128 x 1 block-scaled transposed output
 PARTIALS_TILE = (1, TILE_N)   # the map kernel's partials: per (row, 256-column tile), rows unpadded
 # Dynamic shared memory for the tile inputs a two-pass block stages: one bf16 128 x 256 tile, so that
-# with the transposed output's staging tile and the column scales (~44 KB) two blocks fit an SM.
+# with the column scales (~9 KB) three blocks fit an SM.
 STAGE_BYTES = 64 * 1024
 
 _REDUCE_FUNCTOR = {"sum": "coda::scalar::add", "max": "coda::scalar::maximum", "min": "coda::scalar::minimum"}
@@ -121,19 +121,29 @@ class MapGraph:
         return tuple(n for n in self.nodes if n.op == "t_quant_store")
 
     @property
-    def staged(self) -> tuple[MapSlot, ...]:
-        """With a block-scaled transposed output: the 16-bit tile inputs each block copies once into
-        shared memory for its two passes (in slot order, X first, while they fit STAGE_BYTES)."""
+    def stage_offsets(self) -> dict[int, int]:
+        """With a block-scaled transposed output: slot index -> byte offset in the dynamic shared
+        memory of each 16-bit tile input a block copies once for its two passes (in slot order, X
+        first, while they fit STAGE_BYTES)."""
         if not self.column_scaled:
-            return ()
-        out, used = [], 0
+            return {}
+        out, used = {}, 0
         for s in self.slots:
             if s.kind == Kind.TILE and s.role in ("acc", "input") and s.layout == "tile" and s.dtype.bits == 16:
-                size = RUN_ROWS * TILE_N * s.dtype.bits // 8
-                if used + size <= STAGE_BYTES:
-                    out.append(s)
-                    used += size
-        return tuple(out)
+                if used + _stage_bytes(s) <= STAGE_BYTES:
+                    out[s.index] = used
+                    used += _stage_bytes(s)
+        return out
+
+    @property
+    def staged(self) -> tuple[MapSlot, ...]:
+        """The staged tile inputs (``stage_offsets``), in slot order."""
+        return tuple(self.slots[i] for i in self.stage_offsets)
+
+    @property
+    def stage_bytes(self) -> int:
+        """The dynamic shared memory a block takes for its staged inputs."""
+        return sum(_stage_bytes(s) for s in self.staged)
 
     @property
     def rows(self) -> int:
@@ -145,6 +155,11 @@ class MapGraph:
             "abi": f"map-{MAP_ABI_VERSION}", "program": self.program.name, "dtype": self.dtype.name,
             "slots": [s.describe() for s in self.slots], "scalars": list(self.scalars),
             "outputs": list(self.program.outputs)}))
+
+
+def _stage_bytes(s: MapSlot) -> int:
+    """A staged input's 128 x 256 tile, in bytes."""
+    return RUN_ROWS * TILE_N * s.dtype.bits // 8
 
 
 def _refuse(program: Program, n: Node, why: str) -> EpilogueError:

@@ -38,19 +38,15 @@ def map_slot_doc(s: MapSlot) -> str:
 def render_map_kernel(graph: MapGraph) -> str:
     tile_slots = [s for s in graph.slots if s.kind == Kind.TILE and s.role != "partials"
                   and s.layout not in ("scale", "t")]
-    stage_offset, used = {}, 0      # byte offsets of the staged inputs in the dynamic shared memory
-    for s in graph.staged:
-        stage_offset[s.index] = used
-        used += graph.rows * 256 * s.dtype.bits // 8
     return environment().get_template("map.cu.j2").render(
         name=graph.program.name,
         version=__version__,
         graph=graph,
         tile_slots=tile_slots,
         slot_element={s.index: s.dtype.cpp for s in tile_slots},
-        staged={s.index for s in graph.staged},
-        stage_offset=stage_offset,
-        stage_bytes=used,
+        staged=set(graph.stage_offsets),
+        stage_offset=graph.stage_offsets,
+        stage_bytes=graph.stage_bytes,
         ir_lines=[node_line(n) for n in graph.program.nodes],
         description=json.dumps(graph.describe(), sort_keys=True),
         abi_version=MAP_ABI_VERSION,
