@@ -64,6 +64,7 @@ PING8 = KernelConfig(tile_m=128, tile_n=128, tile_k=128, cluster_m=1, cluster_n=
 PING16 = KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, schedule="pingpong")
 KINDS = {"block": ({"dtype": E4, "scaling": "block"}, COOP),
          "tensor": ({"dtype": E4, "scaling": "tensor", "fast_accum": True}, PING8),
+         "tensor coop": ({"dtype": E4, "scaling": "tensor", "fast_accum": True}, COOP),
          "bf16": ({"dtype": torch.bfloat16}, PING16),
          "block e128x64": ({"dtype": E4, "scaling": "block"}, dataclasses.replace(COOP, epilogue_tile=(128, 64)))}
 
@@ -114,6 +115,22 @@ def residual_sumsq(acc, resid: cc.Tile):
     return {"D": x, "sumsq": cc.row_sum(x * x)}
 
 
+@cc.epilogue
+def swiglu_backward_fp8(acc, z: cc.PairTile, r: cc.PerRow(F32)):
+    """The blockwise down-proj dX epilogue tried and reverted in the twentieth session (1883 against
+    1640 us for bf16 dz + quantize_rows_t at 8B widths, docs/RESULTS.md): dz' = r * dz as its gate and
+    up halves, each quantised per 1 x 128 run with its 128 x 1 transposed copy. Timed again here
+    against swiglu_backward_scaled (bf16 dz) followed by the quantize_rows_t map kernel on dz."""
+    g, u = cc.unpack(z)
+    sg = cc.sigmoid(g)
+    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
+    du = acc * g * sg
+    dgr, dur = dg * r, du * r
+    return {"dg": cc.quantize(dgr, block=128), "dgt": cc.quantize(dgr, block=128, transpose=True),
+            "du": cc.quantize(dur, block=128), "dut": cc.quantize(dur, block=128, transpose=True),
+            "zdz": cc.row_sum(g * dg + u * du)}
+
+
 # site: (M, N, K, [(kind, program, scalar half-width store)])
 SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
     "gate_up": (8192, 28672, 4096, [
@@ -121,6 +138,12 @@ SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
         ("block", z_yt, False), ("block", E.swiglu_fp8, False), ("block", E.swiglu_fp8, True),
         ("tensor", E.identity, False), ("tensor", E.swiglu_t, False),
         ("bf16", E.identity, False), ("bf16", E.swiglu, False), ("bf16", E.swiglu, True)]),
+    # the down-proj dX GEMM of "tensorwise" (dz's halves, FP8 with both transposed copies)
+    "down_dgrad": (8192, 14336, 4096, [
+        ("tensor coop", E.identity, False), ("tensor coop", E.swiglu_backward_t, False),
+        ("tensor", E.identity, False), ("tensor", E.swiglu_backward_t, False),
+        ("block", E.identity, False), ("block", E.swiglu_backward_scaled, False),
+        ("block", swiglu_backward_fp8, False)]),
     "down": (8192, 4096, 14336, [
         ("block", E.identity, False), ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
         ("tensor", E.identity, False), ("tensor", E.residual_norm_stats_t, False)]),
@@ -134,6 +157,10 @@ SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
         ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
         ("block e128x64", E.identity, False), ("block e128x64", residual_h, False),
         ("block e128x64", E.residual_norm_stats_fp8, False)]),
+}
+# Map kernels timed beside a site's GEMMs: (label, program, columns of X as a multiple of N).
+MAPS: dict[str, list[tuple[str, Any, int]]] = {
+    "down_dgrad": [("map quantize_rows_t (dz: M x 2N)", E.quantize_rows_t, 2)],
 }
 _INCLUDE = re.compile(r'^#include "(coda/[A-Za-z0-9_]+\.hpp)"$', re.M)
 
@@ -198,7 +225,8 @@ def operands(program: Any, M: int, N: int, g: torch.Generator) -> dict[str, Any]
     ops: dict[str, Any] = {}
     for o in program.trace().operands:
         if o.kind.value == "tile":
-            ops[o.name] = torch.randn(M, N, device="cuda", generator=g).to(torch.bfloat16)
+            cols = 2 * N if o.packed else N      # cc.PairTile: M x 2N interleaved pairs
+            ops[o.name] = torch.randn(M, cols, device="cuda", generator=g).to(torch.bfloat16)
         elif o.kind.value == "row":
             ops[o.name] = torch.rand(M, device="cuda", generator=g) + 0.5
         elif o.kind.value == "col":
@@ -229,7 +257,7 @@ def call(kind: str, program: Any, k: Any) -> Callable[..., Any]:
         ops = x["ops"][program.name]
         if kind.split()[0] == "bf16":
             return k(*x["bf16"], out=out, **ops)
-        a8, sa, w8, sb = x[kind.split()[0]]     # "block e128x64": the block operands
+        a8, sa, w8, sb = x[kind.split()[0]]     # "block e128x64", "tensor coop": the block / tensor operands
         return k(a8, w8, scale_a=sa, scale_b=sb, out=out, **ops)
     return run
 
@@ -260,6 +288,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     ks = kernels(args.baseline, args.sites, args.only)
+    maps = {(site, name): cc.compile_map(program, torch.bfloat16)
+            for site in args.sites for name, program, _ in MAPS.get(site, []) if not args.only or name in args.only}
     if args.build:
         print("built:", ", ".join(f"{s}: {n}" for s, n in ks))
         return
@@ -290,6 +320,11 @@ def main() -> None:
                                                                scale_a=x["tensor"][1], scale_b=x["tensor"][3],
                                                                out_dtype=torch.bfloat16)
         fns["bf16 mm (cuBLAS)"] = lambda x: x["bf16"][0] @ x["bf16"][1].t()
+        for name, _, cols in MAPS.get(site, []):
+            if (site, name) in maps:
+                for x in sets:
+                    x[name] = torch.randn(M, cols * N, device="cuda", generator=x["gen"]).to(torch.bfloat16)
+                fns[name] = lambda x, k=maps[(site, name)], name=name: k(x[name])
         torch.cuda.synchronize()
         t = interleaved(fns, sets, rounds=args.rounds, reps=args.reps)
         for name, us in t.items():
