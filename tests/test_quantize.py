@@ -157,29 +157,6 @@ def test_kernel_source_names_the_quantising_nodes():
     assert "using ElementD = cutlass::float_e4m3_t;" not in src      # D is the bf16 'D' output
 
 
-def test_codes_leave_from_registers_and_take_no_shared_memory_in_32_column_subtiles():
-    """quant_store.hpp: with 32-column epilogue subtiles (every default and candidate configuration)
-    one-byte codes leave from registers, so the epilogue's shared-memory estimate has no codes staging
-    (the C++ SharedStorage likewise); 16-column subtiles stage them, and the estimate says so."""
-    from coda_cutlass.api import split_options
-    from coda_cutlass.lower.smem import epilogue_smem_bytes
-    from coda_cutlass.pipeline import lower_program
-    wide = cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2)
-    narrow = cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=1, cluster_n=2, epilogue_tile=(128, 16))
-    src = cc.emit(rows_and_t, config=wide)
-    assert "8-byte row runs from registers" in src and "codes from registers (8 x 8 byte transposes" in src
-
-    from coda_cutlass.lower.kinds import Staging
-    graph = lower_program(rows_and_t, split_options({"dtype": torch.bfloat16, "config": wide})[0]).graph
-    stores = [v for v in graph.nodes if v.kind.name in ("quant_row_store", "transposed_store")]
-    assert len(stores) == 2
-    codes = {en: sum(v.kind.smem_bytes(v, Staging(128 * en, 4, 2, 128, en)) for v in stores) for en in (16, 32, 64)}
-    # the transposed store keeps its column amaxes either way; 16-column subtiles also stage the codes
-    assert codes[32] == codes[64] == 8 * 64 * 4 + 64 * 4
-    assert codes[16] == codes[32] + (128 * 16 + 128 * 16) + (128 * 16 + 64 * 16)
-    assert "staged" not in src.split("TransposedStore")[0].split("QuantRowStore")[-1]
-
-
 def test_default_config_fits_the_runs():
     from coda_cutlass.pipeline import Options, generate, lower_program
     gen = generate(lower_program(swiglu_fp8, Options.make(torch.bfloat16)))

@@ -35,7 +35,7 @@ def epilogue_smem_bytes(c: KernelConfig, graph: EvtGraph) -> int:
         smem += elems * cbits // 8 * stages_c
     if not (reuse and graph.element_c):
         smem += elems * dbits // 8 * stages_d
-    staging = Staging(elems, stages_c, stages_d, c.tile_n, en)
+    staging = Staging(elems, stages_c, stages_d, c.tile_n)
     return smem + sum(v.kind.smem_bytes(v, staging) for v in graph.nodes)
 
 

@@ -4,20 +4,16 @@
 //                   of each row, the run's amax computed from the tile (the run lies inside it);
 // TransposedStore:  the transpose [cols, rows] (M contiguous: a K-major operand when K is the token
 //                   dimension), either of a value already scaled (per-tensor scale, Block == 0) or
-//                   quantised per Block x 1 run down each column (the tile's 128 rows); 16-bit
-//                   values go out from registers one by one.
+//                   quantised per Block x 1 run down each column (the tile's 128 rows). One-byte
+//                   codes are staged in shared memory either way; 16-bit values go out from registers.
 //
 // Both buffer the values they receive in registers until a run is complete (the collective visits
 // the tile in subtiles, columns outer, rows inner), then reduce |x| (NaN-propagating) with warp
-// shuffles (and, down a column, across warps through shared memory), derive the scale and convert
-// with round-to-nearest-even saturated to the format's largest finite value. One-byte codes leave
-// in runs, never a byte per thread per store (at a stride of the row length for the transpose that
-// cost more than the GEMM itself, docs/RESULTS.md, ninth session): where the fragments have the
-// wgmma accumulator layout (every sm90 configuration coda builds), lanes exchange codes by shuffles
-// and byte permutes and store 8-byte row runs (a 4 x 4 exchange in each quad) or 16-byte runs of
-// the transpose's rows (an 8 x 8 byte transpose among the lanes of a column), with no shared
-// memory and no barrier for the codes; otherwise one subtile's codes are staged in shared memory,
-// laid out as the output is, and leave in 16-byte stores. The scale semantics are coda_cutlass/quantization.py's, bit for bit:
+// shuffles (and, down a column, across warps through shared memory), derive the scale, convert
+// with round-to-nearest-even saturated to the format's largest finite value, and stage one
+// subtile's codes in shared memory, laid out as the output is (rows, or the transpose's rows), so
+// that they leave in 16-byte stores: one byte per thread per store, at a stride of the row length
+// for the transpose, cost more than the GEMM itself (docs/RESULTS.md, ninth session). The scale semantics are coda_cutlass/quantization.py's, bit for bit:
 //   Pow2:  v = amax / fp8_max, scale = v if v is a power of two else the next one up (>= 2^-126),
 //          codes = x * (1 / scale) (exact);
 //   else:  scale = amax / fp8_max, codes = x * (fp8_max / amax);
@@ -91,197 +87,6 @@ CUTLASS_DEVICE void accumulate_amax(BufT const& b, AmaxT a, CoordT const& c, Res
   }
 }
 
-// ---- transposed FP8 codes straight from registers ----------------------------------------------
-// The wgmma accumulator fragment as the epilogue hands it over: lane bits 0-1 step 2 and 4 columns,
-// lane bits 2-4 step 1, 2 and 4 rows, and a thread's values of one subtile lie at rows {0, 8} + 16 b
-// and columns 8 g + {0, 1} from its first value (column pairs in adjacent registers). Then the 8
-// lanes of one lane-bit-0-1 pattern hold a 16-row x 8-column block per band b and column group of
-// four g (32 columns), two bytes per lane and column: an 8 x 8 byte transpose among them (three
-// shuffles) hands each lane whole runs of one column, which leave as 16-byte (8-byte at half width)
-// stores into the transpose's rows, with no shared memory and no barrier.
-template <class FlatThr>
-CUTE_HOST_DEVICE constexpr bool accumulator_lanes() {
-  constexpr int dm[5] = {0, 0, 1, 2, 4}, dn[5] = {2, 4, 0, 0, 0};
-  for (int b = 0; b < 5; ++b) {
-    auto d = FlatThr{}(1 << b) - FlatThr{}(0);
-    if (detail::row_of(d) != dm[b] || detail::col_of(d) != dn[b]) return false;
-  }
-  return true;
-}
-
-// The first NSub coordinates of CoordLayout (one subtile, relative to the thread's first value)
-// cover rows {0, 8} + 16 b and columns 8 g + {0, 1}, each once, with a multiple of 4 groups, and
-// (2k, 2k+1) are a column pair of one row.
-template <class CoordLayout, int NSub>
-CUTE_HOST_DEVICE constexpr bool quad_values() {
-  if (NSub % 16 != 0 || NSub > 256) return false;
-  int const r0 = detail::row_of(CoordLayout{}(0)), c0 = detail::col_of(CoordLayout{}(0));
-  int bands = 0, groups = 0;
-  for (int i = 0; i < NSub; ++i) {
-    int dr = detail::row_of(CoordLayout{}(i)) - r0, dc = detail::col_of(CoordLayout{}(i)) - c0;
-    if (dr < 0 || dc < 0 || dr % 8 != 0 || dc % 8 > 1 || dc % 8 != i % 2) return false;
-    if (i % 2 == 1 && detail::row_of(CoordLayout{}(i - 1)) - r0 != dr) return false;
-    bands = dr / 16 + 1 > bands ? dr / 16 + 1 : bands;
-    groups = dc / 8 + 1 > groups ? dc / 8 + 1 : groups;
-  }
-  if (groups % 4 != 0 || bands * groups * 4 != NSub) return false;
-  bool seen[256] = {};
-  for (int i = 0; i < NSub; ++i) {
-    int dr = detail::row_of(CoordLayout{}(i)) - r0, dc = detail::col_of(CoordLayout{}(i)) - c0;
-    int slot = ((dr / 16 * groups + dc / 8) * 2 + dr % 16 / 8) * 2 + dc % 8;
-    if (seen[slot]) return false;
-    seen[slot] = true;
-  }
-  return true;
-}
-
-// 8 x 8 bytes among the 8 lanes that differ in lane bits 2-4 (i = those bits): lane i holds row i
-// of the block in (w0, w1) (byte c = column c) and leaves with column i (byte c = row c). Three
-// stages swap M[i][c] with M[i ^ 2^k][c ^ 2^k] where bit k of c and of i differ.
-CUTLASS_DEVICE void transpose8x8(uint32_t& w0, uint32_t& w1, int i) {
-  bool const b2 = i & 4, b1 = i & 2, b0 = i & 1;
-  uint32_t recv = __shfl_xor_sync(0xffffffffu, b2 ? w0 : w1, 16);       // 4-byte halves
-  if (b2) w0 = recv; else w1 = recv;
-  recv = __shfl_xor_sync(0xffffffffu, __byte_perm(w0, w1, b1 ? 0x5410 : 0x7632), 8);   // byte pairs
-  w0 = __byte_perm(w0, recv, b1 ? 0x3254 : 0x5410);
-  w1 = __byte_perm(w1, recv, b1 ? 0x3276 : 0x7610);
-  recv = __shfl_xor_sync(0xffffffffu, __byte_perm(w0, w1, b0 ? 0x6420 : 0x7531), 4);   // bytes
-  w0 = __byte_perm(w0, recv, b0 ? 0x3514 : 0x5240);
-  w1 = __byte_perm(w1, recv, b0 ? 0x3716 : 0x7260);
-}
-
-// Bytes [0, n) of the little-endian words w to dst, one at a time (the edges of the problem).
-template <int W>
-CUTLASS_DEVICE void store_bytes(uint8_t* dst, uint32_t const (&w)[W], int n) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int e = 0; e < 4 * W; ++e) {
-    if (e < n) dst[e] = uint8_t(w[e / 4] >> (8 * (e % 4)));
-  }
-}
-
-// One subtile's values (value(i) = the i-th register of the thread's fragment, already scaled),
-// quantised and stored transposed: out[n][m] for tile column n (Half: n / 2, even columns only)
-// and row m. CoordLayout: the subtile's coordinates relative to the thread's first value (static),
-// (r_first, c_first): that value's absolute row and column; M, N: the problem's rows and columns.
-template <class CoordLayout, int NSub>
-CUTE_HOST_DEVICE constexpr int quad_groups() {
-  int g = 0;
-  for (int i = 0; i < NSub; ++i) {
-    int dc = detail::col_of(CoordLayout{}(i)) - detail::col_of(CoordLayout{}(0));
-    g = dc / 8 + 1 > g ? dc / 8 + 1 : g;
-  }
-  return g;
-}
-
-// The register holding the value 8 rows below register k (same column), in one subtile.
-template <class CoordLayout, int NSub>
-CUTE_HOST_DEVICE constexpr int eight_below(int k) {
-  for (int j = 0; j < NSub; ++j) {
-    if (detail::row_of(CoordLayout{}(j)) == detail::row_of(CoordLayout{}(k)) + 8 &&
-        detail::col_of(CoordLayout{}(j)) == detail::col_of(CoordLayout{}(k))) return j;
-  }
-  return -1;
-}
-
-template <class Element, bool Half, class CoordLayout, int NSub, class ValueFn>
-CUTLASS_DEVICE void store_transposed_registers(ValueFn const& value, uint8_t* out, int64_t ld, bool vec,
-                                               int r_first, int c_first, int M, int N, int lane) {
-  constexpr int Groups = quad_groups<CoordLayout, NSub>();
-  constexpr int Bands = NSub / (4 * Groups);
-  constexpr int Chunks = Groups / 4;                    // 32 tile columns each
-  int const i = (lane >> 2) & 7;
-  // words[chunk][band][h][2]: row i of the 8 x 8 byte block(s); Half: one block of c = 2 g + h
-  uint32_t words[Chunks][Bands][Half ? 1 : 2][2] = {};
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < NSub; k += 2) {
-    int const dr = detail::row_of(CoordLayout{}(k)) - detail::row_of(CoordLayout{}(0));
-    int const dc = detail::col_of(CoordLayout{}(k)) - detail::col_of(CoordLayout{}(0));
-    int const band = dr / 16, h = dr % 16 / 8, chunk = dc / 32, g = dc / 8 % 4;
-    if constexpr (!Half) {
-      // the pair (8 g, 8 g + 1) of row h: bytes 2 g and 2 g + 1 of block h's row
-      uint32_t two = convert2<Element>(value(k), value(k + 1));
-      words[chunk][band][h][g / 2] |= two << (16 * (g % 2));
-    } else if (h == 0) {
-      // the even column in rows 0 and 8: bytes 2 g and 2 g + 1 of the block's row
-      uint32_t two = convert2<Element>(value(k), value(eight_below<CoordLayout, NSub>(k)));
-      words[chunk][band][0][g / 2] |= two << (16 * (g % 2));
-    }
-  }
-  int const m_band = r_first - i;                       // row of the band's lane i = 0
-  CUTLASS_PRAGMA_UNROLL
-  for (int chunk = 0; chunk < Chunks; ++chunk) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int band = 0; band < Bands; ++band) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int h = 0; h < (Half ? 1 : 2); ++h) transpose8x8(words[chunk][band][h][0], words[chunk][band][h][1], i);
-      int const m = m_band + 16 * band + (Half ? 8 * (i & 1) : 0);
-      int const n = c_first + 32 * chunk + 8 * (i >> 1) + (Half ? 0 : (i & 1));   // tile column
-      if (n >= N || m >= M) continue;
-      uint8_t* dst = out + int64_t(Half ? n / 2 : n) * ld + m;
-      if constexpr (Half) {
-        uint32_t const (&w)[2] = words[chunk][band][0];
-        if (vec && m + 8 <= M) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-        else store_bytes(dst, w, M - m);
-      } else {
-        uint32_t const w[4] = {words[chunk][band][0][0], words[chunk][band][0][1], words[chunk][band][1][0],
-                               words[chunk][band][1][1]};
-        if (vec && m + 16 <= M) *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
-        else store_bytes(dst, w, M - m);
-      }
-    }
-  }
-}
-
-// 4 x 4 16-bit elements among the 4 lanes that differ in lane bits 0-1 (q = those bits): lane q
-// holds row q in (w0, w1) (element g = halfword g) and leaves with column q (element g = row g).
-CUTLASS_DEVICE void transpose4x4_pairs(uint32_t& w0, uint32_t& w1, int q) {
-  bool const b1 = q & 2, b0 = q & 1;
-  uint32_t recv = __shfl_xor_sync(0xffffffffu, b1 ? w0 : w1, 2);         // words
-  if (b1) w0 = recv; else w1 = recv;
-  recv = __shfl_xor_sync(0xffffffffu, __byte_perm(w0, w1, b0 ? 0x5410 : 0x7632), 1);   // halfwords
-  w0 = __byte_perm(w0, recv, b0 ? 0x3254 : 0x5410);
-  w1 = __byte_perm(w1, recv, b0 ? 0x3276 : 0x7610);
-}
-
-// One subtile's values (as store_transposed_registers) quantised and stored row-major: the pairs
-// of the 4 lanes of a row are exchanged (transpose4x4_pairs) so that each lane writes 8 adjacent
-// codes, a quad 32 bytes of one row, straight from registers. N: the problem's columns.
-template <class Element, class CoordLayout, int NSub, class ValueFn>
-CUTLASS_DEVICE void store_rows_registers(ValueFn const& value, uint8_t* out, int64_t ld, bool vec,
-                                         int r_first, int c_first, int M, int N, int lane) {
-  constexpr int Groups = quad_groups<CoordLayout, NSub>();
-  constexpr int Bands = NSub / (4 * Groups);
-  constexpr int Chunks = Groups / 4;
-  int const q = lane & 3;
-  uint32_t words[Chunks][Bands][2][2] = {};             // [chunk][band][h]: the row's pairs g = 0..3
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < NSub; k += 2) {
-    int const dr = detail::row_of(CoordLayout{}(k)) - detail::row_of(CoordLayout{}(0));
-    int const dc = detail::col_of(CoordLayout{}(k)) - detail::col_of(CoordLayout{}(0));
-    int const g = dc / 8 % 4;
-    uint32_t two = convert2<Element>(value(k), value(k + 1));
-    words[dc / 32][dr / 16][dr % 16 / 8][g / 2] |= two << (16 * (g % 2));
-  }
-  int const c_quad = c_first - 2 * q;                   // the column of the quad's lane 0
-  CUTLASS_PRAGMA_UNROLL
-  for (int chunk = 0; chunk < Chunks; ++chunk) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int band = 0; band < Bands; ++band) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        uint32_t (&w)[2] = words[chunk][band][h];
-        transpose4x4_pairs(w[0], w[1], q);
-        int const m = r_first + 16 * band + 8 * h;
-        int const n = c_quad + 32 * chunk + 8 * q;
-        if (m >= M || n >= N) continue;
-        uint8_t* dst = out + int64_t(m) * ld + n;
-        if (vec && n + 8 <= N) *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-        else store_bytes(dst, w, N - n);
-      }
-    }
-  }
-}
-
 }  // namespace quant
 
 // ------------------------------------------------------------------------------------------------
@@ -309,13 +114,9 @@ struct QuantRowStore : NoWorkspace {
   static constexpr int Vec = OutCols % 16 == 0 ? 16 : 8;        // bytes per global store
   static_assert(OutCols % 8 == 0, "coda quantised store: a subtile's output columns are written in 8-byte runs");
   static constexpr int Pitch = OutCols + 16;                    // staged row: 16-byte aligned, rows in other banks
-  // Full-width codes leave from registers (whole 32-column groups per subtile: the accumulator
-  // layout is checked where the fragments are known, get_consumer_store_callbacks); the shared
-  // memory is the mainloop's. lower/kinds/quantized.py sizes the epilogue's shared memory the same.
-  static constexpr bool FromRegisters = !Half && EpiN % 32 == 0;
 
   struct SharedStorage {
-    alignas(16) uint8_t codes[FromRegisters ? 1 : TileM][FromRegisters ? 16 : Pitch];
+    alignas(16) uint8_t codes[TileM][Pitch];
   };
   using Arguments = QuantStoreArguments<Element>;
   using Params = Arguments;
@@ -339,11 +140,7 @@ struct QuantRowStore : NoWorkspace {
 
   // Pairs: the fragments hold column pairs (2i, 2i+1) in adjacent registers
   // (quant::fragments_hold_pairs), so a full-width output converts and stages two codes at a time.
-  // Regs: the codes leave from registers (quant::store_rows_registers: the kernel's fragments have
-  // the accumulator layout that needs) instead of through shared memory; SubLayout, NSub: one
-  // subtile's static coordinates and register count.
-  template <class Buf, class Amax, class RunOff, class CoordTensor, class Residue, int PerRun, int EpiM, bool Pairs,
-            bool Regs = false, class SubLayout = void, int NSub = 0>
+  template <class Buf, class Amax, class RunOff, class CoordTensor, class Residue, int PerRun, int EpiM, bool Pairs>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Buf buf, Amax amax, RunOff run_off, CoordTensor tCcD, Residue residue,
                                           QuantStoreArguments<Element> const& p, SharedStorage* smem, int row0,
@@ -407,75 +204,58 @@ struct QuantRowStore : NoWorkspace {
         int r = n_tile * Runs + run;                       // run index along the output's columns
         if (writer && m < M && r * Block < out_cols) p.scale[int64_t(r) * p.scale_ld + m] = s;
       }
-      if constexpr (Regs && !Half) {
-        // 2. the codes, subtile by subtile, from registers (no barrier)
-        bool const vec8 = p.ld % 8 == 0 && reinterpret_cast<uintptr_t>(p.ptr) % 8 == 0;
+      // 2. the codes, one subtile's columns at a time: into shared memory (values outside the problem
+      // are staged but never written out), then out with Vec-byte stores along each row
+      bool const vec = p.ld % Vec == 0 && reinterpret_cast<uintptr_t>(p.ptr) % Vec == 0;
+      auto* out = reinterpret_cast<uint8_t*>(p.ptr);
+      int const m_base = m_tile * TileM;
+      constexpr int Chunks = OutCols / Vec;
+      CUTLASS_PRAGMA_UNROLL
+      for (int en = 0; en < PerRun; ++en) {
+        int const n_sub = n_tile * TileN + (run * PerRun + en) * EpiN;   // the subtile's first tile column
         CUTLASS_PRAGMA_UNROLL
-        for (int en = 0; en < PerRun; ++en) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int em = 0; em < EpiM; ++em) {
-            Tensor b = buf(_, _, _, em, en);
-            Tensor a = amax(_, _, _, em, run * PerRun + en);
-            auto first = tCcD(_, _, _, em, run * PerRun + en)(0);
-            quant::store_rows_registers<Element, SubLayout, NSub>(
-                [&](int i) { return b(i) * a(i); }, reinterpret_cast<uint8_t*>(p.ptr), p.ld, vec8,
-                row0 + int(get<0>(first)), col0 + int(get<1>(first)), M, N, thread % 32);
-          }
-        }
-      } else {
-        // 2. the codes, one subtile's columns at a time: into shared memory (values outside the problem
-        // are staged but never written out), then out with Vec-byte stores along each row
-        bool const vec = p.ld % Vec == 0 && reinterpret_cast<uintptr_t>(p.ptr) % Vec == 0;
-        auto* out = reinterpret_cast<uint8_t*>(p.ptr);
-        int const m_base = m_tile * TileM;
-        constexpr int Chunks = OutCols / Vec;
-        CUTLASS_PRAGMA_UNROLL
-        for (int en = 0; en < PerRun; ++en) {
-          int const n_sub = n_tile * TileN + (run * PerRun + en) * EpiN;   // the subtile's first tile column
-          CUTLASS_PRAGMA_UNROLL
-          for (int em = 0; em < EpiM; ++em) {
-            Tensor b = buf(_, _, _, em, en);
-            Tensor a = amax(_, _, _, em, run * PerRun + en);
-            Tensor c = tCcD(_, _, _, em, run * PerRun + en);
-            if constexpr (Pairs && !Half) {
-              // (2i, 2i+1) of one row: one conversion and one 2-byte store for both
-              CUTLASS_PRAGMA_UNROLL
-              for (int i = 0; i < size(b); i += 2) {
+        for (int em = 0; em < EpiM; ++em) {
+          Tensor b = buf(_, _, _, em, en);
+          Tensor a = amax(_, _, _, em, run * PerRun + en);
+          Tensor c = tCcD(_, _, _, em, run * PerRun + en);
+          if constexpr (Pairs && !Half) {
+            // (2i, 2i+1) of one row: one conversion and one 2-byte store for both
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(b); i += 2) {
+              auto crd = c(i);
+              int col = col0 + int(get<1>(crd)) - n_sub;
+              auto two = quant::convert2<Element>(b(i) * a(i), b(i + 1) * a(i + 1));
+              *reinterpret_cast<uint16_t*>(&smem->codes[row0 + int(get<0>(crd)) - m_base][col]) = two;
+            }
+          } else {
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(b); ++i) {
+              if (!Half || i % 2 == 0) {
                 auto crd = c(i);
                 int col = col0 + int(get<1>(crd)) - n_sub;
-                auto two = quant::convert2<Element>(b(i) * a(i), b(i + 1) * a(i + 1));
-                *reinterpret_cast<uint16_t*>(&smem->codes[row0 + int(get<0>(crd)) - m_base][col]) = two;
-              }
-            } else {
-              CUTLASS_PRAGMA_UNROLL
-              for (int i = 0; i < size(b); ++i) {
-                if (!Half || i % 2 == 0) {
-                  auto crd = c(i);
-                  int col = col0 + int(get<1>(crd)) - n_sub;
-                  smem->codes[row0 + int(get<0>(crd)) - m_base][Half ? col / 2 : col] =
-                      quant::convert<Element>(b(i) * a(i)).storage;
-                }
+                smem->codes[row0 + int(get<0>(crd)) - m_base][Half ? col / 2 : col] =
+                    quant::convert<Element>(b(i) * a(i)).storage;
               }
             }
           }
-          synchronize();
-          int const out_n0 = Half ? n_sub / 2 : n_sub;
-          CUTLASS_PRAGMA_UNROLL
-          for (int t = thread; t < TileM * Chunks; t += Threads) {
-            int row = t / Chunks, n = out_n0 + (t % Chunks) * Vec;
-            int m = m_base + row;
-            if (m >= M || n >= out_cols) continue;
-            uint8_t const* src = &smem->codes[row][(t % Chunks) * Vec];
-            uint8_t* dst = out + int64_t(m) * p.ld + n;
-            if (vec && n + Vec <= out_cols) {
-              if constexpr (Vec == 16) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(src);
-              else *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<uint2 const*>(src);
-            } else {
-              for (int e = 0; e < Vec && n + e < out_cols; ++e) dst[e] = src[e];
-            }
-          }
-          synchronize();                         // the buffer is free for the next subtile
         }
+        synchronize();
+        int const out_n0 = Half ? n_sub / 2 : n_sub;
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = thread; t < TileM * Chunks; t += Threads) {
+          int row = t / Chunks, n = out_n0 + (t % Chunks) * Vec;
+          int m = m_base + row;
+          if (m >= M || n >= out_cols) continue;
+          uint8_t const* src = &smem->codes[row][(t % Chunks) * Vec];
+          uint8_t* dst = out + int64_t(m) * p.ld + n;
+          if (vec && n + Vec <= out_cols) {
+            if constexpr (Vec == 16) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(src);
+            else *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<uint2 const*>(src);
+          } else {
+            for (int e = 0; e < Vec && n + e < out_cols; ++e) dst[e] = src[e];
+          }
+        }
+        synchronize();                         // the buffer is free for the next subtile
       }
     }
   };
@@ -511,14 +291,8 @@ struct QuantRowStore : NoWorkspace {
     int col0 = int(N) - int(get<1>(args.residue_tCcD));
     int lane = args.thread_idx % 32;
     constexpr bool Pairs = quant::fragments_hold_pairs<cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...>>();
-    // the accumulator layout quant::store_rows_registers needs (else the codes are staged)
-    using CoordLayout = cute::remove_cvref_t<decltype(args.tCcD.layout())>;
-    constexpr int NSub = decltype(size<0>(full) * size<1>(full) * size<2>(full))::value;
-    constexpr bool Regs = !Half && Pairs && quant::accumulator_lanes<FlatThr>() && quant::quad_values<CoordLayout, NSub>();
-    static_assert(Regs == FromRegisters, "coda quantised store: the epilogue fragments lack the wgmma accumulator "
-                  "layout the register store needs (report this kernel configuration)");
     return ConsumerStoreCallbacks<decltype(tCrBuf), decltype(tCrAmax), decltype(tCoRun), decltype(args.tCcD),
-                                  decltype(args.residue_tCcD), PerRun, EpiM, Pairs, Regs, CoordLayout, NSub>(
+                                  decltype(args.residue_tCcD), PerRun, EpiM, Pairs>(
         tCrBuf, tCrAmax, tCoRun, args.tCcD, args.residue_tCcD, params, smem, row0, col0, int(m), int(n), mask,
         (lane & mask) == 0, args.thread_idx);
   }
@@ -551,15 +325,10 @@ struct TransposedStore {
   // one-byte codes leave through shared memory in 16-byte stores (a byte per thread at a stride of
   // the row length, straight from registers, cost more than the GEMM: docs/RESULTS.md)
   static constexpr bool Staged = Block != 0 || sizeof(Element) == 1;
-  // One-byte codes leave from registers (whole 32-column groups per subtile: the accumulator layout
-  // is checked in get_consumer_store_callbacks), so only the column amaxes of block scales take
-  // shared memory; lower/kinds/quantized.py sizes the epilogue's shared memory the same.
-  static constexpr bool FromRegisters = sizeof(Element) == 1 && EpiN % 32 == 0;
-  static constexpr bool StagedCodes = Staged && !FromRegisters;
   struct SharedStorage {
     float amax[Block ? Warps : 1][Block ? EpiN : 1];
     float inv[Block ? EpiN : 1];          // each column's multiplier, computed once per column
-    alignas(16) uint8_t codes[StagedCodes ? OutCols : 1][StagedCodes ? Pitch : 16];
+    alignas(16) uint8_t codes[Staged ? OutCols : 1][Staged ? Pitch : 16];
   };
   using Arguments = QuantStoreArguments<Element>;
   using Params = Arguments;
@@ -591,19 +360,14 @@ struct TransposedStore {
     return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
   }
 
-  // Regs: one-byte codes leave from registers (quant::store_transposed_registers: the kernel's
-  // fragments have the accumulator layout that needs) instead of through shared memory; SubLayout,
-  // NSub: one subtile's static coordinates and register count.
-  template <class Buf, class Amax, class ColOff, class CoordTensor, class Residue, int EpiM, bool Regs = false,
-            class SubLayout = void, int NSub = 0>
+  template <class Buf, class Amax, class ColOff, class CoordTensor, class Residue, int EpiM>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(Buf buf, Amax amax, ColOff col_off, CoordTensor tCcD, Residue residue,
                                           Arguments const& p, SharedStorage* smem, int row0, int col0, int m_tile,
                                           int n_tile, int lane_mask, int lane, int warp)
         : buf(buf), amax(amax), col_off(col_off), tCcD(tCcD), residue(residue), p(p), smem(smem), row0(row0),
           col0(col0), m_tile(m_tile), n_tile(n_tile), lane_mask(lane_mask), lane(lane), warp(warp) {}
-    Buf buf;              // Block: (CPY, CPY_M, CPY_N, EPI_M): the subtile column being filled;
-                          // Block == 0 with Regs: (CPY, CPY_M, CPY_N), the subtile
+    Buf buf;              // Block: (CPY, CPY_M, CPY_N, EPI_M): the subtile column being filled
     Amax amax;            // Block: (CPY, CPY_M, CPY_N, EPI_M, EPI_N), one register per tile column
     ColOff col_off;       // the same shape: the tile column of each element (decodes amax registers)
     CoordTensor tCcD;
@@ -617,17 +381,6 @@ struct TransposedStore {
 
     CUTLASS_DEVICE void store(int m, int n, float v) {
       p.ptr[int64_t(Half ? n / 2 : n) * p.ld + m] = quant::convert<Element>(v);
-    }
-
-    // One subtile's codes (value(i): its i-th register, scaled) straight from registers.
-    template <class ValueFn>
-    CUTLASS_DEVICE void store_registers(ValueFn const& value, int em, int en) {
-      using namespace cute;
-      auto first = tCcD(_, _, _, em, en)(0);
-      bool const vec = p.ld % 16 == 0 && reinterpret_cast<uintptr_t>(p.ptr) % 16 == 0;
-      quant::store_transposed_registers<Element, Half, SubLayout, NSub>(
-          value, reinterpret_cast<uint8_t*>(p.ptr), p.ld, vec, row0 + int(get<0>(first)), col0 + int(get<1>(first)),
-          int(get<0>(residue)) + row0, int(get<1>(residue)) + col0, lane);
     }
 
     template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
@@ -645,10 +398,6 @@ struct TransposedStore {
             store(row0 + int(get<0>(crd)), col0 + int(get<1>(crd)), float(frg[i]));
           }
         }
-      } else if constexpr (Block == 0 && Regs) {
-        Tensor b = buf(_, _, _);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < FragmentSize; ++i) b(epi_v * FragmentSize + i) = float(frg[i]);
       } else if constexpr (Block == 0) {
         // already scaled: the codes go straight to shared memory, transposed (values outside the
         // problem are staged but never written out); reduce() writes the subtile column out
@@ -676,10 +425,7 @@ struct TransposedStore {
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const& synchronize, int epi_m, int epi_n, bool, VTensor) {
       using namespace cute;
-      if constexpr (Block == 0 && Regs) {
-        Tensor b = buf(_, _, _);
-        store_registers([&](int i) { return b(i); }, epi_m, epi_n);
-      } else if constexpr (Staged) {
+      if constexpr (Staged) {
         if (epi_m != EpiM - 1) return;       // the subtile's columns are complete after its last rows
         int const m_base = m_tile * TileM;
         int const n_sub = n_tile * cute::size<1>(CtaTileShapeMNK{}) + epi_n * EpiN;   // the subtile's first column
@@ -729,56 +475,45 @@ struct TransposedStore {
           synchronize();
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size(ua); ++j) ua(j) = smem->inv[uo(j) % EpiN];
-          if constexpr (Regs) {
+          // the codes, transposed into shared memory (one byte each; values outside the problem are
+          // staged but never written out) ...
+          CUTLASS_PRAGMA_UNROLL
+          for (int em = 0; em < EpiM; ++em) {
+            Tensor b = buf(_, _, _, em);
+            Tensor a = amax(_, _, _, em, epi_n);
+            Tensor c = tCcD(_, _, _, em, epi_n);
             CUTLASS_PRAGMA_UNROLL
-            for (int em = 0; em < EpiM; ++em) {
-              Tensor b = buf(_, _, _, em);
-              Tensor a = amax(_, _, _, em, epi_n);
-              store_registers([&](int i) { return b(i) * a(i); }, em, epi_n);
-            }
-          } else {
-            // the codes, transposed into shared memory (one byte each; values outside the problem are
-            // staged but never written out) ...
-            CUTLASS_PRAGMA_UNROLL
-            for (int em = 0; em < EpiM; ++em) {
-              Tensor b = buf(_, _, _, em);
-              Tensor a = amax(_, _, _, em, epi_n);
-              Tensor c = tCcD(_, _, _, em, epi_n);
-              CUTLASS_PRAGMA_UNROLL
-              for (int i = 0; i < size(b); ++i) {
-                if (!Half || i % 2 == 0) {
-                  auto crd = c(i);
-                  int col = col0 + int(get<1>(crd)) - n_sub;
-                  smem->codes[Half ? col / 2 : col][row0 + int(get<0>(crd)) - m_base] =
-                      quant::convert<Element>(b(i) * a(i)).storage;
-                }
+            for (int i = 0; i < size(b); ++i) {
+              if (!Half || i % 2 == 0) {
+                auto crd = c(i);
+                int col = col0 + int(get<1>(crd)) - n_sub;
+                smem->codes[Half ? col / 2 : col][row0 + int(get<0>(crd)) - m_base] =
+                    quant::convert<Element>(b(i) * a(i)).storage;
               }
             }
           }
         }
-        if constexpr (!Regs) {   // (with Regs the codes left above, and the next subtile's first barrier guards inv)
-          synchronize();
-          // ... then out with 16-byte stores: each output row's TileM codes are contiguous in global memory
-          int const M = int(get<0>(residue)) + row0;
-          int const out_n = Half ? N / 2 : N;
-          int const out_n0 = Half ? n_sub / 2 : n_sub;
-          bool const vec = p.ld % 16 == 0 && reinterpret_cast<uintptr_t>(p.ptr) % 16 == 0;
-          constexpr int Chunks = TileM / 16;
-          auto* out = reinterpret_cast<uint8_t*>(p.ptr);
-          CUTLASS_PRAGMA_UNROLL
-          for (int t = warp * 32 + lane; t < OutCols * Chunks; t += Threads) {
-            int row = t / Chunks, m = m_base + (t % Chunks) * 16;
-            if (out_n0 + row >= out_n || m >= M) continue;
-            uint8_t const* src = &smem->codes[row][(t % Chunks) * 16];
-            uint8_t* dst = out + int64_t(out_n0 + row) * p.ld + m;
-            if (vec && m + 16 <= M) {
-              *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(src);
-            } else {
-              for (int e = 0; e < 16 && m + e < M; ++e) dst[e] = src[e];
-            }
+        synchronize();
+        // ... then out with 16-byte stores: each output row's TileM codes are contiguous in global memory
+        int const M = int(get<0>(residue)) + row0;
+        int const out_n = Half ? N / 2 : N;
+        int const out_n0 = Half ? n_sub / 2 : n_sub;
+        bool const vec = p.ld % 16 == 0 && reinterpret_cast<uintptr_t>(p.ptr) % 16 == 0;
+        constexpr int Chunks = TileM / 16;
+        auto* out = reinterpret_cast<uint8_t*>(p.ptr);
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = warp * 32 + lane; t < OutCols * Chunks; t += Threads) {
+          int row = t / Chunks, m = m_base + (t % Chunks) * 16;
+          if (out_n0 + row >= out_n || m >= M) continue;
+          uint8_t const* src = &smem->codes[row][(t % Chunks) * 16];
+          uint8_t* dst = out + int64_t(out_n0 + row) * p.ld + m;
+          if (vec && m + 16 <= M) {
+            *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<uint4 const*>(src);
+          } else {
+            for (int e = 0; e < 16 && m + e < M; ++e) dst[e] = src[e];
           }
-          if constexpr (Block == 0) synchronize();   // read out before the next subtile stages its codes
         }
+        if constexpr (Block == 0) synchronize();   // read out before the next subtile stages its codes
       }
     }
   };
@@ -801,21 +536,7 @@ struct TransposedStore {
     auto [m, n, k, l] = args.tile_coord_mnkl;
     int row0 = int(M) - int(get<0>(args.residue_tCcD));
     int col0 = int(N) - int(get<1>(args.residue_tCcD));
-    // the accumulator layout quant::store_transposed_registers needs (else the codes are staged)
-    using CoordLayout = cute::remove_cvref_t<decltype(args.tCcD.layout())>;
-    constexpr int NSub = decltype(size<0>(full) * size<1>(full) * size<2>(full))::value;
-    constexpr bool Regs = sizeof(Element) == 1 && quant::accumulator_lanes<FlatThr>() &&
-                          quant::quad_values<CoordLayout, NSub>();
-    static_assert(Regs == FromRegisters, "coda transposed store: the epilogue fragments lack the wgmma accumulator "
-                  "layout the register store needs (report this kernel configuration)");
-    if constexpr (Block == 0 && Regs) {
-      Tensor tCrBuf = make_tensor<float>(make_shape(get<0>(full), get<1>(full), get<2>(full)));
-      Tensor none = make_tensor<float>(make_shape(Int<1>{}));
-      return ConsumerStoreCallbacks<decltype(tCrBuf), decltype(none), decltype(none), decltype(args.tCcD),
-                                    decltype(args.residue_tCcD), EpiM, true, CoordLayout, NSub>(
-          tCrBuf, none, none, args.tCcD, args.residue_tCcD, params, smem, row0, col0, int(m), int(n), mask,
-          args.thread_idx % 32, args.thread_idx / 32);
-    } else if constexpr (Block == 0) {
+    if constexpr (Block == 0) {
       // no runs to reduce: no register buffers (a whole tile's worth per thread would sit in the
       // callbacks object, which the compiler then keeps in a stack frame)
       Tensor none = make_tensor<float>(make_shape(Int<1>{}));
@@ -831,7 +552,7 @@ struct TransposedStore {
       Tensor tCrAmax = make_tensor_like<float>(tCoCol);
       Tensor tCrBuf = make_tensor<float>(make_shape(get<0>(full), get<1>(full), get<2>(full), get<3>(full)));
       return ConsumerStoreCallbacks<decltype(tCrBuf), decltype(tCrAmax), decltype(tCoCol), decltype(args.tCcD),
-                                    decltype(args.residue_tCcD), EpiM, Regs, CoordLayout, NSub>(
+                                    decltype(args.residue_tCcD), EpiM>(
           tCrBuf, tCrAmax, tCoCol, args.tCcD, args.residue_tCcD, params, smem, row0, col0, int(m), int(n), mask,
           args.thread_idx % 32, args.thread_idx / 32);
     }

@@ -22,12 +22,11 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Staging:
     """Shared-memory geometry of the epilogue (lower/smem.py): elements per epilogue subtile, the C
-    (load) and D (store) pipeline stages, the CTA tile width, the epilogue subtile's width."""
+    (load) and D (store) pipeline stages, the CTA tile width."""
     elems: int
     stages_c: int
     stages_d: int
     tile_n: int
-    epi_n: int = 32
 
 
 @dataclass(frozen=True)

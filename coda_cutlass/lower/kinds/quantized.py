@@ -53,15 +53,10 @@ class QuantRowStore(NodeKind):
         return None
 
     def comment(self, v: VisitorNode, plan: "KernelPlan") -> str:
-        where = ("staged in shared memory" if v.params["half"]
-                 else "8-byte row runs from registers (a 4 x 4 exchange in each quad)")
-        return f"{v.comment}: FP8 codes + 1x{v.params['block']} scales, {where}"
+        return f"{v.comment}: FP8 codes + 1x{v.params['block']} scales, staged in shared memory"
 
     def smem_bytes(self, v: VisitorNode, staging: Staging) -> int:
-        # full-width codes leave from registers in whole 32-column groups (quant_store.hpp:
-        # QuantRowStore::FromRegisters); else one subtile's codes (at most 128 rows), rows padded by 16
-        if not v.params["half"] and staging.epi_n % 32 == 0:
-            return 0
+        # one subtile's codes (at most 128 rows), rows padded by 16 bytes
         return staging.elems + 128 * 16
 
     def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
@@ -104,19 +99,15 @@ class TransposedStore(NodeKind):
 
     def comment(self, v: VisitorNode, plan: "KernelPlan") -> str:
         b, g = v.params["block"], v.params["group"]
-        # one-byte codes: an 8 x 8 byte transpose among the lanes of a column, then 16-byte (half
-        # width: 8-byte) runs of the transpose's rows (quant_store.hpp: store_transposed_registers)
-        codes = ", codes from registers (8 x 8 byte transposes across lanes)"
         if b and g != 1:
-            return f"{v.comment}: transposed, {g}x{b} block scales (groups of {g} columns){codes}"
+            return f"{v.comment}: transposed, {g}x{b} block scales (groups of {g} columns), staged in shared memory"
         if b:
-            return f"{v.comment}: transposed, {b}x1 scales{codes}"
-        return f"{v.comment}: transposed" + (codes if v.params["element"].bits == 8 else " from registers")
+            return f"{v.comment}: transposed, {b}x1 scales, staged in shared memory"
+        return f"{v.comment}: transposed" + (", staged in shared memory" if self._staged(v) else " from registers")
 
     @staticmethod
     def _staged(v: VisitorNode) -> bool:
-        """Shared memory the store may use (quant_store.hpp: TransposedStore::Staged): the column
-        amaxes of block scales, and the codes where the fragments lack the accumulator layout."""
+        """One-byte codes leave through shared memory (quant_store.hpp: TransposedStore::Staged)."""
         return bool(v.params["block"]) or v.params["element"].bits == 8
 
     def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
@@ -130,12 +121,10 @@ class TransposedStore(NodeKind):
         return _store_arguments(v.params)
 
     def smem_bytes(self, v: VisitorNode, staging: Staging) -> int:
-        # per-warp column maxima of one subtile (at most), and its codes transposed (rows padded by
-        # 16) unless they leave from registers (quant_store.hpp: TransposedStore::FromRegisters)
-        codes = 0 if v.params["element"].bits == 8 and staging.epi_n % 32 == 0 else staging.elems + 64 * 16
+        # per-warp column maxima of one subtile (at most), and its codes transposed (rows padded by 16)
         if v.params["block"]:
-            return 8 * 64 * 4 + 64 * 4 + codes
-        return codes if self._staged(v) else 0
+            return 8 * 64 * 4 + 64 * 4 + staging.elems + 64 * 16
+        return staging.elems + 64 * 16 if self._staged(v) else 0
 
 
 class BlockScales(NodeKind):
