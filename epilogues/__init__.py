@@ -18,7 +18,8 @@ FP8 blocks (coda_cutlass.nn.fp8; fp8_block.py): norm_stats_fp8, quantize_rows, q
           kernels; with 128 x 1-scaled transposed copies),
           residual_norm_stats_fp8, swiglu_fp8 (its transposed copy; swiglu_fp8_rows: both copies, for
           256-wide tiles), norm_backward_fp8: outputs quantised by cc.quantize; norm_backward_ax (the
-          norm-backward dX with acc * x for dgamma, summed outside); their "_g16" twins
+          norm-backward dX with acc * x for dgamma, summed outside), swiglu_backward_fp8 (dz as its
+          gate and up halves, both copies quantised; not used by the recipes); their "_g16" twins
           (fp8_block_grouped.py) give activations' transposed copies 16 x 128 block scales. Per-tensor scaling
           (fp8_tensorwise.py): quantize_tensor, rope_backward_t (map kernels), residual_norm_stats_t,
           swiglu_t, swiglu_backward_t, norm_backward_t: given scales, amaxes, transposed copies.
@@ -34,7 +35,7 @@ from .block import (cross_entropy_backward, cross_entropy_grad, norm_backward, n
                     norm_stats, rope_backward, swiglu_backward_scaled, swiglu_backward_y)
 from .qk_norm import qk_norm_backward, qk_norm_rope, qk_norm_rope_backward
 from .fp8_block import (norm_backward_ax, norm_backward_fp8, norm_stats_fp8, quantize_rows, quantize_rows_t,
-                        residual_norm_stats_fp8, swiglu_fp8, swiglu_fp8_rows)
+                        residual_norm_stats_fp8, swiglu_backward_fp8, swiglu_fp8, swiglu_fp8_rows)
 from .fp8_block_grouped import (norm_stats_fp8_g16, quantize_rows_t_g16, residual_norm_stats_fp8_g16,
                                 swiglu_fp8_g16)
 from .fp8_tensorwise import (norm_backward_t, quantize_tensor, residual_norm_stats_t, rope_backward_t,
@@ -60,4 +61,4 @@ __all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "ro
            "quantize_tensor", "residual_norm_stats_t", "swiglu_t", "swiglu_backward_t", "norm_backward_t",
            "rope_backward_t", "norm_backward_ax", "norm_stats_fp8_g16", "quantize_rows_t_g16",
            "residual_norm_stats_fp8_g16", "swiglu_fp8_g16", "swiglu_backward_y", "geglu_backward_y",
-           "reglu_backward_y"]
+           "reglu_backward_y", "swiglu_backward_fp8"]

@@ -11,7 +11,9 @@ Forward:  norm_stats_fp8 (map kernel after the embedding, with h's transposed co
           kernel: the SwiGLU output's row-major copy).
 Backward: norm_backward_ax (gate/up and QKV dX: the residual gradient in bf16), quantize_rows_t (map
           kernel: dz, dx, dqkv and an incoming gradient, both copies); norm_backward_fp8 quantises dx
-          in the epilogue itself (slower, see nn/fp8/functional.py).
+          in the epilogue itself (slower, see nn/fp8/functional.py); swiglu_backward_fp8 quantises dz
+          in the down-proj dX epilogue (slower than swiglu_backward_scaled + quantize_rows_t, not used
+          by the recipes: docs/RESULTS.md, twentieth and twenty-second sessions).
 """
 
 import torch
@@ -116,3 +118,21 @@ def norm_backward_ax(acc, x: cc.Tile, r: cc.PerRow(F32), c: cc.PerRow(F32), g: c
     change took the tensorwise QKV dX site from 1220 to 375 us at 8B widths, docs/RESULTS.md)."""
     return {"dx": dres + acc * g - (r * r * c) * x, "ax": acc * x}
 
+
+@cc.epilogue
+def swiglu_backward_fp8(acc, z: cc.PairTile, r: cc.PerRow(F32)):
+    """Down-proj dX (acc = dy, M x f): the SwiGLU backward of swiglu_backward_scaled, with dz' = r * dz
+    written as its two halves, dg (gate) and du (up), each M x f quantised per 1 x 128 run with its
+    transposed copy in 128 x 1 runs, and the per-row partials of z . dz. Not used by the recipes: on
+    the H200 the site ran 2176 us against 1093 + 470 for swiglu_backward_scaled and the
+    quantize_rows_t map kernel (8B widths, M = 8192; docs/RESULTS.md). It has no D output, four
+    block-quantised stores and a row sum: tests/gpu/test_quant_gpu.py checks that such a kernel is
+    deterministic, and bench/probes/epilogue_outputs.py times it."""
+    g, u = cc.unpack(z)
+    sg = cc.sigmoid(g)
+    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
+    du = acc * g * sg
+    dgr, dur = dg * r, du * r
+    return {"dg": cc.quantize(dgr, block=128), "dgt": cc.quantize(dgr, block=128, transpose=True),
+            "du": cc.quantize(dur, block=128), "dut": cc.quantize(dur, block=128, transpose=True),
+            "zdz": cc.row_sum(g * dg + u * du)}

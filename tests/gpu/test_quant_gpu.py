@@ -340,3 +340,28 @@ def test_map_kernel_grouped_transposed_copies_are_exact(shape):
     out, ref = k(X), cc.map_reference(E.quantize_rows_t_g16, X)
     _check_exact(out, ref, f"map grouped {shape}")
     assert out["qt_scale"].shape == (-(-N // 16), -(-M // 128)) and int(out["qt_scale"].isnan().sum()) == 1
+
+
+def test_quantising_epilogue_without_a_d_output_is_deterministic():
+    """The fused blockwise dz epilogue (E.swiglu_backward_fp8, which the recipes do not use): a
+    cc.PairTile input, four block-quantised outputs, a row sum and no D output, on FP8 block operands
+    with several tiles per CTA (4096 x 4096: 1024 tiles). Three runs give the same bits. A version of
+    the quantised stores that wrote the codes from registers did not (a few per mille of the codes
+    and a few dozen row sums changed from run to run; docs/RESULTS.md, twenty-second session); the
+    committed kernel of this program was deterministic on the H200 there at this shape."""
+    from coda_cutlass import epilogues as E
+    from coda_cutlass import fp8
+    M = N = K = 4096
+    g = torch.Generator(device="cuda").manual_seed(7)
+    A8, sa = fp8.quantize(torch.randn(M, K, device="cuda", generator=g), E4M3, "block", "A", pow2=True)
+    W8, sb = fp8.quantize(torch.randn(N, K, device="cuda", generator=g) * K ** -0.5, E4M3, "block", "W", pow2=True)
+    ops = {"z": torch.randn(M, 2 * N, device="cuda", generator=g).to(torch.bfloat16),
+           "r": torch.rand(M, device="cuda", generator=g) + 0.5}
+    k = cc.compile_epilogue(E.swiglu_backward_fp8, E4M3, scaling="block")
+    assert k.config.schedule == "cooperative" and k.config.tile_k == 128
+    runs = [k(A8, W8, scale_a=sa, scale_b=sb, **ops) for _ in range(3)]
+    bits = lambda t: t.contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    for name, first in runs[0].items():
+        for i, other in enumerate(runs[1:], 2):
+            differ = int((bits(first) != bits(other[name])).sum())
+            assert differ == 0, f"{name}: {differ} bytes differ between run 1 and run {i}"
