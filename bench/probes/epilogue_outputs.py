@@ -31,7 +31,8 @@ headers being compared there (both copies of an unchanged header would be define
 Sites (Llama-3-8B widths, M = 8192; the shipped plans' configurations): gate/up 8192 x 28672 x 4096
 (FP8 "block" 128 x 128 cooperative; tensorwise 128 x 128 ping-pong with fast accumulation; bf16
 128 x 128 ping-pong), down 8192 x 4096 x 14336 and out-proj 8192 x 4096 x 4096 ("block" 128 x 128
-cooperative, tensorwise 128 x 128 ping-pong).
+cooperative, tensorwise 128 x 128 ping-pong), down dX 8192 x 14336 x 4096 (tensorwise in both schedules,
+"block" with dz in bf16 beside the quantize_rows_t map kernel on it, and the fused swiglu_backward_fp8).
 """
 
 from __future__ import annotations
