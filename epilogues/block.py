@@ -34,14 +34,19 @@ def norm_stats(acc, g: cc.PerCol):
     return {"h": acc * g, "sumsq": cc.row_sum(acc * acc)}
 
 
-def swiglu_backward_outputs(acc, z, r) -> tuple:
-    """(g, u, outputs) of the SwiGLU backward in the down-proj dX GEMM (acc = dy, M x f): the saved
-    z read as packed (gate, up) pairs, dz' = r * dz interleaved (M x 2f) and the per-row partials
-    of z . dz (unscaled); shared by the two programs below."""
+def swiglu_grads(acc, z) -> tuple:
+    """(g, u, dg, du): the saved z read as packed (gate, up) pairs and the SwiGLU backward's gate and
+    up gradients for acc = dy (M x f); every down-proj dX program's math (bf16 and FP8 recipes)."""
     g, u = cc.unpack(z)
     s = cc.sigmoid(g)
-    dg = acc * u * s * (1.0 + g * (1.0 - s))
-    du = acc * g * s
+    return g, u, acc * u * s * (1.0 + g * (1.0 - s)), acc * g * s
+
+
+def swiglu_backward_outputs(acc, z, r) -> tuple:
+    """(g, u, outputs) of the SwiGLU backward in the down-proj dX GEMM (acc = dy, M x f):
+    dz' = r * dz interleaved (M x 2f) and the per-row partials of z . dz (unscaled); shared by the
+    two programs below."""
+    g, u, dg, du = swiglu_grads(acc, z)
     return g, u, {"dz": cc.pack(dg * r, du * r), "zdz": cc.row_sum(g * dg + u * du)}
 
 

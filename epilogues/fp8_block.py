@@ -20,6 +20,8 @@ import torch
 
 import coda_cutlass as cc
 
+from .block import swiglu_grads
+
 F32 = torch.float32
 E4M3 = torch.float8_e4m3fn
 
@@ -128,10 +130,7 @@ def swiglu_backward_fp8(acc, z: cc.PairTile, r: cc.PerRow(F32)):
     quantize_rows_t map kernel (8B widths, M = 8192; docs/RESULTS.md). It has no D output, four
     block-quantised stores and a row sum: tests/gpu/test_quant_gpu.py checks that such a kernel is
     deterministic, and bench/probes/epilogue_outputs.py times it."""
-    g, u = cc.unpack(z)
-    sg = cc.sigmoid(g)
-    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
-    du = acc * g * sg
+    g, u, dg, du = swiglu_grads(acc, z)
     dgr, dur = dg * r, du * r
     return {"dg": cc.quantize(dgr, block=128), "dgt": cc.quantize(dgr, block=128, transpose=True),
             "du": cc.quantize(dur, block=128), "dut": cc.quantize(dur, block=128, transpose=True),

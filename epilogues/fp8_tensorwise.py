@@ -17,6 +17,8 @@ import torch
 
 import coda_cutlass as cc
 
+from .block import swiglu_grads
+
 F32 = torch.float32
 
 
@@ -56,10 +58,7 @@ def swiglu_backward_t(acc, z: cc.PairTile, r: cc.PerRow(F32), s: cc.DeviceScalar
     written as its two halves, dg (gate) and du (up), each M x f in FP8 with its transposed copy
     (the caller points them at the two halves of one M x 2f buffer: the gate/up dX GEMM reads it
     against W^T's columns in the same order), their amaxes, and the per-row partials of z . dz."""
-    g, u = cc.unpack(z)
-    sg = cc.sigmoid(g)
-    dg = acc * u * sg * (1.0 + g * (1.0 - sg))
-    du = acc * g * sg
+    g, u, dg, du = swiglu_grads(acc, z)
     dgr, dur = dg * r, du * r
     return {"dg": cc.quantize(dgr, scale=s), "dgt": cc.quantize(dgr, scale=s, transpose=True),
             "du": cc.quantize(dur, scale=s), "dut": cc.quantize(dur, scale=s, transpose=True),
