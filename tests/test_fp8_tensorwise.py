@@ -50,6 +50,27 @@ def test_tensor_scales_are_the_block_scales_rule():
             assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), (dtype, pow2)
 
 
+def test_tensor_scales_are_the_exact_power_of_two_at_every_margin():
+    """The division-free power of two is the smallest 2^k >= amax * 2^margin / fmax (exact rational
+    arithmetic), at least 2^-126, for amaxes across fp32's range, mantissas at and around fmax's."""
+    from fractions import Fraction
+    g = torch.Generator().manual_seed(1)
+    amax = torch.cat([torch.rand(600, generator=g) * 2.0 ** torch.randint(-140, 100, (600,), generator=g).float(),
+                      torch.tensor([1.75, 1.75 * (1 + 2 ** -23), 1.75 * (1 - 2 ** -23), 1.0, 2.0 ** -149,
+                                    448.0, 449.0, 57344.0])])
+    for fmax in (448.0, 57344.0):
+        for margin in (0, 1, 5, 8):
+            got = tensor_scales(amax, torch.full_like(amax, fmax), margin, True)
+            for a, s in zip(amax.tolist(), got.tolist()):
+                if a == 0:
+                    assert s == 1.0
+                    continue
+                v, k = Fraction(a) * 2 ** margin / Fraction(fmax), -126
+                while Fraction(2) ** k < v:
+                    k += 1
+                assert s == 2.0 ** k, (a, fmax, margin, s, k)
+
+
 class FakeKernel:
     """A 'kernel' whose tensor has a given amax each step; records the scales it was launched with."""
 
@@ -95,6 +116,22 @@ def test_an_overflow_shows_as_a_nan_scale_on_the_next_step():
     sc.quantize("a", k, torch.device("cpu"))
     sc.begin_step(torch.device("cpu"))
     assert math.isnan(float(sc.scale("a")))
+
+
+def test_a_launch_reports_its_amax_as_parts_the_fold_finishes():
+    """A launch may report its amax as per-tile partials or as several tensors (a tensor made by
+    several kernels): the step's fold takes the largest element of them all, NaN included."""
+    sc = DelayedScales(RECIPES["tensorwise"], {"a": E4M3, "g": E5M2})
+    cpu = torch.device("cpu")
+    sc.begin_step(cpu)
+    sc.quantize("a", lambda s: ({}, (torch.tensor([1.0, 3.0]), torch.tensor([[2.0], [0.5]]))), cpu)
+    sc.quantize("a", lambda s: ({}, torch.tensor(5.0)), cpu)        # quantised twice in a step
+    sc.quantize("g", lambda s: ({}, [torch.tensor([1.0, float("nan")])]), cpu)
+    assert sc.stats()["a"]["last_amax"] == 5.0 and math.isnan(sc.stats()["g"]["last_amax"])
+    sc.begin_step(cpu)
+    st = sc.stats()
+    assert st["a"]["amax_history"][0] == 5.0 and st["a"]["scale"] == 2.0 ** -6     # 5 / 448 -> 2^-6
+    assert math.isnan(st["g"]["amax_history"][0]) and math.isnan(st["g"]["scale"])
 
 
 def test_folding_a_steps_amaxes_makes_no_tensor_from_host_values(monkeypatch):
@@ -232,3 +269,26 @@ def test_the_amax_histories_travel_in_the_state_dict_and_resume_with_the_same_sc
                        fp8=Fp8Recipe("long", scaling="tensor", history=32))
     with pytest.raises(ConfigError, match="history of shape"):
         other.load_state_dict(m.state_dict())
+
+
+def test_a_compiled_helper_that_fails_to_compile_runs_eagerly_with_one_notice(monkeypatch, capsys):
+    """nn/fp8/compiled.py: where torch.compile cannot build a helper's graph (a torch or Triton
+    version that rejects it), the helper runs eagerly from then on, with one notice, same results."""
+    from coda_cutlass.nn.fp8 import compiled
+
+    class OnGpu:
+        is_cuda = True
+
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("cannot build this graph\ndetails")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    helper = compiled.on_device(lambda x: x + 1, OnGpu(), "k", "a test helper")
+    assert helper(1) == 2 and helper(2) == 3
+    captured = capsys.readouterr()
+    assert (captured.err + captured.out).count("torch.compile failed (RuntimeError: cannot build this graph)") == 1
+    ident = lambda x: x  # noqa: E731
+    assert compiled.on_device(ident, torch.zeros(1), "k", "cpu") is ident     # on the CPU: the function itself

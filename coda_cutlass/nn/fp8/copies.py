@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 import torch
 
-from ...build.progress import say
 from ...dtypes import FP8_MAX, as_dtype, round_to
+from .compiled import on_device
 from .delayed import tensor_scales
 
 BLOCK = 128
@@ -42,20 +42,9 @@ def _pow2_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
             torch.where(finite, torch.where(zero, one, inv), nan))
 
 
-_COMPILED: dict[tuple[Callable[..., Any], torch.dtype], Callable[..., Any]] = {}
-
-
 def _on_device(fn: Callable[..., Any], t: torch.Tensor, dtype: torch.dtype) -> Callable[..., Any]:
-    """``fn`` compiled (once per function and FP8 format; shapes dynamic: one graph serves every
-    operand and token count) when ``t`` is on a GPU; ``fn`` itself elsewhere."""
-    if not t.is_cuda:
-        return fn
-    key = (fn, dtype)
-    if key not in _COMPILED:
-        say(f"FP8 copies: {fn.__name__.lstrip('_')} ({dtype}) is compiled by torch.compile on its first call, "
-            "once per process (seconds)")
-        _COMPILED[key] = torch.compile(fn, fullgraph=True, dynamic=True)
-    return _COMPILED[key]
+    """``fn`` compiled once per function and FP8 format on a GPU (compiled.py); ``fn`` elsewhere."""
+    return on_device(fn, t, dtype, f"FP8 copies: {fn.__name__.lstrip('_')} ({dtype})")
 
 
 def _tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool) -> tuple[torch.Tensor, ...]:

@@ -16,30 +16,68 @@ the next step's scale; a NaN or inf amax makes the next scale NaN, so the overfl
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ...dtypes import FP8_MAX, as_dtype
 from ...errors import ConfigError
+from .compiled import on_device
 from .recipe import Fp8Recipe
 
-# a kernel launch given its tensor's scale -> (its outputs, the tensor's amax: a 0-dim fp32 tensor)
-Launch = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+# a launch's amax: a tensor, or several, whose largest element is the amax (a 0-dim amax, a kernel's
+# per-tile partials, the parts of a tensor several kernels made); finished in the step's fold
+Amax = torch.Tensor | Sequence[torch.Tensor]
+# a kernel launch given its tensor's scale -> (its outputs, the tensor's amax)
+Launch = Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], Amax]]
 
 
-def tensor_scales(amax: torch.Tensor, fmax: torch.Tensor, margin: int, pow2: bool) -> torch.Tensor:
+def _parts(a: Amax) -> list[torch.Tensor]:
+    return [a] if isinstance(a, torch.Tensor) else list(a)
+
+
+def amax_of(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The 0-dim fp32 amax of a launch's parts (NaN if any is NaN)."""
+    return torch.stack([p.float().amax() for p in parts]).amax()
+
+
+def _fold(history: torch.Tensor, slot: torch.Tensor, fmax: torch.Tensor, maxes: list[torch.Tensor],
+          owners: tuple[int, ...], pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's amaxes into the histories and the next scales: ``maxes[k]`` (0-dim) belongs to tensor
+    ``owners[k]`` (a tensor with none gets amax 0); ``slot`` is the (history,) one-hot mask of the
+    column they go to; ``fmax`` the formats' largest values over 2^margin (the same scales as the
+    margin applied to the amax, and no int argument: compiled with dynamic shapes, an int would
+    become a 64-bit kernel argument and widen the exponent arithmetic). Compiled on a GPU
+    (compiled.py): every input has a fixed shape, so the graph is one or two kernels."""
+    zero = history.new_zeros(())
+    per: list[list[torch.Tensor]] = [[] for _ in range(history.shape[0])]
+    for m, i in zip(maxes, owners):
+        per[i].append(m)
+    col = torch.stack([torch.stack(v).amax() if v else zero for v in per])
+    history = torch.where(slot, col[:, None], history)
+    return history, tensor_scales(history.amax(1), fmax, 0, pow2)
+
+
+def tensor_scales(amax: torch.Tensor, fmax: torch.Tensor | float, margin: int, pow2: bool) -> torch.Tensor:
     """fp32 scales for amaxes: v = amax * 2^margin / fmax, rounded up to a power of two (>= 2^-126)
     with ``pow2``; 1 for amax 0, NaN for inf or NaN. At margin 0 the block scales' rule
     (quantization.scales_from_amax, tested equal); apart from it for the per-tensor fmax vector (a
-    block's tensors mix formats), the margin, and integer ops that torch.compile keeps exact (the
-    weight copies, nn/fp8/copies.py, run compiled on a GPU)."""
-    v = amax.float() * float(2 ** margin) / fmax
+    block's tensors mix formats) and the margin. The power of two comes from the exponents and
+    mantissas alone, without the division (the same result: for amax = a * 2^e and fmax = f * 2^E,
+    1 <= a, f < 2, it is 2^(e - E + margin), doubled when a > f), so a compiled graph
+    (compiled.py) cannot round it differently from the eager one. ``fmax`` an FP8 format's largest
+    value (>= 256) and margin <= 8 (the recipes' bound), so the power of two is at most 2^128 (inf)."""
+    amax = amax.float()
     if pow2:
-        bits = v.view(torch.int32)
-        e = (bits >> 23) & 0xFF
-        up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
-        v = ((e + up).clamp(min=1) << 23).view(torch.float32)
+        f = (fmax if isinstance(fmax, torch.Tensor) else torch.full_like(amax, fmax)).float().view(torch.int32)
+        a = amax.view(torch.int32)
+        up = ((a & 0x7FFFFF) > (f & 0x7FFFFF)).to(torch.int32)
+        e = (((a >> 23) & 0xFF) - ((f >> 23) & 0xFF) + margin + up).clamp(min=-126)
+        # 2^e, e <= 128 for an FP8 fmax (>= 2^8) and margin <= 8 (2^128: inf, which only a finite
+        # amax near fp32's largest gives)
+        v = ((e + 127) << 23).view(torch.float32)
+    else:
+        v = amax * float(2 ** margin) / fmax
     ok = torch.isfinite(amax)
     return torch.where(ok, torch.where(amax == 0, torch.ones_like(v), v), torch.full_like(v, float("nan")))
 
@@ -62,7 +100,7 @@ class DelayedScales:
         self._history: torch.Tensor | None = None      # (names, history) fp32
         self._scales: torch.Tensor | None = None       # (names,) fp32
         self._filled = [False] * len(self.names)       # a history entry exists
-        self._pending: dict[int, torch.Tensor] = {}    # this step's amaxes, not yet folded
+        self._pending: dict[int, list[torch.Tensor]] = {}   # this step's amaxes (parts), not yet folded
         self._slot = 0
         self.steps = 0
 
@@ -75,10 +113,13 @@ class DelayedScales:
             self._pending.clear()
         elif self._device != device:         # the block moved: its histories move with it
             self._history, self._scales = self._history.to(device), self._scales.to(device)
-            self._pending = {i: a.to(device) for i, a in self._pending.items()}
+            self._pending = {i: [amax_of(a).to(device)] for i, a in self._pending.items()}
         if self._device != device:
             self._device = device
-            self._fmax_t = torch.tensor(self._fmax, dtype=torch.float32, device=device)
+            # fmax / 2^margin: the scales of amax * 2^margin / fmax (exact: a power of two)
+            self._fmax_t = torch.tensor([f * 2.0 ** -self.recipe.margin for f in self._fmax], dtype=torch.float32,
+                                        device=device)
+            self._slots = torch.eye(self.recipe.history, dtype=torch.bool, device=device)   # one-hot columns
 
     def state(self) -> dict[str, Any]:
         """The histories as plain data (tensors on the CPU), for a checkpoint: ``load_state`` takes
@@ -87,7 +128,7 @@ class DelayedScales:
             return {"names": list(self.names), "history": None}
         return {"names": list(self.names), "history": self._history.cpu().clone(), "slot": self._slot,
                 "filled": list(self._filled), "steps": self.steps,
-                "pending": {self.names[i]: float(a) for i, a in self._pending.items()}}
+                "pending": {self.names[i]: float(amax_of(a)) for i, a in self._pending.items()}}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Take back what ``state`` returned (the same tensor names and history length)."""
@@ -107,12 +148,13 @@ class DelayedScales:
         self._device = None
         self._ensure(device)
         self._slot, self._filled, self.steps = int(state["slot"]), [bool(f) for f in state["filled"]], int(state["steps"])
-        self._pending = {self._index[n]: torch.tensor(a, device=device) for n, a in state["pending"].items()}
+        self._pending = {self._index[n]: [torch.tensor(a, device=device)] for n, a in state["pending"].items()}
         if any(self._filled):
             self._scales = self._scale_of(self._history.amax(1), self._fmax_t)
 
     def _scale_of(self, amax: torch.Tensor, fmax: torch.Tensor) -> torch.Tensor:
-        return tensor_scales(amax, fmax, self.recipe.margin, self.recipe.pow2)
+        """Scales for amaxes; ``fmax`` already over 2^margin (self._fmax_t)."""
+        return tensor_scales(amax, fmax, 0, self.recipe.pow2)
 
     def begin_step(self, device: torch.device) -> None:
         """Fold the previous step's amaxes into the histories and make this step's scales (a
@@ -121,14 +163,19 @@ class DelayedScales:
         if not self._pending:
             return
         idx = sorted(self._pending)
-        # every name's amax of the step (0 where it was not quantised), stacked on the device: no
-        # index tensor from host values, whose copy would wait for the stream once per block and step
-        # (a 16-layer "tensorwise" model was host-bound on it)
-        zero = self._history.new_zeros(())
-        self._history[:, self._slot] = torch.stack([self._pending[i].reshape(()).float() if i in self._pending
-                                                    else zero for i in range(len(self.names))])
+        # every tensor's amax parts are reduced on the device together (no index tensor from host
+        # values, whose copy would wait for the stream once per block and step: a 16-layer
+        # "tensorwise" model was host-bound on it; no launch per tensor to finish its amax)
+        parts = [p.float() for i in idx for p in self._pending[i]]
+        owners = tuple(i for i in idx for _ in self._pending[i])
+        maxes = list(torch._foreach_max(parts))       # every part's max in one multi-tensor launch (NaN kept)
+        if self.recipe.pow2:
+            fold = on_device(_fold, self._history, None, "FP8 scales: the amax fold")
+            self._history, self._scales = fold(self._history, self._slots[self._slot], self._fmax_t, maxes, owners)
+        else:               # eagerly: a compiled division could round differently
+            self._history, self._scales = _fold(self._history, self._slots[self._slot], self._fmax_t, maxes, owners,
+                                                False)
         self._slot = (self._slot + 1) % self.recipe.history
-        self._scales = self._scale_of(self._history.amax(1), self._fmax_t)
         for i in idx:
             self._filled[i] = True
         self._pending.clear()
@@ -147,13 +194,12 @@ class DelayedScales:
         i = self._index[name]
         if not self._filled[i] and i not in self._pending:
             _, amax = launch(torch.ones((), dtype=torch.float32, device=self._device))
-            s = self._scale_of(amax.reshape(1).float(), self._fmax_t[i:i + 1])
+            s = self._scale_of(amax_of(_parts(amax)).reshape(1), self._fmax_t[i:i + 1])
             self._scales = self._scales.clone()          # a step's earlier launches keep their scales
             self._scales[i] = s[0]
         scale = self.scale(name)
         out, amax = launch(scale)
-        prev = self._pending.get(i)
-        self._pending[i] = amax if prev is None else torch.maximum(prev, amax)
+        self._pending.setdefault(i, []).extend(_parts(amax))
         return out, scale
 
     def stats(self) -> dict[str, dict[str, Any]]:
@@ -167,7 +213,7 @@ class DelayedScales:
         order = [(self._slot - 1 - k) % self.recipe.history for k in range(self.recipe.history)]
         hist = self._history[:, order].tolist()
         scales = self._scales.tolist()
-        last = {i: float(a) for i, a in self._pending.items()}
+        last = {i: float(amax_of(a)) for i, a in self._pending.items()}
 
         def saturated(i: int) -> bool | None:     # the last step's values outgrew the scale it used
             return None if i not in last else not last[i] <= scales[i] * self._fmax[i]

@@ -70,13 +70,10 @@ def _wgrad(step: Any, site: str, grad: TensorOperand, a: TensorOperand, **operan
     return _gemm(step, site, E.identity, grad.qt, grad.s, a.qt, a.s, ("gradient", "activation"), **operands)
 
 
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    """A reported amax: 0-dim, or per-tile partials (a kernel run with ``partial``), finished here."""
-    return t if t.dim() == 0 else t.amax()
-
-
 def _with_amax(out: dict) -> tuple[dict, torch.Tensor]:
-    return out, _amax(out["amax"])
+    """A launch's outputs and its amax as reported: 0-dim, or per-tile partials (a kernel run with
+    ``partial``), which the delayed scales finish in their per-step fold (no launch here)."""
+    return out, out["amax"]
 
 
 def _on(sc: DelayedScales, device: torch.device) -> Any:
@@ -136,9 +133,9 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
     dzt8 = torch.empty(2 * f, M, dtype=step.fp8.gradient, device=dx2.device)
     halves = {"dg": dz8[:, :f], "du": dz8[:, f:], "dgt": dzt8[:f], "dut": dzt8[f:]}
 
-    def down_dgrad(s: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    def down_dgrad(s: torch.Tensor) -> tuple[dict, tuple[torch.Tensor, ...]]:
         out = _dgrad(step, "down.dgrad", E.swiglu_backward_t, dx2q, wd, partial=True, out=halves, z=z, r=r1, s=s)
-        return out, torch.maximum(_amax(out["amax_g"]), _amax(out["amax_u"]))
+        return out, (out["amax_g"], out["amax_u"])
 
     b4, sdz = quant("dz", down_dgrad)
     dzq = TensorOperand(dz8, sdz, dzt8)
@@ -159,7 +156,7 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
     dqkv8 = torch.empty(qkv.shape, dtype=step.fp8.gradient, device=qkv.device)
     dqkvt8 = torch.empty(qkv.shape[1], qkv.shape[0], dtype=step.fp8.gradient, device=qkv.device)
 
-    def rope_dgrad(s: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    def rope_dgrad(s: torch.Tensor) -> tuple[dict, list[torch.Tensor]]:
         zdz, amax, start = [], [], 0
         for g4 in grads:
             width = g4.shape[2] * g4.shape[3]
@@ -168,9 +165,9 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
                           out={"dz": dqkv8[:, cols], "dzt": dqkvt8[cols]}, y=qkv[:, cols], r=r, pos=step.pos,
                           freq=step.freq[cols], s=s)
             zdz.append(res["zdz"])
-            amax.append(_amax(res["amax"]))
+            amax.append(res["amax"])
             start += width
-        return {"zdz": torch.cat(zdz)}, torch.stack(amax).amax()
+        return {"zdz": torch.cat(zdz)}, amax
 
     b1, sdq = quant("dqkv", rope_dgrad)
     dqkvq = TensorOperand(dqkv8, sdq, dqkvt8)
