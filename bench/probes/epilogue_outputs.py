@@ -57,6 +57,7 @@ from coda_cutlass.api import split_options  # noqa: E402
 from coda_cutlass.compiler import compile_parallel  # noqa: E402
 from coda_cutlass.config import KernelConfig  # noqa: E402
 from coda_cutlass.pipeline import generate, lower_program  # noqa: E402
+from coda_cutlass.epilogues.block import swiglu_grads  # noqa: E402
 
 F32 = torch.float32
 E4 = torch.float8_e4m3fn
@@ -116,17 +117,44 @@ def residual_sumsq(acc, resid: cc.Tile):
     return {"D": x, "sumsq": cc.row_sum(x * x)}
 
 
+@cc.epilogue
+def swiglu_backward_t_rows(acc, z: cc.PairTile, r: cc.PerRow(F32), s: cc.DeviceScalar):
+    """E.swiglu_backward_t without the transposed copies (what they cost)."""
+    g, u, dg, du = swiglu_grads(acc, z)
+    dgr, dur = dg * r, du * r
+    return {"dg": cc.quantize(dgr, scale=s), "du": cc.quantize(dur, scale=s), "amax_g": cc.amax(dgr),
+            "amax_u": cc.amax(dur), "zdz": cc.row_sum(g * dg + u * du)}
+
+
+@cc.epilogue
+def swiglu_t_rows(acc, r: cc.PerRow(F32), s: cc.DeviceScalar):
+    """E.swiglu_t without y's transposed copy."""
+    z = acc * r
+    g, u = cc.pairs(z)
+    v = cc.silu(g) * u
+    return {"z": z, "y": cc.quantize(cc.half_width(v), scale=s), "amax": cc.amax(v)}
+
+
+@cc.epilogue
+def residual_norm_stats_t_rows(acc, resid: cc.Tile, g: cc.PerCol, s: cc.DeviceScalar):
+    """E.residual_norm_stats_t without h's transposed copy."""
+    x = acc + resid
+    h = x * g
+    return {"D": x, "h": cc.quantize(h, scale=s), "amax": cc.amax(h), "sumsq": cc.row_sum(x * x)}
+
+
 # site: (M, N, K, [(kind, program, scalar half-width store)])
 SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
     "gate_up": (8192, 28672, 4096, [
         ("block", E.identity, False), ("block", z_only, False), ("block", z_y, False), ("block", z_y, True),
         ("block", z_yt, False), ("block", E.swiglu_fp8, False), ("block", E.swiglu_fp8, True),
-        ("tensor", E.identity, False), ("tensor", E.swiglu_t, False),
+        ("tensor", E.identity, False), ("tensor", E.swiglu_t, False), ("tensor", swiglu_t_rows, False),
         ("bf16", E.identity, False), ("bf16", E.swiglu, False), ("bf16", E.swiglu, True)]),
     # the down-proj dX GEMM of "tensorwise" (dz's halves, FP8 with both transposed copies)
     "down_dgrad": (8192, 14336, 4096, [
         ("tensor coop", E.identity, False), ("tensor coop", E.swiglu_backward_t, False),
         ("tensor", E.identity, False), ("tensor", E.swiglu_backward_t, False),
+        ("tensor coop", swiglu_backward_t_rows, False), ("tensor", swiglu_backward_t_rows, False),
         ("block", E.identity, False), ("block", E.swiglu_backward_scaled, False),
         ("block", E.swiglu_backward_fp8, False)]),   # the fused dz epilogue the recipes do not use
     "down": (8192, 4096, 14336, [
@@ -134,7 +162,8 @@ SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
         ("tensor", E.identity, False), ("tensor", E.residual_norm_stats_t, False)]),
     "o": (8192, 4096, 4096, [
         ("block", E.identity, False), ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
-        ("tensor", E.identity, False), ("tensor", E.residual_norm_stats_t, False)]),
+        ("tensor", E.identity, False), ("tensor", E.residual_norm_stats_t, False),
+        ("tensor", residual_norm_stats_t_rows, False)]),
     # the out-proj epilogue taken apart: each output on its own, and a wider epilogue subtile
     "o_parts": (8192, 4096, 4096, [
         ("block", E.identity, False), ("block", residual_d, False), ("block", d_h, False),
@@ -147,6 +176,10 @@ SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
 MAPS: dict[str, list[tuple[str, Any, int]]] = {
     "down_dgrad": [("map quantize_rows_t (dz: M x 2N)", E.quantize_rows_t, 2)],
 }
+# FP8 codes transposed on their own, beside a site's GEMMs: (label, rows, columns) of the codes;
+# torch's strided copy and torch.compile's (what moving a transposed copy out of an epilogue costs)
+TRANSPOSES: dict[str, list[tuple[str, int]]] = {
+    "down_dgrad": [("dz (M x 2N)", 2)], "gate_up": [("y (M x N/2)", 0)], "o": [("h (M x N)", 1)]}
 _INCLUDE = re.compile(r'^#include "(coda/[A-Za-z0-9_]+\.hpp)"$', re.M)
 
 
@@ -316,6 +349,14 @@ def main() -> None:
                 for x in sets:
                     x[name] = torch.randn(M, cols * N, device="cuda", generator=x["gen"]).to(torch.bfloat16)
                 fns[name] = lambda x, k=maps[(site, name)], name=name: k(x[name])
+        for name, mult in TRANSPOSES.get(site, []):
+            cols = mult * N if mult else N // 2
+            for x in sets:
+                x[name] = torch.randint(0, 120, (M, cols), device="cuda", dtype=torch.uint8,
+                                        generator=x["gen"]).view(E4)
+            compiled = torch.compile(lambda t: t.t().contiguous())
+            fns[f"transpose {name} torch"] = lambda x, name=name: x[name].view(torch.uint8).t().contiguous()
+            fns[f"transpose {name} compiled"] = lambda x, name=name, c=compiled: c(x[name].view(torch.uint8))
         torch.cuda.synchronize()
         t = interleaved(fns, sets, rounds=args.rounds, reps=args.reps)
         for name, us in t.items():
