@@ -41,18 +41,18 @@ def amax_of(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([p.float().amax() for p in parts]).amax()
 
 
-def _fold(history: torch.Tensor, slot: torch.Tensor, fmax: torch.Tensor, maxes: list[torch.Tensor],
+def _fold(history: torch.Tensor, slot: torch.Tensor, fmax: torch.Tensor, parts: list[torch.Tensor],
           owners: tuple[int, ...], pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's amaxes into the histories and the next scales: ``maxes[k]`` (0-dim) belongs to tensor
+    """A step's amaxes into the histories and the next scales: ``parts[k]`` belongs to tensor
     ``owners[k]`` (a tensor with none gets amax 0); ``slot`` is the (history,) one-hot mask of the
     column they go to; ``fmax`` the formats' largest values over 2^margin (the same scales as the
     margin applied to the amax, and no int argument: compiled with dynamic shapes, an int would
-    become a 64-bit kernel argument and widen the exponent arithmetic). Compiled on a GPU
-    (compiled.py): every input has a fixed shape, so the graph is one or two kernels."""
+    become a 64-bit kernel argument and widen the exponent arithmetic). One compiled graph on a GPU
+    (compiled.py)."""
     zero = history.new_zeros(())
     per: list[list[torch.Tensor]] = [[] for _ in range(history.shape[0])]
-    for m, i in zip(maxes, owners):
-        per[i].append(m)
+    for p, i in zip(parts, owners):
+        per[i].append(p.float().amax())
     col = torch.stack([torch.stack(v).amax() if v else zero for v in per])
     history = torch.where(slot, col[:, None], history)
     return history, tensor_scales(history.amax(1), fmax, 0, pow2)
@@ -65,16 +65,15 @@ def tensor_scales(amax: torch.Tensor, fmax: torch.Tensor | float, margin: int, p
     block's tensors mix formats) and the margin. The power of two comes from the exponents and
     mantissas alone, without the division (the same result: for amax = a * 2^e and fmax = f * 2^E,
     1 <= a, f < 2, it is 2^(e - E + margin), doubled when a > f), so a compiled graph
-    (compiled.py) cannot round it differently from the eager one. ``fmax`` an FP8 format's largest
-    value (>= 256) and margin <= 8 (the recipes' bound), so the power of two is at most 2^128 (inf)."""
+    (compiled.py) cannot round it differently from the eager one. ``fmax`` (over 2^margin, where the
+    margin is folded into it) an FP8 format's largest value (>= 2^8) and a margin <= 8 (the recipes'
+    bound) keep the power of two at most 2^128 (inf), which only an amax near fp32's largest gives."""
     amax = amax.float()
     if pow2:
         f = (fmax if isinstance(fmax, torch.Tensor) else torch.full_like(amax, fmax)).float().view(torch.int32)
         a = amax.view(torch.int32)
         up = ((a & 0x7FFFFF) > (f & 0x7FFFFF)).to(torch.int32)
         e = (((a >> 23) & 0xFF) - ((f >> 23) & 0xFF) + margin + up).clamp(min=-126)
-        # 2^e, e <= 128 for an FP8 fmax (>= 2^8) and margin <= 8 (2^128: inf, which only a finite
-        # amax near fp32's largest gives)
         v = ((e + 127) << 23).view(torch.float32)
     else:
         v = amax * float(2 ** margin) / fmax
@@ -163,17 +162,16 @@ class DelayedScales:
         if not self._pending:
             return
         idx = sorted(self._pending)
-        # every tensor's amax parts are reduced on the device together (no index tensor from host
+        # every tensor's amax parts go to the device fold as they are (no index tensor from host
         # values, whose copy would wait for the stream once per block and step: a 16-layer
         # "tensorwise" model was host-bound on it; no launch per tensor to finish its amax)
-        parts = [p.float() for i in idx for p in self._pending[i]]
+        parts = [p for i in idx for p in self._pending[i]]
         owners = tuple(i for i in idx for _ in self._pending[i])
-        maxes = list(torch._foreach_max(parts))       # every part's max in one multi-tensor launch (NaN kept)
         if self.recipe.pow2:
             fold = on_device(_fold, self._history, None, "FP8 scales: the amax fold")
-            self._history, self._scales = fold(self._history, self._slots[self._slot], self._fmax_t, maxes, owners)
+            self._history, self._scales = fold(self._history, self._slots[self._slot], self._fmax_t, parts, owners)
         else:               # eagerly: a compiled division could round differently
-            self._history, self._scales = _fold(self._history, self._slots[self._slot], self._fmax_t, maxes, owners,
+            self._history, self._scales = _fold(self._history, self._slots[self._slot], self._fmax_t, parts, owners,
                                                 False)
         self._slot = (self._slot + 1) % self.recipe.history
         for i in idx:
