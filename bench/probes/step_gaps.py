@@ -9,8 +9,9 @@ For each variant of bench/block.py's workload (fwd+bwd, as its timing rounds run
 - a profiler pass: per step the span from the first kernel's start to the last one's end, the busy
   time (kernels summed), the idle rest, and the largest gaps with the kernels on either side.
 A step whose host time is above its GPU time is host-bound: the GPU idles between launches.
-With ``--ab-fold`` the variants are also timed with the delayed scales' amax fold (nn/fp8/delayed.py)
-compiled and eager, alternating in one process (GPU and host ms per step each way).
+With ``--ab-fold`` the FP8 variants are also timed with each way of folding the delayed scales' amaxes
+(nn/fp8/delayed.py: compiled as shipped, eager, and a two-step "foreach" fold not in the library),
+alternating in one process, after checking each gives the eager fold's histories and scales bit for bit.
 Writes step_gaps.json and prints a table.
 """
 
@@ -99,11 +100,61 @@ def profile_gaps(fn: Any, wl: Workload, steps: int) -> dict[str, Any]:
             "top_gaps": [{"us": g, "before": a, "after": b} for g, a, b in gaps[:12]]}
 
 
-def ab_fold(fn: Any, wl: Workload, rounds: int, steps: int) -> dict[str, dict[str, float]]:
-    """GPU and host ms per step with the amax fold compiled and eager, alternating in bursts."""
+def _foreach_on_device() -> Any:
+    """A stand-in for delayed.on_device that folds in two steps: every partial's max in one
+    ``torch._foreach_max`` launch, then the fold compiled with fixed shapes (0-dim maxes), instead of
+    one compiled graph with a reduction per partials shape (the shipped fold). Not in the library:
+    measured here first."""
     from coda_cutlass.nn.fp8 import delayed
-    compiled_on_device = delayed.on_device
-    modes = {"compiled": compiled_on_device, "eager": lambda f, *a, **k: f}
+    fixed = torch.compile(delayed._fold, fullgraph=True, dynamic=False)
+
+    def on_device(fn: Any, t: Any, key: Any, what: str) -> Any:
+        def fold(history, slot, fmax, parts, owners):
+            return fixed(history, slot, fmax, list(torch._foreach_max([p.float() for p in parts])), owners)
+        return fold
+    return on_device
+
+
+def fold_modes() -> dict[str, Any]:
+    from coda_cutlass.nn.fp8 import delayed
+    return {"compiled": delayed.on_device, "eager": lambda f, *a, **k: f, "foreach": _foreach_on_device()}
+
+
+def check_fold_modes(device: torch.device) -> dict[str, bool]:
+    """Each fold mode's history and scales bit for bit the eager fold's, on partials with a NaN, a
+    zero tensor and a tensor reported in several parts."""
+    from coda_cutlass.nn.fp8 import RECIPES, delayed
+    g = torch.Generator(device=device).manual_seed(0)
+    names = {n: torch.float8_e4m3fn if i % 2 else torch.float8_e5m2 for i, n in enumerate("abcde")}
+    parts = {"a": [torch.rand(112, 8192, device=device, generator=g) * 40],
+             "b": [torch.rand(32, 8192, device=device, generator=g), torch.rand(8, 8192, device=device, generator=g)],
+             "c": [torch.zeros(48, 8192, device=device)],
+             "d": [torch.rand(3, device=device, generator=g) * 1e-30]}
+    parts["e"] = [parts["a"][0].clone()]
+    parts["e"][0][5, 7] = float("nan")
+    out, modes = {}, fold_modes()
+    original = delayed.on_device
+    try:
+        for m, on in modes.items():
+            delayed.on_device = on
+            sc = delayed.DelayedScales(RECIPES["tensorwise"], names)
+            for step in range(3):
+                sc.begin_step(device)
+                for n, ps in parts.items():
+                    sc.quantize(n, lambda s, ps=ps: ({}, [p * (step + 1) for p in ps]), device)
+            sc.begin_step(device)
+            out[m] = (sc._history.clone(), sc._scales.clone())
+    finally:
+        delayed.on_device = original
+    bits = lambda t: t.view(torch.int32)  # noqa: E731
+    return {m: all(torch.equal(bits(a), bits(b)) for a, b in zip(v, out["eager"])) for m, v in out.items()}
+
+
+def ab_fold(fn: Any, wl: Workload, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """GPU and host ms per step with each amax fold (fold_modes), alternating in bursts."""
+    from coda_cutlass.nn.fp8 import delayed
+    original = delayed.on_device
+    modes = fold_modes()
     gpu: dict[str, list[float]] = {m: [] for m in modes}
     host: dict[str, list[float]] = {m: [] for m in modes}
     try:
@@ -114,7 +165,7 @@ def ab_fold(fn: Any, wl: Workload, rounds: int, steps: int) -> dict[str, dict[st
                 gpu[m].append(gpu_ms(fn, wl, steps))
                 host[m].append(host_ms(fn, wl, 3, 1.0)[0])
     finally:
-        delayed.on_device = compiled_on_device
+        delayed.on_device = original
     return {m: {"gpu_ms": statistics.median(gpu[m]), "host_ms": statistics.median(host[m])} for m in modes}
 
 
@@ -132,6 +183,9 @@ def main() -> None:
     require_hopper("bench/probes/step_gaps.py")
     args.out.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"environment": environment(), "results": []}
+    if args.ab_fold:
+        out["fold_modes_bit_for_bit"] = check_fold_modes(torch.device("cuda"))
+        print("fold modes bit for bit the eager fold:", out["fold_modes_bit_for_bit"], flush=True)
     for width in args.widths:
         for M in args.tokens:
             wl = Workload(width, M, torch.device("cuda"), False, args.fp8)
