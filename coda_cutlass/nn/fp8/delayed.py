@@ -16,6 +16,7 @@ the next step's scale; a NaN or inf amax makes the next scale NaN, so the overfl
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -52,8 +53,8 @@ def _fold(history: torch.Tensor, slot: torch.Tensor, fmax: torch.Tensor, parts: 
     zero = history.new_zeros(())
     per: list[list[torch.Tensor]] = [[] for _ in range(history.shape[0])]
     for p, i in zip(parts, owners):
-        per[i].append(p.float().amax())
-    col = torch.stack([torch.stack(v).amax() if v else zero for v in per])
+        per[i].append(p)
+    col = torch.stack([amax_of(v) if v else zero for v in per])
     history = torch.where(slot, col[:, None], history)
     return history, tensor_scales(history.amax(1), fmax, 0, pow2)
 
@@ -167,12 +168,10 @@ class DelayedScales:
         # "tensorwise" model was host-bound on it; no launch per tensor to finish its amax)
         parts = [p for i in idx for p in self._pending[i]]
         owners = tuple(i for i in idx for _ in self._pending[i])
-        if self.recipe.pow2:
-            fold = on_device(_fold, self._history, None, "FP8 scales: the amax fold")
-            self._history, self._scales = fold(self._history, self._slots[self._slot], self._fmax_t, parts, owners)
-        else:               # eagerly: a compiled division could round differently
-            self._history, self._scales = _fold(self._history, self._slots[self._slot], self._fmax_t, parts, owners,
-                                                False)
+        # pow2=False folds eagerly: a compiled division could round differently
+        fold = (on_device(_fold, self._history, None, "FP8 scales: the amax fold") if self.recipe.pow2
+                else partial(_fold, pow2=False))
+        self._history, self._scales = fold(self._history, self._slots[self._slot], self._fmax_t, parts, owners)
         self._slot = (self._slot + 1) % self.recipe.history
         for i in idx:
             self._filled[i] = True
