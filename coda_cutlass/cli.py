@@ -200,11 +200,29 @@ def cmd_cache(args: argparse.Namespace) -> int:
     keys = list(cache.keys())
     size = sum(f.stat().st_size for k in keys for f in cache.entry_dir(k).rglob("*") if f.is_file())
     print(f"cache: {cache.root}\nkernels: {len(keys)}\nsize: {size / 1e6:.1f} MB")
+    spilling = _spilling(cache, keys)
+    if spilling:
+        print(f"spilling registers ({len(spilling)}, ptxas's report):")
+        for line in spilling:
+            print(f"  {line}")
     if args.export:
         from .build.export import export_cache_entry
         n = sum(export_cache_entry(cache, k, args.export) for k in keys)
         print(f"exported {n} verified kernels as prebuilt kernels to {args.export}")
     return 0
+
+
+def _spilling(cache: Any, keys: list[str]) -> list[str]:
+    """'name [key]: resources' of each cached kernel whose build recorded register spills."""
+    from .build.files import read_json_object
+    from .build.resources import Resources
+    out = []
+    for k in keys:
+        meta = read_json_object(cache.entry_dir(k) / "meta.json") or {}
+        r = Resources.from_json(meta.get("resources"))
+        if r is not None and r.spills:
+            out.append(f"{meta.get('name', '?')} [{k[:12]}]: {r.describe()}")
+    return sorted(out)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

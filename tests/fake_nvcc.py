@@ -8,6 +8,8 @@ $FAKE_NVCC_LOG. On request it misbehaves:
 - a source containing FAKE_NVCC_FAIL, or $FAKE_NVCC_FAIL set: exit 1 with an error message;
 - $FAKE_NVCC_BAD_BYTES: non-UTF-8 bytes in its output;
 - $FAKE_NVCC_NOT_ELF: exit 0 but write a file that is not a shared library;
+- with -Xptxas -v it prints a ptxas resource report on stderr as nvcc does: 168 registers and
+  $FAKE_NVCC_SPILL bytes of spill stores and loads (default 0);
 - $FAKE_NVCC_PIDS=FILE: start a child (as nvcc starts cicc) that sleeps, and write
   "<own pid> <child pid>" to FILE before sleeping;
 - $FAKE_NVCC_ENV=FILE: write to FILE (JSON) the working folder, TMPDIR/TMP/TEMP and the owner and
@@ -67,6 +69,13 @@ if __name__ == "__main__":
     if "FAKE_NVCC_FAIL" in text or os.environ.get("FAKE_NVCC_FAIL"):
         print(f"{src}(1): error: identifier \"FAKE_NVCC_FAIL\" is undefined", file=sys.stderr)
         sys.exit(1)
+    if "-Xptxas" in args and args[args.index("-Xptxas") + 1] == "-v":
+        spill = int(os.environ.get("FAKE_NVCC_SPILL", "0"))
+        print("ptxas info    : 11 bytes gmem\n"
+              "ptxas info    : Compiling entry function '_Z6kernelv' for 'sm_90a'\n"
+              "ptxas info    : Function properties for _Z6kernelv\n"
+              f"    {spill and spill + 8} bytes stack frame, {spill} bytes spill stores, {spill} bytes spill loads\n"
+              "ptxas info    : Used 168 registers, used 2 barriers", file=sys.stderr)
     with open(os.environ["FAKE_NVCC_LOG"], "a") as f:
         f.write(f"{os.getpid()} {len(text)}\n")
     with open(out, "wb") as f:

@@ -28,6 +28,7 @@ from .files import PRIVATE_EXEC, make_dirs, sha256_file, write_file
 from .keys import build_key, header_files, source_key
 from .prebuilt import find_prebuilt, search_report
 from .progress import Ticker, say
+from .resources import parse_ptxas
 from .run import EXIT_NOT_FOUND, run
 from .toolchain import Toolchain, nvcc_search_report, toolchain
 
@@ -156,13 +157,18 @@ def _compile_in(cache: KernelCache, d: Path, key: str, skey: str, source: str, n
         log += "\ncoda-cutlass: nvcc exited 0 but kernel.so is not an ELF shared library; not published\n"
         raise fail("nvcc exited 0 but kernel.so is not an ELF shared library")
     so.chmod(PRIVATE_EXEC)
+    resources = parse_ptxas(ran.output)
     meta = {"key": key, "source_key": skey, "name": name, "so_sha256": sha256_file(so),
             "nvcc": tc.nvcc_version, "cutlass": tc.cutlass_version, "generator": __version__,
-            "build_seconds": round(secs, 1), "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "build_seconds": round(secs, 1), "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "resources": resources.to_json() if resources else None}
     write_file(d / "nvcc.log", log)
     write_file(d / "meta.json", json.dumps(meta, indent=2))
     path = cache.publish(key, d, replace=replace)
     say(f"built {name} in {secs:.0f} s -> {path.parent}", verbose)
+    if resources is not None and resources.spills:
+        say(f"note: {name} spills registers to local memory ({resources.describe()}); a smaller tile "
+            "or the cooperative schedule usually avoids it (Kernel.resources)", verbose)
     return path, secs
 
 

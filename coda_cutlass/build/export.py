@@ -36,8 +36,9 @@ def _write_prebuilt(so_path: Path, source_key: str, meta: dict, dest: Path | str
 
 
 def export_prebuilt(kernel: "Kernel", dest: Path | str) -> Path:
-    return _write_prebuilt(kernel.path, kernel.source_key, {"name": kernel.name,
-                                                            "description": kernel.plan.describe()}, dest)
+    res = kernel.resources
+    return _write_prebuilt(kernel.path, kernel.source_key, {"name": kernel.name, "description": kernel.plan.describe(),
+                                                            "resources": res.to_json() if res else None}, dest)
 
 
 def export_cache_entry(cache: KernelCache, key: str, dest: Path | str) -> bool:
@@ -46,7 +47,7 @@ def export_cache_entry(cache: KernelCache, key: str, dest: Path | str) -> bool:
     if so is None:
         return False
     meta = cache.meta(key)
-    _write_prebuilt(so, meta["source_key"], {"name": meta.get("name", "")}, dest)
+    _write_prebuilt(so, meta["source_key"], {"name": meta.get("name", ""), "resources": meta.get("resources")}, dest)
     return True
 
 

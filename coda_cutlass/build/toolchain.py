@@ -15,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..errors import ToolchainError
+from .resources import REPORT_FLAGS
 
 ARCH = "sm_90a"
 
@@ -37,7 +38,8 @@ class Toolchain:
 
     def command(self, source: str, output: str, extra_includes: tuple[str, ...]) -> list[str]:
         includes = [f"-I{p}" for p in (*extra_includes, *self.cutlass_include)]
-        return [self.nvcc, *NVCC_FLAGS, *includes, "-o", output, source]
+        # REPORT_FLAGS (ptxas's register and spill report) change only what nvcc prints: not in the key
+        return [self.nvcc, *NVCC_FLAGS, *REPORT_FLAGS, *includes, "-o", output, source]
 
 
 DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"

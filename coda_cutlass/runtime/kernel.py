@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..build.builder import BuildResult
+from ..build.resources import Resources, read_resources
 from ..config import KernelConfig
 from ..dtypes import as_dtype
 from ..env import env_flag
@@ -168,6 +169,11 @@ class Kernel(ReductionOutputs):
 
     def describe(self) -> str:
         return format_program(self.ir)
+
+    @property
+    def resources(self) -> Resources | None:
+        """ptxas's registers, stack frame and spills for this kernel (None: not recorded)."""
+        return read_resources(self.path)
 
     @cached_property
     def library(self) -> KernelLibrary:

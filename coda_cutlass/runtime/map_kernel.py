@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..build.builder import BuildResult
+from ..build.resources import Resources, read_resources
 from ..errors import CallError, DeviceError
 from ..ir.nodes import Kind, scale_shape
 from ..lower.map import MAP_ABI_VERSION, PARTIALS_TILE, TILE_N, MapGraph
@@ -145,6 +146,11 @@ class CompiledMap(ReductionOutputs):
     def __repr__(self) -> str:
         args = ", ".join(["X"] + [o.name for o in self.operands] + list(self.inout))
         return f"<CompiledMap {self.name}({args}) -> ({', '.join(self.outputs)}) {self.dtype.name} [{self.origin}]>"
+
+    @property
+    def resources(self) -> Resources | None:
+        """ptxas's registers, stack frame and spills for this kernel (None: not recorded)."""
+        return read_resources(self.path)
 
     @cached_property
     def library(self) -> MapLibrary:
