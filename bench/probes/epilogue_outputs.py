@@ -10,6 +10,8 @@ difference between two rows of a site is the cost of an output, and:
 - each half-width program twice: with coda::HalfWidthStore's quad exchange (8-byte stores, the
   default) and with every value stored on its own (the source edited to
   `HalfWidthStore<..., false>`);
+- the tensorwise epilogues with their per-row reductions bounds-tested on columns only
+  (headers/column_checked_reduction.hpp pasted into the source, "(column checks)");
 - with ``--baseline DIR``: every kernel whose source includes a coda header found in DIR/coda/ also
   built with that header's text in place of the include (e.g. the previous commit's
   quant_store.hpp: ``git show REV:templates/coda/quant_store.hpp``), timed beside the current one.
@@ -24,7 +26,8 @@ with those labels ('block d_h').
     python bench/probes/epilogue_outputs.py --build [--baseline DIR] [--sites S...] [--only L...]
     python bench/probes/epilogue_outputs.py OUTDIR [--baseline DIR] [--sites S...] [--only L...]
 
-(--build needs no GPU; the second form checks and times on an H200.) ``--baseline DIR`` pastes
+(--build needs no GPU and prints what ptxas made of each kernel: registers, stack frame, spills;
+the second form checks and times on an H200.) ``--baseline DIR`` pastes
 DIR/coda/NAME.hpp wherever the source, or a pasted header, includes coda/NAME.hpp: put only the
 headers being compared there (both copies of an unchanged header would be defined twice).
 
@@ -32,7 +35,9 @@ Sites (Llama-3-8B widths, M = 8192; the shipped plans' configurations): gate/up 
 (FP8 "block" 128 x 128 cooperative; tensorwise 128 x 128 ping-pong with fast accumulation; bf16
 128 x 128 ping-pong), down 8192 x 4096 x 14336 and out-proj 8192 x 4096 x 4096 ("block" 128 x 128
 cooperative, tensorwise 128 x 128 ping-pong), down dX 8192 x 14336 x 4096 (tensorwise in both schedules,
-"block" with dz in bf16 beside the quantize_rows_t map kernel on it, and the fused swiglu_backward_fp8).
+the ping-pong forms that do not spill (a 64 x 16 epilogue subtile, 64 x 128 and 128 x 64 tiles), one
+amax for both halves, "block" with dz in bf16 beside the quantize_rows_t map kernel on it, and the
+fused swiglu_backward_fp8).
 """
 
 from __future__ import annotations
@@ -68,7 +73,13 @@ KINDS = {"block": ({"dtype": E4, "scaling": "block"}, COOP),
          "tensor": ({"dtype": E4, "scaling": "tensor", "fast_accum": True}, PING8),
          "tensor coop": ({"dtype": E4, "scaling": "tensor", "fast_accum": True}, COOP),
          "bf16": ({"dtype": torch.bfloat16}, PING16),
-         "block e128x64": ({"dtype": E4, "scaling": "block"}, dataclasses.replace(COOP, epilogue_tile=(128, 64)))}
+         "block e128x64": ({"dtype": E4, "scaling": "block"}, dataclasses.replace(COOP, epilogue_tile=(128, 64))),
+         # ping-pong forms of the down dX site that ptxas compiles without spills (the 128 x 128 one
+         # with the default 64 x 32 subtile keeps a 208-byte stack frame; twenty-fourth session)
+         "tensor e64x16": ({"dtype": E4, "scaling": "tensor", "fast_accum": True},
+                           dataclasses.replace(PING8, epilogue_tile=(64, 16))),
+         "tensor 64x128": ({"dtype": E4, "scaling": "tensor", "fast_accum": True}, dataclasses.replace(PING8, tile_m=64)),
+         "tensor 128x64": ({"dtype": E4, "scaling": "tensor", "fast_accum": True}, dataclasses.replace(PING8, tile_n=64))}
 
 
 @cc.epilogue
@@ -127,6 +138,17 @@ def swiglu_backward_t_rows(acc, z: cc.PairTile, r: cc.PerRow(F32), s: cc.DeviceS
 
 
 @cc.epilogue
+def swiglu_backward_t_one_amax(acc, z: cc.PairTile, r: cc.PerRow(F32), s: cc.DeviceScalar):
+    """E.swiglu_backward_t with one amax for both halves (they share one scale): one row reduction
+    fewer (ping-pong: 184-byte stack frame against 208)."""
+    g, u, dg, du = swiglu_grads(acc, z)
+    dgr, dur = dg * r, du * r
+    return {"dg": cc.quantize(dgr, scale=s), "dgt": cc.quantize(dgr, scale=s, transpose=True),
+            "du": cc.quantize(dur, scale=s), "dut": cc.quantize(dur, scale=s, transpose=True),
+            "amax": cc.amax(cc.maximum(cc.abs(dgr), cc.abs(dur))), "zdz": cc.row_sum(g * dg + u * du)}
+
+
+@cc.epilogue
 def swiglu_t_rows(acc, r: cc.PerRow(F32), s: cc.DeviceScalar):
     """E.swiglu_t without y's transposed copy."""
     z = acc * r
@@ -143,34 +165,41 @@ def residual_norm_stats_t_rows(acc, resid: cc.Tile, g: cc.PerCol, s: cc.DeviceSc
     return {"D": x, "h": cc.quantize(h, scale=s), "amax": cc.amax(h), "sumsq": cc.row_sum(x * x)}
 
 
-# site: (M, N, K, [(kind, program, scalar half-width store)])
-SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, bool]]]] = {
+# site: (M, N, K, [(kind, program, source edit (EDITS) or None)])
+SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, str | None]]]] = {
     "gate_up": (8192, 28672, 4096, [
-        ("block", E.identity, False), ("block", z_only, False), ("block", z_y, False), ("block", z_y, True),
-        ("block", z_yt, False), ("block", E.swiglu_fp8, False), ("block", E.swiglu_fp8, True),
-        ("tensor", E.identity, False), ("tensor", E.swiglu_t, False), ("tensor", swiglu_t_rows, False),
-        ("bf16", E.identity, False), ("bf16", E.swiglu, False), ("bf16", E.swiglu, True)]),
+        ("block", E.identity, None), ("block", z_only, None), ("block", z_y, None), ("block", z_y, "scalar y"),
+        ("block", z_yt, None), ("block", E.swiglu_fp8, None), ("block", E.swiglu_fp8, "scalar y"),
+        ("tensor", E.identity, None), ("tensor", E.swiglu_t, None), ("tensor", swiglu_t_rows, None),
+        ("tensor", E.swiglu_t, "column checks"),
+        ("bf16", E.identity, None), ("bf16", E.swiglu, None), ("bf16", E.swiglu, "scalar y")]),
     # the down-proj dX GEMM of "tensorwise" (dz's halves, FP8 with both transposed copies)
     "down_dgrad": (8192, 14336, 4096, [
-        ("tensor coop", E.identity, False), ("tensor coop", E.swiglu_backward_t, False),
-        ("tensor", E.identity, False), ("tensor", E.swiglu_backward_t, False),
-        ("tensor coop", swiglu_backward_t_rows, False), ("tensor", swiglu_backward_t_rows, False),
-        ("block", E.identity, False), ("block", E.swiglu_backward_scaled, False),
-        ("block", E.swiglu_backward_fp8, False)]),   # the fused dz epilogue the recipes do not use
+        ("tensor coop", E.identity, None), ("tensor coop", E.swiglu_backward_t, None),
+        ("tensor", E.identity, None), ("tensor", E.swiglu_backward_t, None),
+        ("tensor coop", swiglu_backward_t_rows, None), ("tensor", swiglu_backward_t_rows, None),
+        ("tensor e64x16", E.identity, None), ("tensor e64x16", E.swiglu_backward_t, None),
+        ("tensor 64x128", E.identity, None), ("tensor 64x128", E.swiglu_backward_t, None),
+        ("tensor 128x64", E.identity, None), ("tensor 128x64", E.swiglu_backward_t, None),
+        ("tensor", swiglu_backward_t_one_amax, None), ("tensor coop", swiglu_backward_t_one_amax, None),
+        ("tensor", E.swiglu_backward_t, "column checks"), ("tensor coop", E.swiglu_backward_t, "column checks"),
+        ("block", E.identity, None), ("block", E.swiglu_backward_scaled, None),
+        ("block", E.swiglu_backward_fp8, None)]),   # the fused dz epilogue the recipes do not use
     "down": (8192, 4096, 14336, [
-        ("block", E.identity, False), ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
-        ("tensor", E.identity, False), ("tensor", E.residual_norm_stats_t, False)]),
+        ("block", E.identity, None), ("block", residual_h, None), ("block", E.residual_norm_stats_fp8, None),
+        ("tensor", E.identity, None), ("tensor", E.residual_norm_stats_t, None),
+        ("tensor", E.residual_norm_stats_t, "column checks")]),
     "o": (8192, 4096, 4096, [
-        ("block", E.identity, False), ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
-        ("tensor", E.identity, False), ("tensor", E.residual_norm_stats_t, False),
-        ("tensor", residual_norm_stats_t_rows, False)]),
+        ("block", E.identity, None), ("block", residual_h, None), ("block", E.residual_norm_stats_fp8, None),
+        ("tensor", E.identity, None), ("tensor", E.residual_norm_stats_t, None),
+        ("tensor", residual_norm_stats_t_rows, None), ("tensor", E.residual_norm_stats_t, "column checks")]),
     # the out-proj epilogue taken apart: each output on its own, and a wider epilogue subtile
     "o_parts": (8192, 4096, 4096, [
-        ("block", E.identity, False), ("block", residual_d, False), ("block", d_h, False),
-        ("block", d_ht, False), ("block", residual_sumsq, False), ("block", E.residual_norm_stats, False),
-        ("block", residual_h, False), ("block", E.residual_norm_stats_fp8, False),
-        ("block e128x64", E.identity, False), ("block e128x64", residual_h, False),
-        ("block e128x64", E.residual_norm_stats_fp8, False)]),
+        ("block", E.identity, None), ("block", residual_d, None), ("block", d_h, None),
+        ("block", d_ht, None), ("block", residual_sumsq, None), ("block", E.residual_norm_stats, None),
+        ("block", residual_h, None), ("block", E.residual_norm_stats_fp8, None),
+        ("block e128x64", E.identity, None), ("block e128x64", residual_h, None),
+        ("block e128x64", E.residual_norm_stats_fp8, None)]),
 }
 # Map kernels timed beside a site's GEMMs: (label, program, columns of X as a multiple of N).
 MAPS: dict[str, list[tuple[str, Any, int]]] = {
@@ -183,14 +212,34 @@ TRANSPOSES: dict[str, list[tuple[str, int]]] = {
 _INCLUDE = re.compile(r'^#include "(coda/[A-Za-z0-9_]+\.hpp)"$', re.M)
 
 
-def label(kind: str, program: Any, scalar: bool) -> str:
-    return f"{kind} {program.name}" + (" (scalar y)" if scalar else "")
+def label(kind: str, program: Any, edit: str | None) -> str:
+    return f"{kind} {program.name}" + (f" ({edit})" if edit else "")
 
 
 def scalar_half_store(src: str) -> str:
     out = src.replace("coda::HalfWidthStore<cutlass::bfloat16_t>", "coda::HalfWidthStore<cutlass::bfloat16_t, false>")
     assert out != src, "the generated source has no bf16 HalfWidthStore: update the probe"
     return out
+
+
+_ROW_REDUCTION = re.compile(r"fusion::Sm90ColReduction<\n\s+(cutlass::[a-z_]+), \1, \1, 0, TileShape, float, "
+                            r"ElementCompute,\n\s+RoundStyle, StridePerRow, 4, /\*EnableNullptr=\*/true, "
+                            r"/\*FinalReduction=\*/false>")
+_HEADERS = Path(__file__).resolve().parent / "headers"
+
+
+def column_checked_reductions(src: str) -> str:
+    """Every per-row partial reduction as headers/column_checked_reduction.hpp's node (bounds
+    tested on columns only, no null-pointer test), the header pasted after the includes."""
+    out, n = _ROW_REDUCTION.subn(r"coda::ColumnCheckedRowReduction<\1, TileShape, StridePerRow, RoundStyle>", src)
+    assert n, "the generated source has no per-row Sm90ColReduction: update the probe"
+    text = (_HEADERS / "column_checked_reduction.hpp").read_text().replace("#pragma once", "")
+    at = out.index("namespace coda_generated {")
+    return out[:at] + "// ---- probe header column_checked_reduction.hpp\n" + text + "\n" + out[at:]
+
+
+# source edits a variant may name: the same program's kernel, built from an edited source
+EDITS: dict[str, Callable[[str], str]] = {"scalar y": scalar_half_store, "column checks": column_checked_reductions}
 
 
 def with_baseline(src: str, baseline: Path) -> str | None:
@@ -215,7 +264,7 @@ def with_baseline(src: str, baseline: Path) -> str | None:
     return out if hit else None
 
 
-def variants_of(site: str, only: list[str] | None) -> list[tuple[str, Any, bool]]:
+def variants_of(site: str, only: list[str] | None) -> list[tuple[str, Any, str | None]]:
     """The site's variants, or those whose label ``only`` names."""
     return [v for v in SITES[site][3] if not only or label(*v) in only]
 
@@ -224,17 +273,17 @@ def kernels(baseline: Path | None, sites: list[str], only: list[str] | None = No
     """(site, variant label) -> kernel."""
     names, gens = [], []
     for site in sites:
-        for kind, program, scalar in variants_of(site, only):
+        for kind, program, edit in variants_of(site, only):
             opts, config = KINDS[kind]
             options, _ = split_options({**opts, "config": config})
             gen = generate(lower_program(program, options))
-            if scalar:
-                gen = dataclasses.replace(gen, source=scalar_half_store(gen.source))
-            names.append((site, label(kind, program, scalar)))
+            if edit:
+                gen = dataclasses.replace(gen, source=EDITS[edit](gen.source))
+            names.append((site, label(kind, program, edit)))
             gens.append((gen, {}))
             old = with_baseline(gen.source, baseline) if baseline else None
             if old is not None:
-                names.append((site, label(kind, program, scalar) + " (baseline)"))
+                names.append((site, label(kind, program, edit) + " (baseline)"))
                 gens.append((dataclasses.replace(gen, source=old), {}))
     return dict(zip(names, compile_parallel(gens)))
 
@@ -314,8 +363,10 @@ def main() -> None:
     ks = kernels(args.baseline, args.sites, args.only)
     maps = {(site, name): cc.compile_map(program, torch.bfloat16)
             for site in args.sites for name, program, _ in MAPS.get(site, []) if not args.only or name in args.only}
-    if args.build:
-        print("built:", ", ".join(f"{s}: {n}" for s, n in ks))
+    if args.build:      # what ptxas made of each kernel (no GPU needed): spills show here first
+        for (s, n), k in ks.items():
+            r = k.resources
+            print(f"built {s}: {n}: {r.describe() if r else 'no ptxas record (cached by an older coda-cutlass)'}")
         return
     from report import environment, require_hopper
     from coda_cutlass.timing import interleaved
@@ -328,15 +379,15 @@ def main() -> None:
         sets = [make_set(M, N, K, seed) for seed in (1, 2)]
         fns: dict[str, Callable[..., Any]] = {}
         same: dict[str, bool] = {}
-        for kind, program, scalar in variants:
-            name = label(kind, program, scalar)
+        for kind, program, edit in variants:
+            name = label(kind, program, edit)
             group = [n for n in (name, name + " (baseline)") if (site, n) in ks]
             for n in group:
                 fns[n] = call(kind, program, ks[(site, n)])
-            base = label(kind, program, False)
-            if scalar or len(group) > 1:
+            base = label(kind, program, None)
+            if edit or len(group) > 1:
                 tiles = [n for n, _ in ks[(site, name)].spec.tile_outputs]
-                check = [fns[n] for n in group] + ([fns[base]] if scalar else [])
+                check = [fns[n] for n in group] + ([fns[base]] if edit else [])
                 same[name] = same_outputs(check, sets[0], tiles)
                 print(f"{site} {name}: outputs bit for bit the same across {len(check)} variants and runs: {same[name]}",
                       flush=True)
