@@ -143,19 +143,43 @@ def programs_of(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
     return items
 
 
+def find_program(mod: Any, file: str, name: str) -> tuple[Any, dict[str, Any]]:
+    """The program ``name`` names in the module: the variable of that name, else the one program
+    whose name it is; with its options when the module's PREBUILD lists it once."""
+    from .api import GENERATION_OPTIONS
+    from .frontend.trace import EpilogueProgram
+    variables = {k: v for k, v in vars(mod).items() if isinstance(v, EpilogueProgram) and not k.startswith("_")}
+    listed = programs_of(mod) if hasattr(mod, "PREBUILD") else []
+    if name in variables:
+        prog = variables[name]
+    else:
+        found = {id(p): p for p in [*variables.values(), *(p for p, _ in listed)] if p.name == name}
+        if len(found) > 1:
+            names = sorted(k for k, v in variables.items() if v.name == name)
+            raise UserError(f"'{name}' is the name of {len(found)} programs in {file}"
+                            + (f" (variables {', '.join(names)})" if names else "") + "; name one by its variable")
+        if not found:
+            known = sorted(set(variables) | {p.name for p, _ in listed} | {p.name for p in variables.values()})
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise UserError(f"no program '{name}' in {file}{hint} (programs: {', '.join(known) or 'none'})")
+        prog = next(iter(found.values()))
+    options = [o for p, o in listed if p is prog]
+    opts = options[0] if len(options) == 1 else {}
+    return prog, {k: v for k, v in opts.items() if k in GENERATION_OPTIONS}
+
+
 def cmd_emit(args: argparse.Namespace) -> int:
     import torch
     from .api import emit
     file, sep, name = args.target.rpartition(":")
     if not sep or not file or not name:
         raise UserError(f"expected FILE:PROGRAM (e.g. my_epilogues.py:bias_gelu), got {args.target!r}")
-    progs = {p.name: p for p, _ in programs_of(load_module(file))}
-    if name not in progs:
-        close = difflib.get_close_matches(name, progs, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise UserError(f"no program '{name}' in {file}{hint} (programs: {', '.join(sorted(progs)) or 'none'})")
-    print(emit(progs[name], getattr(torch, args.dtype), weight_layout=args.weight_layout, scaling=args.scaling,
-               fast_accum=args.fast_accum), end="")
+    prog, opts = find_program(load_module(file), file, name)
+    given = {"dtype": getattr(torch, args.dtype) if args.dtype else None, "weight_layout": args.weight_layout,
+             "scaling": args.scaling, "fast_accum": args.fast_accum}
+    opts.update({k: v for k, v in given.items() if v is not None})     # flags given override PREBUILD's
+    print(emit(prog, **opts), end="")
     return 0
 
 
@@ -196,7 +220,8 @@ def writable_folder(out: str) -> Path:
 def cmd_cache(args: argparse.Namespace) -> int:
     from .build.cache import KernelCache
     cache = KernelCache()
-    cache.check_root()                       # someone's folder, not a cache: an error naming it
+    if cache.check_root() == "not a folder":   # (someone's folder, not a cache: check_root names it)
+        raise UserError(f"the kernel cache {cache.root} is not a folder (CODA_CUTLASS_CACHE_DIR)")
     keys = list(cache.keys())
     size = sum(f.stat().st_size for k in keys for f in cache.entry_dir(k).rglob("*") if f.is_file())
     print(f"cache: {cache.root}\nkernels: {len(keys)}\nsize: {size / 1e6:.1f} MB")
@@ -241,11 +266,13 @@ def parser() -> Parser:
     s.set_defaults(fn=cmd_demo)
     s = sub.add_parser("emit", parents=[common], help="print the generated CUDA of FILE:PROGRAM")
     s.add_argument("target", metavar="FILE:PROGRAM")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
-    s.add_argument("--weight-layout", default="nk", choices=["nk", "kn"])
+    s.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
+                   help="default: the program's PREBUILD entry, else bfloat16")
+    s.add_argument("--weight-layout", default=None, choices=["nk", "kn"],
+                   help="default: the program's PREBUILD entry, else nk")
     s.add_argument("--scaling", default=None, choices=["tensor", "row", "block", "block_1x128", "block_16x128"],
                    help="FP8 operands: how A and W are scaled (default: tensor)")
-    s.add_argument("--fast-accum", action="store_true", help="FP8 operands: fast-accumulation mainloop")
+    s.add_argument("--fast-accum", action="store_true", default=None, help="FP8 operands: fast-accumulation mainloop")
     s.set_defaults(fn=cmd_emit)
     s = sub.add_parser("prebuild", parents=[common], help="compile and export prebuilt kernels")
     s.add_argument("file")

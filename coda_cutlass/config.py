@@ -178,6 +178,9 @@ def check_config(c: KernelConfig) -> None:
         em, en = c.epilogue_tile
         if c.tile_m % em or c.tile_n % en or em % 64 or en % 16:
             raise bad("epilogue_tile must divide the CTA tile (M a multiple of 64, N of 16)")
+        want = 64 if c.schedule == "pingpong" else 128      # CUTLASS's sm90 epilogue builder asserts it
+        if em != want:
+            raise bad(f"epilogue_tile's M must be {want} for the {c.schedule} schedule")
     # Shared memory: the mainloop needs at least 2 stages of A and B tiles next to the epilogue.
     stage_bytes = (c.tile_m + c.tile_n) * c.tile_k * 2
     if 2 * stage_bytes > 200 * 1024:

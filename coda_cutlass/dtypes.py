@@ -55,8 +55,9 @@ def round_to(x: torch.Tensor, dtype: "DType") -> torch.Tensor:
     return x.to(dtype.torch)
 
 
-def as_dtype(value: object, *, what: str = "dtype") -> DType:
-    """Accepts a DType, a torch.dtype or a name ("bf16", "bfloat16", ...)."""
+def as_dtype(value: object, *, what: str = "dtype", allowed: tuple[DType, ...] | None = None) -> DType:
+    """Accepts a DType, a torch.dtype or a name ("bf16", "bfloat16", ...); an unknown one is an error
+    that lists ``allowed`` (the dtypes the caller takes; default every one known)."""
     if isinstance(value, DType):
         return value
     if isinstance(value, torch.dtype):
@@ -68,13 +69,17 @@ def as_dtype(value: object, *, what: str = "dtype") -> DType:
             return _BY_NAME[key]
         if key in _ALIASES:
             return _ALIASES[key]
-    supported = ", ".join(str(d.torch) for d in ALL)
+    supported = ", ".join(str(d.torch) for d in (allowed or ALL))
     raise ConfigError(f"{what} {value!r} is not supported; use one of {supported}")
 
 
 def as_operand_dtype(value: object) -> DType:
-    d = as_dtype(value, what="GEMM operand dtype")
+    try:
+        d = as_dtype(value, what="GEMM operand dtype")
+    except ConfigError:
+        d = None
     if d not in OPERAND_DTYPES:
-        raise ConfigError(f"GEMM operand dtype {d.torch} is not supported; use torch.bfloat16, torch.float16, or "
+        shown = d.torch if d is not None else repr(value)
+        raise ConfigError(f"GEMM operand dtype {shown} is not supported; use torch.bfloat16, torch.float16, or "
                           "torch.float8_e4m3fn / torch.float8_e5m2 (scaled FP8 operands, coda_cutlass.fp8)")
     return d

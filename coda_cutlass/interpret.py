@@ -187,6 +187,9 @@ def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapp
     for name, v in updated.items():       # as the kernel: the tensor passed is updated in place
         target = operands[name]
         if isinstance(target, torch.Tensor):
+            if any(st == 0 and sz > 1 for sz, st in zip(target.shape, target.stride())):
+                raise CallError(f"'{name}' is accumulated in place (cc.accumulate) but the tensor passed is a "
+                                "broadcast view (a stride of 0): pass one that owns its elements (.contiguous())")
             outs[name] = target.copy_(v)
     return {name: outs[name] for name in program.outputs}
 

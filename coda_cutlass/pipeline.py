@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .config import KernelConfig
-from .dtypes import DType, as_dtype, as_operand_dtype
+from .dtypes import FLOAT_DTYPES, FP8_DTYPES, DType, as_dtype, as_operand_dtype
 from .errors import ConfigError
 from .fp8.gemm import EPILOGUE_DTYPE, Fp8Gemm, fp8_gemm
 from .frontend.trace import EpilogueProgram, as_program, constant_value
@@ -55,7 +55,8 @@ class Options:
             config=config,
             input_dtypes=tuple(sorted((k, as_dtype(v, what=f"dtype of operand '{k}'").name)
                                       for k, v in _mapping(input_dtypes, "input_dtypes"))),
-            output_dtypes=tuple(sorted((k, as_dtype(v, what=f"dtype of output '{k}'").name)
+            output_dtypes=tuple(sorted((k, as_dtype(v, what=f"dtype of output '{k}'",
+                                                    allowed=FLOAT_DTYPES + FP8_DTYPES).name)
                                        for k, v in _mapping(output_dtypes, "output_dtypes"))),
             constants=tuple(sorted((k, constant_value(v, f"constants['{k}']"))
                                    for k, v in _mapping(constants, "constants"))),

@@ -35,7 +35,7 @@ from coda_cutlass.api import GENERATION_OPTIONS, with_candidate_configs  # noqa:
 EXTRA_CONFIGS = (
     cc.KernelConfig(tile_m=128, tile_n=128, tile_k=64, cluster_m=2, cluster_n=1),
     cc.KernelConfig(tile_m=128, tile_n=64, tile_k=32, cluster_m=2, cluster_n=1),
-    cc.KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=1, cluster_n=1, epilogue_tile=(64, 32)),
+    cc.KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=1, cluster_n=1, epilogue_tile=(128, 32)),
     cc.KernelConfig(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1, scheduler="streamk"),
 )
 

@@ -233,3 +233,41 @@ def test_an_unwritable_out_is_found_before_any_build(fake_nvcc, tmp_path, capsys
         assert main(["prebuild", "coda_cutlass.epilogues", "--out", str(out)]) == 2
         assert f"--out {out}: cannot write there" in one_error_line(capsys)
     assert fake_nvcc["log"].read_text() == ""        # nvcc never ran
+
+
+def test_emit_names_a_program_by_its_variable(tmp_path, capsys):
+    f = tmp_path / "progs.py"
+    f.write_text("import coda_cutlass as cc\n"
+                 "my_relu = cc.epilogue(lambda acc: cc.relu(acc))\n"
+                 "neg = cc.epilogue(lambda acc: -acc)\n"
+                 "@cc.epilogue(name='fancy')\n"
+                 "def plain(acc):\n    return acc * 2\n")
+    assert main(["emit", f"{f}:my_relu"]) == 0 and "relu %0" in capsys.readouterr().out
+    assert main(["emit", f"{f}:plain"]) == 0 and "generated kernel: fancy" in capsys.readouterr().out
+    assert main(["emit", f"{f}:fancy"]) == 0 and "generated kernel: fancy" in capsys.readouterr().out
+    assert main(["emit", f"{f}:<lambda>"]) == 2
+    err = capsys.readouterr().err
+    assert "'<lambda>' is the name of 2 programs" in err and "my_relu, neg" in err
+
+
+def test_emit_takes_a_prebuild_entrys_options_unless_flags_say_otherwise(tmp_path, capsys):
+    f = tmp_path / "mod.py"
+    f.write_text("import torch, coda_cutlass as cc\n"
+                 "@cc.epilogue\ndef bias(acc):\n    return acc + 1.0\n"
+                 "@cc.epilogue\ndef helper_only(acc):\n    return acc\n"
+                 "PREBUILD = [(bias, {'dtype': torch.float16, 'weight_layout': 'kn'})]\n")
+    assert main(["emit", f"{f}:bias"]) == 0
+    out = capsys.readouterr().out
+    assert "f16 operands" in out and "W: [K, N] row-major" in out
+    assert main(["emit", f"{f}:bias", "--dtype", "bfloat16", "--weight-layout", "nk"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16 operands" in out and "W: [N, K] row-major" in out
+    assert main(["emit", f"{f}:helper_only"]) == 0     # not listed, still in the file
+
+
+def test_cache_on_a_regular_file_is_an_error(tmp_path, monkeypatch, capsys):
+    f = tmp_path / "not-a-cache"
+    f.write_text("x")
+    monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(f))
+    assert main(["cache"]) == 2
+    assert "is not a folder" in capsys.readouterr().err

@@ -252,6 +252,16 @@ def test_kernel_config_field_types(kwargs, match):
         cc.KernelConfig(**kwargs)
 
 
+@pytest.mark.parametrize("schedule,tile,et", [("cooperative", (128, 128), (64, 32)), ("pingpong", (128, 128), (128, 32)),
+                                               ("cooperative", (256, 128), (256, 32))])
+def test_epilogue_subtile_rows_follow_the_schedule(schedule, tile, et):
+    # CUTLASS's sm90 epilogue builder static_asserts 64 rows for ping-pong and 128 for cooperative:
+    # refused here, not after a minute of nvcc
+    want = 64 if schedule == "pingpong" else 128
+    with pytest.raises(cc.ConfigError, match=f"epilogue_tile's M must be {want} for the {schedule} schedule"):
+        cc.KernelConfig(tile_m=tile[0], tile_n=tile[1], schedule=schedule, cluster_m=1, epilogue_tile=et)
+
+
 def test_kernel_config_takes_numpy_ints_as_ints():
     c = cc.KernelConfig(tile_m=np.int64(128), tile_n=np.int32(128), cluster_m=np.int16(1), cluster_n=2,
                         schedule="pingpong", swizzle=np.int64(2), epilogue_tile=[np.int64(64), 32])

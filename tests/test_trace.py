@@ -247,3 +247,169 @@ def test_program_prints_as_its_text_form():
     assert str(prog).splitlines()[0] == "epilogue stats(acc, g: per-col) -> (D, ss)"
     assert repr(prog) == "<Program stats(acc, g: per-col) -> (D, ss), 6 nodes>"
     assert "\n" not in repr(prog) and "Node(" not in repr(prog)
+
+
+# ---------------------------------------------------------------- found by a new user's pass (twenty-fourth session)
+def test_a_16_bit_gather_index_is_refused():
+    # a bf16 index rounds 31999 to 32000: the wrong column, silently
+    @cc.epilogue
+    def target_logit(acc, tgt: cc.PerRow):
+        return {"t": cc.gather(acc, tgt)}
+
+    with pytest.raises(cc.EpilogueError, match=r"operand 'tgt' is compared with element positions.*bfloat16.*"
+                                               r"cc.PerRow\(torch.int64\)"):
+        cc.emit(target_logit)
+    cc.emit(target_logit, input_dtypes={"tgt": torch.int64})     # an integer index is fine
+    cc.emit(target_logit, input_dtypes={"tgt": torch.float32})   # so is fp32 (exact below 2^24)
+
+
+def test_a_gather_with_an_integer_index_reads_the_right_column():
+    @cc.epilogue
+    def target_logit(acc, tgt: cc.PerRow(torch.int64)):
+        return {"t": cc.gather(acc, tgt)}
+
+    A, W = torch.randn(4, 64).bfloat16(), torch.randn(32000, 64).bfloat16()
+    tgt = torch.tensor([257, 1001, 31999, 12345])
+    got = cc.reference(target_logit, A, W, tgt=tgt, precision="fp32")["t"]
+    want = (A.float() @ W.float().T).gather(1, tgt[:, None])[:, 0]
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float8_e4m3fn])
+def test_reductions_finish_in_floating_point_only(dtype):
+    @cc.epilogue
+    def stats(acc):
+        return {"D": acc, "s": cc.row_sum(acc)}
+
+    with pytest.raises((cc.EpilogueError, cc.ConfigError), match="'s'"):
+        cc.emit(stats, output_dtypes={"s": dtype})
+
+
+def test_an_error_raised_by_a_cc_function_keeps_the_programs_line():
+    import traceback
+
+    @cc.epilogue
+    def bad_quant(acc):
+        return {"q": cc.quantize(acc, block=64)}
+
+    with pytest.raises(cc.EpilogueError, match="block must be one of") as e:
+        cc.emit(bad_quant)
+    frames = [(f.filename, f.name) for f in traceback.extract_tb(e.value.__traceback__)]
+    assert (__file__, "bad_quant") in frames
+
+
+@pytest.mark.parametrize("body,match", [
+    (lambda acc: acc * acc.sigmoid(), r"no attribute 'sigmoid' \(it is not a tensor\); use cc.sigmoid\(x\)"),
+    (lambda acc: acc.clamp(min=0.0), "no attribute 'clamp'.*cc.where"),
+    (lambda acc: round(acc), r"round\(\)"),
+])
+def test_tensor_methods_on_traced_values_say_what_to_use(body, match):
+    with pytest.raises(cc.EpilogueError, match=match):
+        cc.emit(cc.epilogue(body))
+
+
+def test_traced_values_still_answer_hasattr():
+    seen = {}
+
+    @cc.epilogue
+    def f(acc):
+        seen["has"] = hasattr(acc, "sigmoid")
+        return acc
+
+    cc.emit(f)
+    assert seen["has"] is False
+
+
+def test_the_accumulator_must_be_positional():
+    def kwacc(*, acc):
+        return acc
+
+    with pytest.raises(cc.EpilogueError, match="the first parameter must be the accumulator, positional"):
+        cc.epilogue(kwacc)
+
+
+def test_a_program_renamed_by_cc_epilogue():
+    inner = cc.epilogue(lambda acc: acc * 2)
+    renamed = cc.epilogue(name="twice")(inner)
+    assert renamed.name == "twice" and "generated kernel: twice" in cc.emit(renamed)
+
+
+def test_operand_defaults_and_partial_bindings_are_refused():
+    import functools
+
+    def scaled(acc, s: cc.Scalar = 2.0):
+        return acc * s
+
+    with pytest.raises(cc.EpilogueError, match=r"operand 's' has a default value \(2.0\)"):
+        cc.epilogue(scaled)
+
+    def scaled2(acc, s: cc.Scalar):
+        return acc * s
+
+    with pytest.raises(cc.EpilogueError, match="operand 's' has a default value"):
+        cc.epilogue(functools.partial(scaled2, s=2.0))
+
+
+def test_numpy_scalars_are_numbers():
+    import numpy as np
+
+    @cc.epilogue
+    def f(acc, eps=np.float32(0.5)):
+        return acc * np.float32(2.0) + np.int64(3) + eps
+
+    A, W = torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()
+    got = cc.reference(f, A, W, precision="fp32")["D"]
+    torch.testing.assert_close(got, (A.float() @ W.float().T) * 2 + 3.5)
+
+
+def test_a_block_scale_output_may_not_take_an_operands_name():
+    @cc.epilogue
+    def f(acc, q_scale: cc.PerRow(torch.float32)):
+        return {"q": cc.quantize(acc * q_scale, block=128)}
+
+    with pytest.raises(cc.EpilogueError, match="adds the output 'q_scale'.*an operand already has that name"):
+        cc.emit(f)
+
+    @cc.epilogue
+    def g(acc):
+        return {"q": cc.quantize(acc, block=128), "q_scale": acc}
+
+    with pytest.raises(cc.EpilogueError, match="adds the output 'q_scale'.*an output already has that name"):
+        cc.emit(g)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_constant_quantisation_scale_is_positive_and_finite(scale):
+    with pytest.raises(cc.EpilogueError, match="positive finite number"):
+        cc.emit(cc.epilogue(lambda acc: {"q": cc.quantize(acc, scale=scale)}))
+
+
+def test_accumulating_a_quantised_value_is_refused_clearly():
+    with pytest.raises(cc.EpilogueError, match=r"cc.accumulate takes an elementwise value, not cc.quantize"):
+        cc.emit(cc.epilogue(lambda acc: {"dx": cc.accumulate(cc.quantize(acc, scale=1.0))}))
+
+
+def test_an_accumulated_broadcast_view_is_refused_by_the_reference():
+    @cc.epilogue
+    def add_into(acc):
+        return {"dx": cc.accumulate(acc)}
+
+    A, W = torch.randn(16, 16).bfloat16(), torch.randn(16, 16).bfloat16()
+    with pytest.raises(cc.CallError, match="broadcast view"):
+        cc.reference(add_into, A, W, dx=torch.zeros(1, 16).bfloat16().expand(16, 16))
+
+
+def test_dtype_errors_list_only_what_the_position_takes():
+    p = cc.epilogue(lambda acc: acc)
+    with pytest.raises(cc.ConfigError) as e:
+        cc.emit(p, torch.int8)
+    assert "torch.bfloat16, torch.float16, or torch.float8_e4m3fn" in str(e.value) and "int32" not in str(e.value)
+    with pytest.raises(cc.ConfigError) as e:
+        cc.emit(p, output_dtypes={"D": torch.float64})
+    assert "int64" not in str(e.value) and "torch.float8_e5m2" in str(e.value)
+
+
+def test_the_header_states_the_weight_layout():
+    p = cc.epilogue(lambda acc: acc)
+    assert "acc[M, N] = A[M, K] @ W^T," in cc.emit(p)
+    assert "acc[M, N] = A[M, K] @ W," in cc.emit(p, weight_layout="kn")

@@ -12,6 +12,7 @@ e.g. per head), gather (one column per row, chosen by a per-row index vector).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from ..dtypes import FLOAT_DTYPES, FP8_DTYPES, as_dtype
 from ..errors import ConfigError, EpilogueError
 from ..ir.nodes import Kind
 from .torch_functions import gelu_op
-from .values import (Accumulate, HalfWidth, Quantized, ReductionResult, Value, active_tracer, apply,
+from .values import (Accumulate, HalfWidth, Number, Quantized, ReductionResult, Value, active_tracer, apply,
                      find_tracer, power)
 
 
@@ -303,6 +304,9 @@ def quantize(value: Any, dtype: Any = torch.float8_e4m3fn, *, scale: Any = None,
         raise EpilogueError("cc.quantize: pow2= applies to block scales; with scale= the scale is given")
     if isinstance(scale, (HalfWidth, Accumulate, ReductionResult, Quantized)):
         raise EpilogueError("cc.quantize: scale must be a number or a traced scalar value")
+    if isinstance(scale, bool) or (isinstance(scale, Number) and not (0 < float(scale) < math.inf)):
+        raise EpilogueError(f"cc.quantize: scale={scale!r}: a dequantisation scale (value ~ code * scale) is a "
+                            "positive finite number")
     return Quantized(value, d, scale, block, transpose, pow2, group)
 
 
@@ -316,4 +320,7 @@ def accumulate(value: Any) -> Accumulate:
     """Mark an output as accumulated: the caller passes the tensor and it is updated ``out += value``."""
     if isinstance(value, (Accumulate, ReductionResult)):
         raise EpilogueError("cc.accumulate takes an elementwise value (not a reduction or another accumulate)")
+    if isinstance(value, Quantized):
+        raise EpilogueError("cc.accumulate takes an elementwise value, not cc.quantize(...): an accumulated "
+                            "output is updated in the dtype of the tensor passed (out += value)")
     return Accumulate(value)

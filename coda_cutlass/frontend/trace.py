@@ -51,6 +51,8 @@ class EpilogueProgram:
     """A traced-on-demand epilogue program; see ``cc.epilogue``."""
 
     def __init__(self, fn: Callable[..., Any], name: str | None = None):
+        if isinstance(fn, EpilogueProgram):      # cc.epilogue(name=...)(program): the same function renamed
+            name, fn = name or fn.name, fn.fn
         if not callable(fn):
             raise EpilogueError(f"an epilogue program must be a function, got {type(fn).__name__}")
         if name is not None and (not isinstance(name, str) or not name.strip()):
@@ -148,8 +150,9 @@ def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, Opera
     except Exception as e:  # noqa: BLE001 - any failure to evaluate string annotations
         raise EpilogueError(f"cannot evaluate the parameter annotations: {e}", program=name) from None
     params = list(sig.parameters.values())
-    if not params:
-        raise EpilogueError("the first parameter must be the accumulator, e.g. def f(acc, ...)", program=name)
+    if not params or params[0].kind in (params[0].KEYWORD_ONLY, params[0].VAR_KEYWORD):
+        raise EpilogueError("the first parameter must be the accumulator, positional, e.g. def f(acc, ...)",
+                            program=name)
     specs: dict[str, OperandSpec] = {}
     constants: dict[str, float] = {}
     for i, p in enumerate(params):
@@ -162,9 +165,14 @@ def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, Opera
         ann = annotations.get(p.name, _MISSING)
         spec = resolve_spec(ann)
         if spec is not None:
+            if p.default is not p.empty:    # a default, or a value bound by functools.partial: never used
+                raise EpilogueError(
+                    f"operand '{p.name}' has a default value ({p.default!r}): operands are passed at every call "
+                    "(the default would be ignored); drop it, or make the parameter a constant (a float default "
+                    "without a cc.* annotation, overridable with constants={...})", program=name)
             specs[p.name] = spec
             continue
-        is_number_default = isinstance(p.default, (int, float)) and not isinstance(p.default, bool)
+        is_number_default = isinstance(p.default, numbers.Real) and not isinstance(p.default, bool)
         if ann in (float, int) or (ann is _MISSING and is_number_default):
             if not is_number_default:
                 raise EpilogueError(f"constant parameter '{p.name}' needs a numeric default value", program=name)
@@ -207,7 +215,9 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
             result = program.fn(acc, *positional, **by_name)
         except EpilogueError as e:
             if e.program is None:    # raised by a cc.* function that had no trace to name
-                raise EpilogueError(e.reason, program=program.name, node=e.node) from None
+                # keep its traceback: the program's line that called it (the CLI prints it)
+                raise EpilogueError(e.reason, program=program.name, node=e.node).with_traceback(
+                    e.__traceback__) from None
             raise
         outputs = _record_outputs(tracer, program, result, operands)
 
@@ -243,6 +253,10 @@ def _record_outputs(tracer: Tracer, program: EpilogueProgram, result: Any, opera
         outputs.append(name)
         if isinstance(value, Quantized):
             scale_name = _record_quantized(tracer, name, value)
+            if scale_name and (scale_name in names_used or scale_name in result):
+                raise tracer.error(f"output '{name}' is quantised in blocks, which adds the output '{scale_name}' "
+                                   f"(its scales), but an {'operand' if scale_name in names_used else 'output'} "
+                                   "already has that name; rename one")
             if scale_name:
                 outputs.append(scale_name)
             continue

@@ -7,6 +7,7 @@ constants. Anything the IR cannot express raises ``EpilogueError`` at the line t
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from typing import Any, Callable
 
@@ -17,7 +18,7 @@ from ..ir.nodes import Kind, Node, const_key, make_attrs
 from ..ir.ops import OPS, UNPACK_OPS, result_kind
 from .torch_functions import plain_call
 
-Number = (int, float)
+Number = (numbers.Real,)     # int, float and numpy's scalars (bool is an int: checked where it matters)
 
 
 class _ActiveTracers(threading.local):
@@ -90,6 +91,10 @@ class Tracer:
                 f"{what}: a torch.Tensor was captured inside the epilogue; pass tensors as operands "
                 "(cc.Tile, cc.PerRow, cc.PerCol) and numbers as Python constants or cc.Scalar")
         raise self.error(f"{what}: cannot use a {type(x).__name__} in an epilogue program")
+
+
+class TracedAttributeError(EpilogueError, AttributeError):
+    """A tensor method used on a traced value: an EpilogueError, and an AttributeError for hasattr()."""
 
 
 def number(x: int | float, what: str, tracer: Tracer | None = None) -> float:
@@ -199,10 +204,21 @@ class Value:
 
     def _no_number(self, *_: Any) -> Any:
         raise self.tracer.error(
-            "a traced value cannot be converted to a Python number (math.* functions, float(), int()); "
+            "a traced value cannot be converted to a Python number (math.* functions, float(), int(), round()); "
             "use the cc.* functions, e.g. cc.exp(x)", node=self.label)
 
-    __float__ = __int__ = __index__ = __complex__ = _no_number
+    __float__ = __int__ = __index__ = __complex__ = __round__ = __trunc__ = __floor__ = __ceil__ = _no_number
+
+    def __getattr__(self, name: str) -> Any:
+        # only for names the class lacks: tensor methods (x.sigmoid(), x.clamp(...), x.to(...))
+        if name.startswith("_"):
+            raise AttributeError(name)
+        from . import primitives
+        hint = (f"use cc.{name}(x)" if callable(getattr(primitives, name, None)) and not name.startswith("_")
+                else "use the cc.* functions (cc.where, cc.maximum, cc.cast, ...) or torch functions such as "
+                     "torch.sigmoid(x)")
+        raise TracedAttributeError(f"a traced value has no attribute '{name}' (it is not a tensor); {hint}",
+                                   program=self.tracer.program, node=self.label)
 
     def __len__(self) -> int:
         raise self.tracer.error("a traced value has no length; it stands for one element of the tile",

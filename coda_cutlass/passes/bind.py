@@ -33,9 +33,9 @@ def bind_types(program: Program, dtype: DType, operand_dtypes: Mapping[str, Any]
             raise EpilogueError(f"output_dtypes names '{k}', which is not an output (outputs: "
                                 f"{', '.join(program.outputs)})", program=program.name)
 
-    def out_dtype(name: str, default: DType) -> DType:
+    def out_dtype(name: str, default: DType, allowed: tuple[DType, ...] = FLOAT_DTYPES + FP8_DTYPES) -> DType:
         if name in output_dtypes:
-            return as_dtype(output_dtypes[name], what=f"dtype of output '{name}'")
+            return as_dtype(output_dtypes[name], what=f"dtype of output '{name}'", allowed=allowed)
         return default
 
     operands: list[Operand] = []
@@ -100,12 +100,39 @@ def bind_types(program: Program, dtype: DType, operand_dtypes: Mapping[str, Any]
             d = F32
         elif n.op == "reduce":
             attrs = dict(n.attrs)
-            attrs["out_dtype"] = out_dtype(n.attr("name"), F32).name
+            rd = out_dtype(n.attr("name"), F32, FLOAT_DTYPES)
+            if rd not in FLOAT_DTYPES:
+                raise EpilogueError(f"output '{n.attr('name')}': reductions are finished in floating point "
+                                    f"(fp32, bf16 or fp16), not {rd.torch}", program=program.name)
+            attrs["out_dtype"] = rd.name
             n = replace(n, attrs=make_attrs(**attrs))
             d = F32
         else:
             d = F32
         nodes.append(replace(n, dtype=d))
+    _check_index_operands(program, by_name)
     meta = dict(program.meta)
     meta["gemm_dtype"] = dtype.name
     return replace(program, operands=tuple(operands), nodes=tuple(nodes), meta=meta)
+
+
+def _check_index_operands(program: Program, by_name: Mapping[str, Operand]) -> None:
+    """An operand compared with element positions (cc.gather, ``cc.col_index() == idx``) must hold
+    integers exactly: int32, int64 or fp32 (exact below 2^24); a 16-bit float rounds indices above
+    256 (bf16) or 2048 (fp16), which would silently select another column."""
+    for n in program.nodes:
+        if n.op != "eq":
+            continue
+        ins = [program.nodes[i] for i in n.inputs]
+        if not any(i.op == "index" for i in ins):
+            continue
+        for i in ins:
+            if i.op in OPERAND_OPS:
+                o = by_name[i.attr("operand")]
+                if o.dtype is not None and o.dtype.bits == 16:
+                    raise EpilogueError(
+                        f"operand '{o.name}' is compared with element positions (cc.gather or cc.row_index() / "
+                        f"cc.col_index()) but its dtype is {o.dtype.torch}, which cannot hold indices above "
+                        f"{256 if o.dtype.name == 'bf16' else 2048} exactly: declare it with an integer dtype, e.g. "
+                        f"cc.PerRow(torch.int64), or pass input_dtypes={{'{o.name}': torch.int64}}",
+                        program=program.name)

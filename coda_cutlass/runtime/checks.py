@@ -212,7 +212,10 @@ def check_scalar(name: str, v: Any) -> float:
         return float(v.item())
     if isinstance(v, bool) or not isinstance(v, Real):
         raise CallError(f"{name}: expected a number, got {type(v).__name__}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:
+        raise CallError(f"{name}: {str(v)[:20]}... is too large for an fp32 scalar") from None
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
