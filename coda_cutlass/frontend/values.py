@@ -213,8 +213,7 @@ class Value:
         # only for names the class lacks: tensor methods (x.sigmoid(), x.clamp(...), x.to(...))
         if name.startswith("_"):
             raise AttributeError(name)
-        from . import primitives
-        hint = (f"use cc.{name}(x)" if callable(getattr(primitives, name, None)) and not name.startswith("_")
+        hint = (f"use cc.{name}(x)" if name in OPS       # an elementwise op cc.* names the same
                 else "use the cc.* functions (cc.where, cc.maximum, cc.cast, ...) or torch functions such as "
                      "torch.sigmoid(x)")
         raise TracedAttributeError(f"a traced value has no attribute '{name}' (it is not a tensor); {hint}",
