@@ -61,6 +61,10 @@ class LMHeadLoss(torch.autograd.Function):
                 scale = valid.to(torch.float32) / count
                 lse, target_logit, dx, dw, dg = lm_head_fused(step, x, h, r, w_lm, g, target, scale, chunk_rows,
                                                               softcap)
+                if torch.compiler.is_compiling():
+                    # dgamma.to(its own dtype) is dgamma itself: Dynamo cannot carry such an alias from the
+                    # traced forward to the backward (torch.compile, TrainingArguments(torch_compile=True))
+                    dg = dg.clone()
                 ctx.save_for_backward(dx, dw, dg)
             else:
                 lse, target_logit = lm_head_forward(step, h, r, w_lm, target, softcap)
@@ -86,10 +90,47 @@ class LMHeadLoss(torch.autograd.Function):
         return dx, None, None, dw, dg, None, None, None, None, None, None
 
 
+class LMHeadLogits(torch.autograd.Function):
+    """(x, h, r) of the final norm -> the logits r * (h @ W_lm^T) (soft-capped where set), written by
+    the LM head GEMM's epilogue. Differentiable in x (hence the whole stack), W_lm and the final norm's
+    gain: a loss built from the logits (label smoothing, distillation, ...) trains every weight, as
+    the fused loss does. The backward is plain torch on whatever dlogits the caller's loss gives
+    (no epilogue program takes an arbitrary dlogits): the norm's gradient comes from x and r, as
+    transformers' RMSNorm would give it."""
+
+    @staticmethod
+    def forward(ctx: Any, x, h, r, w_lm, g, step: Step, softcap: float | None):  # type: ignore[override]
+        P = lm_head_programs(softcap)
+        with no_autocast(x.device):
+            logits = step.runner.gemm("lm_head.logits", P.logits, h, w_lm, r=r, **P.extra)["D"]
+        ctx.softcap = softcap
+        # the capped logits give the cap's derivative, 1 - (logits / cap)^2; uncapped ones are not needed
+        ctx.save_for_backward(x, h, r, w_lm, g, logits if softcap is not None else None)
+        return logits
+
+    @staticmethod
+    def backward(ctx: Any, dlogits: torch.Tensor):  # type: ignore[override]
+        x, h, r, w_lm, g, logits = ctx.saved_tensors
+        with no_autocast(x.device):
+            dl = dlogits.to(w_lm.dtype)
+            if ctx.softcap is not None:
+                dl = dl * (1 - (logits.to(dl.dtype) / ctx.softcap).square())
+            rf, xf = r.float()[:, None], x.float()
+            dw = dl.t() @ (h.float() * rf).to(w_lm.dtype) if ctx.needs_input_grad[3] else None
+            dn = (dl @ w_lm).float()                    # d(normed x), normed x = x * r * g
+            dg = (dn * xf * rf).sum(0).to(g.dtype) if ctx.needs_input_grad[4] else None
+            dx = None
+            if ctx.needs_input_grad[0]:                 # RMSNorm: r * (u - x r^2 mean(u x)), u = dn * g
+                u = dn * g.float()
+                dx = (rf * (u - xf * rf.square() * (u * xf).mean(-1, keepdim=True))).to(x.dtype)
+        return dx, None, None, dw, dg, None, None
+
+
 class LlamaModel(nn.Module):
     """A Llama decoder stack. ``forward(tokens, targets)`` returns the mean cross-entropy (targets
     equal to ``ignore_index`` are skipped, others outside [0, vocab) raise); ``forward(tokens)``
-    returns the logits (B, S, vocab)."""
+    returns the logits (B, S, vocab), differentiable like the loss; ``forward(tokens, targets,
+    return_logits=True)`` both, (loss, logits), from one pass through the blocks."""
 
     def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *,
                  head_dim: int | None = None, eps: float = 1e-5, rope_theta: float = 500000.0,
@@ -187,17 +228,19 @@ class LlamaModel(nn.Module):
         return step, x, h, r
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, ignore_index: int = -100,
-                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                return_logits: bool = False) -> Any:
         target = None if targets is None else checked_targets(targets, tokens, self.lm_head.shape[0], ignore_index)
         if len(self.blocks):
             check_vocab_for_kernels(self.lm_head.shape[0], self.blocks[0].get_runner(self.call_dtype()))
         step, x, h, r = self.hidden(tokens, position_ids=position_ids, attention_mask=attention_mask)
-        w_lm = cast(self.lm_head, step.dtype)
-        if target is None:
-            with no_autocast(x.device):
-                P = lm_head_programs(self.logit_softcap)
-                logits = step.runner.gemm("lm_head.logits", P.logits, h, w_lm, r=r, **P.extra)["D"]
-            return logits.view(*tokens.shape, -1)
+        w_lm, g = cast(self.lm_head, step.dtype), cast(self.final_gain(), step.dtype)
+        logits = None
+        if target is None or return_logits:
+            logits = LMHeadLogits.apply(x, h, r, w_lm, g, step, self.logit_softcap).view(*tokens.shape, -1)
+            if target is None:
+                return logits
         chunk = ce_chunk_rows(self.ce_chunk_bytes, w_lm.shape[0] * w_lm.element_size())
-        return LMHeadLoss.apply(x, h, r, w_lm, cast(self.final_gain(), step.dtype), target, step, ignore_index, chunk,
-                                self.fused_lm_head, self.logit_softcap)
+        loss = LMHeadLoss.apply(x, h, r, w_lm, g, target, step, ignore_index, chunk, self.fused_lm_head,
+                                self.logit_softcap)
+        return loss if logits is None else (loss, logits)

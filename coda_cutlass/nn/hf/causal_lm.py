@@ -5,12 +5,14 @@
 
 Either way the model keeps transformers' interface: ``model(input_ids=, labels=, attention_mask=,
 position_ids=)`` returns a ``CausalLMOutputWithPast`` with ``.loss`` (labels shifted inside, as
-transformers does; ``num_items_in_batch`` for gradient accumulation) and logits only when asked
-(no labels, or ``return_logits=True``). It is a ``PreTrainedModel``, so transformers' ``Trainer``
-takes it; ``save_pretrained`` writes a transformers checkpoint of the original class, which
-``AutoModelForCausalLM.from_pretrained`` loads back to the same tensors, and ``load_state_dict``
-takes such a checkpoint's state dict too (Trainer's resume). The weights live in the kernels'
-layout inside (``model.coda``, a ``LlamaModel``); a tied LM head is the embedding parameter.
+transformers does; ``num_items_in_batch`` for gradient accumulation) and the logits, differentiable,
+unless it trains on labels alone (then the fused LM head writes none). It is a ``PreTrainedModel``,
+so transformers' ``Trainer`` takes it (activation checkpointing included); ``generate()`` runs
+without a KV cache (``generation_config.use_cache`` is False); ``save_pretrained`` writes a
+transformers checkpoint of the original class, which ``AutoModelForCausalLM.from_pretrained`` loads
+back to the same tensors, and ``load_state_dict`` takes such a checkpoint's state dict, or one shard
+of it (Trainer's resume). The weights live in the kernels' layout inside (``model.coda``, a
+``LlamaModel``) and keep their ``requires_grad``; a tied LM head is the embedding parameter.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ...errors import ConfigError
 from ..block import LlamaBlock
 from ..model import LlamaModel
-from .checkpoint import from_hf_keys, looks_like_hf, to_hf_keys
+from .checkpoint import from_hf_keys, hf_layer_keys, layer_paths, looks_like_hf, to_hf_keys
 from .family import Family
 from .fields import UnsupportedConfig, head_dim
-from .layer import kernel_weights
+from .layer import kernel_weights, layer_requires_grad
 from .registry import family_of
 
 
@@ -47,16 +50,21 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
     tied). With ``free``, each transformers layer's weights are released once copied (in place).
     ``fp8``: every decoder layer's linears in FP8 with this recipe (nn.fp8); a layer the FP8 block
     does not cover is refused by name before any weight is touched."""
+    if isinstance(hf_model, CodaCausalLM):
+        raise ValueError(f"this {type(hf_model).__name__} is already a coda model (from_hf or patch_hf made it): use "
+                         "it as it is; model.to_hf() gives a transformers model of its weights")
     config = hf_model.config
     family = family_of(config)
     family.check_config(config, ignore_fields)
     family.check_model_config(config)
+    _check_causal_lm(hf_model, family)
     layers = family.model_part(hf_model, family.layers_path)
     if len(layers) != config.num_hidden_layers:
         raise UnsupportedConfig(f"the model has {len(layers)} layers, config.num_hidden_layers is "
                                 f"{config.num_hidden_layers}")
     for layer in layers:
         family.check_layer(layer)
+    trainable = [layer_requires_grad(family.read_layer(layer), i) for i, layer in enumerate(layers)]
     embed = family.model_param(hf_model, family.embed_path)
     lm_head = family.model_param(hf_model, family.lm_head_path)
     tied = lm_head is embed or bool(getattr(config, "tie_word_embeddings", False))
@@ -69,7 +77,9 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
                                             compute_dtype=compute_dtype, fp8=fp8, device="meta", dtype=dtype)
                                  for i in range(config.num_hidden_layers))
     model.to_empty(device=device)
-    pad = getattr(config, "pad_token_id", None)
+    # the embedding module's own padding_idx (its row gets no gradient), not config.pad_token_id: recipes
+    # set pad_token_id = eos after loading, which leaves transformers' EOS row trainable
+    pad = getattr(family.model_part(hf_model, family.embed_path.rpartition(".")[0]), "padding_idx", None)
     model.padding_idx = pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
     model.embed_scale = family.embed_scale(config)
     model.logit_softcap = family.logit_softcap(config)
@@ -82,14 +92,42 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
         else:
             model.lm_head.copy_(lm_head)
         hd = head_dim(config)
-        for layer, block in zip(layers, model.blocks):
+        for layer, block, flags in zip(layers, model.blocks, trainable):
             params = dict(block.named_parameters())
             for name, t in kernel_weights(family.read_layer(layer), hd).items():
                 params[name].copy_(t)
+                params[name].requires_grad_(flags[name])
             if free:
                 for p in layer.parameters():
                     p.data = torch.empty(0, device=p.device, dtype=p.dtype)
+    # frozen parameters stay frozen (a tied head is the embedding: its flag)
+    model.embed.requires_grad_(embed.requires_grad)
+    model.norm.requires_grad_(family.model_param(hf_model, family.norm_path).requires_grad)
+    if not tied:
+        model.lm_head.requires_grad_(lm_head.requires_grad)
     return model, family, tied
+
+
+def _check_causal_lm(hf_model: Any, family: Family) -> None:
+    """A transformers causal LM (a *ForCausalLM: the decoder and an LM head), named as such when it is
+    not one (a base model, a classifier), before any part of it is read."""
+    def has(path: str) -> bool:
+        obj = hf_model
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+            if obj is None:
+                return False
+        return True
+    what = type(hf_model).__name__
+    head = family.lm_head_path.rpartition(".")[0]
+    if has(family.layers_path) and has(head):
+        return
+    if not has(family.layers_path) and has(family.layers_path.rpartition(".")[2]):
+        raise UnsupportedConfig(f"{what} is a base model (the decoder without its LM head): from_hf and patch_hf "
+                                f"take the causal LM around it, e.g. transformers.AutoModelForCausalLM")
+    lacks = " and ".join(p for p in (family.layers_path, head) if not has(p))
+    raise UnsupportedConfig(f"from_hf and patch_hf take a causal LM (a *ForCausalLM, with {family.layers_path} and "
+                            f"{head}); {what} has no {lacks}")
 
 
 class CodaCausalLM:
@@ -109,39 +147,54 @@ class CodaCausalLM:
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
                 return_logits: bool | None = None, num_items_in_batch: Any = None, logits_to_keep: int = 0,
-                inputs_embeds: Any = None, past_key_values: Any = None, use_cache: bool | None = None,
-                output_attentions: bool | None = None, output_hidden_states: bool | None = None,
-                return_dict: bool | None = None, **kwargs: Any) -> Any:
+                inputs_embeds: Any = None, cache: Any = None, past_key_values: Any = None,
+                use_cache: bool | None = None, output_attentions: bool | None = None,
+                output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs: Any) -> Any:
         """As a transformers *ForCausalLM: the loss of next-token prediction when ``labels`` are given
-        (labels[:, 1:] predicted from positions :-1, -100 ignored), the logits when no labels are
-        given or ``return_logits``."""
+        (labels[:, 1:] predicted from positions :-1, -100 ignored; no valid label: nan, as
+        transformers), and the logits, differentiable, when no labels are given, with
+        ``return_logits``, or in eval mode (Trainer's compute_metrics and predict read them). In
+        training with labels alone the LM head writes no logits (the fused loss)."""
         if input_ids is None:
             raise ValueError("coda models take input_ids (inputs_embeds is not supported)")
-        for name, value in (("inputs_embeds", inputs_embeds), ("past_key_values", past_key_values)):
-            if value is not None:
-                raise ValueError(f"{name} is not supported by coda models (no KV cache, token ids only)")
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds is not supported by coda models (token ids only)")
+        for name, value in (("cache", cache), ("past_key_values", past_key_values)):
+            if value is not None:       # a swallowed cache would make generate() feed one token of context
+                raise ValueError(f"{name}: coda models keep no KV cache; generate with use_cache=False (the default "
+                                 "of from_hf / patch_hf models: model.generation_config.use_cache), which passes "
+                                 "the whole sequence every step")
         for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
             if value:
                 raise ValueError(f"{name}=True is not supported by coda models")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         where = {"position_ids": position_ids, "attention_mask": attention_mask}
-        loss = logits = None
+        loss = logits = targets = None
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
             targets = torch.full_like(labels, -100)
             targets[:, :-1] = labels[:, 1:]
-            loss = self.coda(input_ids, targets, **where)
-            if num_items_in_batch is not None:      # sum over the whole (accumulated) batch / its token count
-                valid = (targets != -100).sum().clamp_min(1)
-                loss = loss * (valid / torch.as_tensor(num_items_in_batch, device=loss.device))
-        if labels is None or return_logits:
+        if targets is None:
             logits = self.coda(input_ids, **where)
-            if logits_to_keep:
-                logits = logits[:, -logits_to_keep:]
+        elif self.training and not return_logits:   # the fused LM head: no logits written
+            loss = self.coda(input_ids, targets, **where)
+        else:                                       # eval (Trainer's metrics and predictions) or asked for
+            loss, logits = self.coda(input_ids, targets, return_logits=True, **where)
+        if loss is not None:
+            valid = (targets != -100).sum()
+            if num_items_in_batch is not None:      # sum over the whole (accumulated) batch / its token count
+                loss = loss * (valid.clamp_min(1) / torch.as_tensor(num_items_in_batch, device=loss.device))
+            else:                                   # the mean of no tokens: nan, as transformers' loss
+                loss = torch.where(valid > 0, loss, torch.full_like(loss, float("nan")))
+        if logits is not None and logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
         from transformers.modeling_outputs import CausalLMOutputWithPast
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        return out if return_dict else out.to_tuple()
 
     # ------------------------------------------------------------------ checkpoints
     def hf_state_dict(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -159,8 +212,8 @@ class CodaCausalLM:
         ``AutoModelForCausalLM.from_pretrained`` loads back to the same tensors."""
         config = copy.deepcopy(self.config)
         config.architectures = [self.coda_hf_class.__name__]
-        with torch.device("meta"):
-            shell = self.coda_hf_class(config)
+        with torch.device("meta"):      # in the weights' dtype: config.json's "dtype" is read from the shell
+            shell = self.coda_hf_class(config).to(self.coda.embed.dtype)
         shell.save_pretrained(save_directory, state_dict=self.hf_state_dict(state_dict), **kwargs)
 
     def to_hf(self) -> Any:
@@ -185,15 +238,57 @@ class CodaCausalLM:
         """Tune the kernels inside the training step on these tokens (LlamaModel.tune)."""
         return self.coda.tune(tokens, **options)
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """As transformers counts them; the embedding is a Parameter here (no nn.Embedding to find)."""
+        skip = {id(self.coda.embed)} if exclude_embeddings else set()
+        return sum(p.numel() for p in self.parameters()
+                   if id(p) not in skip and (p.requires_grad or not only_trainable))
 
-def _hf_state_to_coda(module: Any, state_dict: dict, prefix: str, *args: Any) -> None:
+    # ------------------------------------------------------------------ activation checkpointing
+    def _activation_checkpointing_enable(self, activation_checkpointing_kwargs: Any = None, every_n_layers: int = 1,
+                                         offload: bool = False) -> None:
+        """transformers' switch (TrainingArguments(gradient_checkpointing=True), activation_checkpointing_enable,
+        gradient_checkpointing_enable) turns on coda's own block checkpointing (nn.checkpointing): every
+        ``every_n_layers``-th block recomputes its forward in the backward. torch.utils.checkpoint's
+        options do not apply (coda's checkpoint is its own)."""
+        if offload:
+            raise ValueError("activation checkpointing with offload=True is not supported by coda models (the "
+                             "checkpointed blocks keep their inputs on the device)")
+        if every_n_layers < 1:
+            raise ValueError(f"every_n_layers must be at least 1, got {every_n_layers}")
+        blocks = self.coda.blocks
+        fp8 = [i for i, b in enumerate(blocks) if b.fp8 is not None]
+        if fp8:
+            raise ConfigError(f"activation checkpointing of FP8 blocks is not implemented yet (blocks {fp8} run in "
+                              "FP8)")
+        for i, b in enumerate(blocks):
+            b.activation_checkpointing = i % every_n_layers == 0
+
+    def _activation_checkpointing_disable(self) -> None:
+        for b in self.coda.blocks:
+            b.activation_checkpointing = False
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return any(b.activation_checkpointing for b in self.coda.blocks)
+
+
+def _hf_state_to_coda(module: Any, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,
+                      missing_keys: list[str], *args: Any) -> None:
     """load_state_dict of a transformers-format state dict (a checkpoint save_pretrained wrote,
-    which Trainer loads back when resuming): converted to the coda keys in place."""
+    which Trainer loads back when resuming; or one shard of it, loaded with strict=False): converted
+    to the coda keys in place. A layer given in part (a shard boundary inside it) keeps its other
+    parameters' values; their transformers keys are reported missing, for ``strict`` to judge."""
     ours = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
     if not looks_like_hf(ours, module.coda_family) or any(k.startswith("coda.") for k in ours):
         return
-    converted = from_hf_keys({k: state_dict[full] for k, full in ours.items()}, module.coda_family, module.config,
-                             module.coda_tied)
+    family, blocks = module.coda_family, module.coda.blocks
+    converted = from_hf_keys({k: state_dict[full] for k, full in ours.items()}, family, module.config,
+                             module.coda_tied, current=lambda i: layer_paths(blocks[i], family))
+    for i in range(len(blocks)):
+        keys = hf_layer_keys(family, i)
+        if any(k in ours for k in keys):
+            missing_keys.extend(prefix + k for k in keys if k not in ours)
     for full in ours.values():
         del state_dict[full]
     for k, v in converted.items():
@@ -207,7 +302,7 @@ class _CodaPreTrained(CodaCausalLM):
     """What both coda model classes set on transformers' PreTrainedModel: the weights come from the
     checkpoint (no initialisation) and a tied head is tied by sharing the Parameter."""
     _no_split_modules = ["LlamaBlock"]
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True      # coda's own, per block (_activation_checkpointing_enable)
 
     def _init_weights(self, module: nn.Module) -> None:
         pass
@@ -240,7 +335,7 @@ def coda_class(hf_class: type | None = None) -> type:
             body = {"config_class": t.PretrainedConfig, "base_model_prefix": "coda", "main_input_name": "input_ids",
                     "_supports_sdpa": True, "_supports_flash_attn": True, "_supports_flex_attn": True,
                     "__init__": init, "__doc__": "A transformers causal LM computed by coda_cutlass.nn (from_hf)."}
-            bases: tuple[type, ...] = (_CodaPreTrained, t.PreTrainedModel)
+            bases: tuple[type, ...] = (_CodaPreTrained, t.PreTrainedModel, t.GenerationMixin)
         else:
             body = {"__doc__": f"{hf_class.__name__} computed by coda_cutlass.nn (patch_hf)."}
             bases = (_CodaPreTrained, hf_class)
@@ -266,8 +361,17 @@ def from_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[s
     coda, family, tied = build_coda_model(hf_model, attention=attention, ignore_fields=ignore_fields,
                                           compute_dtype=compute_dtype, fp8=fp8)
     model = coda_class()(copy.deepcopy(hf_model.config), coda, family, tied, type(hf_model))
+    if getattr(hf_model, "generation_config", None) is not None:      # the checkpoint's generation defaults
+        model.generation_config = copy.deepcopy(hf_model.generation_config)
+    _generate_without_cache(model)
     model.train(hf_model.training)
     return model
+
+
+def _generate_without_cache(model: Any) -> None:
+    """generate() passes the whole sequence every step (coda keeps no KV cache; forward refuses one)."""
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.use_cache = False
 
 
 def patch_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[str] = (),
@@ -283,5 +387,6 @@ def patch_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[
         delattr(hf_model, name)
     hf_model.__class__ = coda_class(cls)
     hf_model._init_coda(coda, family, tied, cls)
+    _generate_without_cache(hf_model)
     coda.train(hf_model.training)
     return hf_model

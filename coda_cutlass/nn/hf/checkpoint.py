@@ -8,16 +8,13 @@ layout). A tied LM head is the embedding: transformers checkpoints omit ``lm_hea
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .family import Family
 from .fields import head_dim
-from .layer import kernel_weights, standard_layout
-
-BLOCK_PARAMS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm", "post_attn_norm",
-                "post_mlp_norm")
+from .layer import BLOCK_PARAMS, kernel_weights, standard_layout
 
 
 def _widths(config: Any) -> tuple[int, int, int]:
@@ -48,29 +45,52 @@ def hf_layer_keys(family: Family, i: int) -> list[str]:
     return [_key(f"{family.layers_path}.{i}.{p}") for p in family.paths.values()]
 
 
-def from_hf_keys(state: Mapping[str, torch.Tensor], family: Family, config: Any, tied: bool) -> dict[str, torch.Tensor]:
-    """transformers state dict -> coda LlamaModel state (kernel layout); a missing key is an error
-    that names it."""
-    missing = [k for k in _expected(family, config, tied) if k not in state]
-    if missing:
-        raise KeyError(f"the {family.name} state dict lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+def from_hf_keys(state: Mapping[str, torch.Tensor], family: Family, config: Any, tied: bool, *,
+                 current: Callable[[int], Mapping[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
+    """transformers state dict -> coda LlamaModel state (kernel layout) of the keys present: the whole
+    model's, or part of it (one shard of a sharded checkpoint, which transformers loads shard by
+    shard); which keys must be there is the caller's to decide (load_state_dict's ``strict``).
+
+    A layer's parameters are fused (q, k, v into one qkv; gate and up), and a shard may hold only
+    some of them: a layer given in part takes its other parameters from ``current(i)`` (the model's
+    values under transformers' paths), so shards loaded one after another build it whole; without
+    ``current`` a layer given in part is an error that names what it lacks."""
     _, _, hd = _widths(config)
-    out = {"embed": state[_key(family.embed_path)], "norm": state[_key(family.norm_path)]}
-    out["lm_head"] = out["embed"] if tied else state[_key(family.lm_head_path)]
+    out: dict[str, torch.Tensor] = {}
+    for name, path in (("embed", family.embed_path), ("norm", family.norm_path)):
+        if _key(path) in state:
+            out[name] = state[_key(path)]
+    if tied:                                        # the head is the embedding (a tied checkpoint has no head)
+        if "embed" in out:
+            out["lm_head"] = out["embed"]
+    elif _key(family.lm_head_path) in state:
+        out["lm_head"] = state[_key(family.lm_head_path)]
     for i in range(config.num_hidden_layers):
-        parts = {p: state[_key(f"{family.layers_path}.{i}.{p}")] for p in family.paths.values()}
-        for n, t in kernel_weights(family.to_standard(parts), hd).items():
+        keys = dict(zip(family.paths.values(), hf_layer_keys(family, i)))
+        given = {p: state[k] for p, k in keys.items() if k in state}
+        if not given:
+            continue
+        if len(given) < len(keys):
+            lacking = [k for p, k in keys.items() if p not in given]
+            if current is None:
+                raise KeyError(f"the {family.name} state dict has part of layer {i}, not {lacking}")
+            ref = next(iter(given.values()))
+            have = current(i)
+            given = {p: given[p] if p in given else have[p].to(ref.device, ref.dtype) for p in keys}
+        for n, t in kernel_weights(family.to_standard(given), hd).items():
             out[f"blocks.{i}.{n}"] = t
     return out
 
 
-def _expected(family: Family, config: Any, tied: bool) -> list[str]:
-    keys = [_key(family.embed_path), _key(family.norm_path)] + ([] if tied else [_key(family.lm_head_path)])
-    for i in range(config.num_hidden_layers):
-        keys += hf_layer_keys(family, i)
-    return keys
+def layer_paths(block: Any, family: Family) -> dict[str, torch.Tensor]:
+    """A coda block's weights under the family's transformers layer paths (standard layout)."""
+    d = block.dims
+    w = standard_layout(dict(block.named_parameters()), d.q_width, d.kv_width, d.head_dim)
+    return family.from_standard(w)
 
 
 def looks_like_hf(keys: Any, family: Family) -> bool:
-    """Does a state dict use transformers keys (a Trainer checkpoint being loaded back)?"""
-    return any(k.startswith(family.layers_path + ".") or k == _key(family.embed_path) for k in keys)
+    """Does a state dict use transformers keys (a Trainer checkpoint being loaded back, or one shard
+    of it: any of the model's keys)?"""
+    whole = {_key(family.embed_path), _key(family.norm_path), _key(family.lm_head_path)}
+    return any(k.startswith(family.layers_path + ".") or k in whole for k in keys)

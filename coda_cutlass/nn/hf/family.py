@@ -22,23 +22,25 @@ from .fields import UnsupportedConfig, check_known, head_dim, require, rope_from
 STANDARD = ("q", "k", "v", "o", "gate", "up", "down", "attn_norm", "mlp_norm")   # (+ q_bias k_bias v_bias)
 
 
-def _part(layer: Any, path: str, family: str) -> Any:
+def _part(layer: Any, path: str, what: str) -> Any:
+    """The submodule at ``path`` of a layer or model; ``what`` names the thing that has it ("llama
+    decoder layer", "llama causal LM")."""
     obj = layer
     for name in path.split("."):
         nxt = getattr(obj, name, None)
         if nxt is None:
-            raise UnsupportedConfig(f"a {family} decoder layer has {path}; {type(layer).__name__} has no {path} "
+            raise UnsupportedConfig(f"a {what} has {path}; {type(layer).__name__} has no {path} "
                                     f"({type(obj).__name__} has no {name!r})")
         obj = nxt
     return obj
 
 
-def _param(obj: Any, path: str, family: str) -> torch.Tensor:
+def _param(obj: Any, path: str, what: str) -> torch.Tensor:
     """The parameter at ``path`` ("self_attn.q_proj.weight") of a layer or model."""
     module, _, attr = path.rpartition(".")
-    t = getattr(_part(obj, module, family), attr, None)
+    t = getattr(_part(obj, module, what), attr, None)
     if not isinstance(t, torch.Tensor):
-        raise UnsupportedConfig(f"{module} of a {family} layer has no {attr} tensor")
+        raise UnsupportedConfig(f"{module} of a {what} has no {attr} tensor")
     return t
 
 
@@ -124,9 +126,9 @@ class Family:
         """The layer has this family's parameters, and no bias the family does not read."""
         expected = set(self.paths.values())
         for path in expected:
-            _param(layer, path, self.name)
+            _param(layer, path, self.layer_what)
             if path.endswith(".weight"):
-                module = _part(layer, path.rpartition(".")[0], self.name)
+                module = _part(layer, path.rpartition(".")[0], self.layer_what)
                 bias = path[:-len("weight")] + "bias"
                 if getattr(module, "bias", None) is not None and bias not in expected:
                     raise UnsupportedConfig(f"{bias} exists: that linear bias is not implemented for {self.name}")
@@ -141,13 +143,17 @@ class Family:
 
     def read_layer(self, layer: Any) -> dict[str, torch.Tensor]:
         """The layer's weights in the standard layout (views of its parameters)."""
-        return self.to_standard({path: _param(layer, path, self.name) for path in self.paths.values()})
+        return self.to_standard({path: _param(layer, path, self.layer_what) for path in self.paths.values()})
 
     def write_layer(self, layer: Any, weights: dict[str, torch.Tensor]) -> None:
         """Copy standard-layout weights into the layer (shapes already checked)."""
         with torch.no_grad():
             for path, t in self.from_standard(weights).items():
-                _param(layer, path, self.name).copy_(t)
+                _param(layer, path, self.layer_what).copy_(t)
+
+    @property
+    def layer_what(self) -> str:
+        return f"{self.name} decoder layer"
 
     def layer_index(self, layer: Any) -> int:
         return int(getattr(getattr(layer, "self_attn", None), "layer_idx", None) or 0)
@@ -160,10 +166,10 @@ class Family:
     layers_path = "model.layers"
 
     def model_param(self, model: Any, path: str) -> torch.Tensor:
-        return _param(model, path, f"{self.name} model")
+        return _param(model, path, f"{self.name} causal LM")
 
     def model_part(self, model: Any, path: str) -> Any:
-        return _part(model, path, f"{self.name} model")
+        return _part(model, path, f"{self.name} causal LM")
 
     def logit_softcap(self, config: Any) -> float | None:
         """The final logits' soft-cap (Gemma 2), None for none."""

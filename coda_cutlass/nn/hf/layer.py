@@ -48,6 +48,31 @@ def kernel_weights(w: dict[str, torch.Tensor], head_dim: int) -> dict[str, torch
     return out
 
 
+BLOCK_PARAMS = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm",
+                "post_attn_norm", "post_mlp_norm")
+# the standard-layout weights each fused block parameter is made of (the others: their own name)
+FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up"), "qkv_bias": ("q_bias", "k_bias", "v_bias")}
+
+
+def layer_requires_grad(w: dict[str, torch.Tensor], layer_idx: int) -> dict[str, bool]:
+    """Each block parameter's requires_grad from the standard-layout weights it is made of (a
+    transformers layer's parameters, or views of them). Weights fused into one parameter must agree:
+    one parameter cannot be part frozen."""
+    flags: dict[str, bool] = {}
+    for name in BLOCK_PARAMS:
+        parts = FUSED.get(name, (name,))
+        if not all(p in w for p in parts):
+            continue
+        got = {w[p].requires_grad for p in parts}
+        if len(got) > 1:
+            frozen = [p for p in parts if not w[p].requires_grad]
+            raise UnsupportedConfig(f"layer {layer_idx}: {', '.join(parts)} become one parameter ({name}) in coda, "
+                                    f"but only {', '.join(frozen)} {'is' if len(frozen) == 1 else 'are'} frozen "
+                                    "(requires_grad=False); freeze all of them or none")
+        flags[name] = got.pop()
+    return flags
+
+
 def standard_layout(w: dict[str, torch.Tensor], q_width: int, kv_width: int, head_dim: int) -> dict[str, torch.Tensor]:
     """The block's parameters (kernel layout) -> standard-layout weights (new tensors, detached)."""
     q, k, v = w["qkv"].detach().split((q_width, kv_width, kv_width))
@@ -137,5 +162,5 @@ def block_to_hf(block: Any, layer: Any, config: Any = None, *, ignore_fields: It
     return layer
 
 
-__all__ = ["block_from_hf", "block_to_hf", "kernel_weights", "standard_layout", "standard_weights", "layer_config",
+__all__ = ["block_from_hf", "block_to_hf", "kernel_weights", "layer_requires_grad", "standard_layout", "standard_weights", "layer_config",
            "UnsupportedConfig"]

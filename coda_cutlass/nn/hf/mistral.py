@@ -11,7 +11,9 @@ from .family import Family
 class Mistral(Family):
     name = "mistral"
     model_types = ("mistral",)
-    fields = Family.fields - {"attention_bias", "mlp_bias"} | {"sliding_window"}
+    # attention_bias / mlp_bias: not read by transformers' class (its linears have no biases); a config
+    # that carries them anyway is checked as Llama's (False / absent), and check_layer refuses real biases
+    fields = Family.fields | {"sliding_window"}
 
     def sliding_window(self, config: Any, layer_idx: int) -> int | None:
         return getattr(config, "sliding_window", None)

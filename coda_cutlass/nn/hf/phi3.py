@@ -15,7 +15,9 @@ from .fields import UnsupportedConfig
 class Phi3(Family):
     name = "phi3"
     model_types = ("phi3",)
-    fields = Family.fields - {"attention_bias", "mlp_bias"} | {
+    # attention_bias / mlp_bias: not read by transformers' class (its linears have no biases); a config
+    # that carries them anyway is checked as Llama's (False / absent), and check_layer refuses real biases
+    fields = Family.fields | {
         "sliding_window", "resid_pdrop", "embd_pdrop", "original_max_position_embeddings", "partial_rotary_factor"}
     paths = {"qkv": "self_attn.qkv_proj.weight", "o": "self_attn.o_proj.weight", "gate_up": "mlp.gate_up_proj.weight",
              "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
