@@ -184,8 +184,13 @@ class LlamaBlock(nn.Module):
         self._softcap = state.get("attention_softcap")
         self._set_rope(Rope.from_dict(state["rope"]), self.rope_freq.device)
         scales = self._fp8_scales()
-        if scales is not None and state.get("fp8_scales") is not None:   # other recipes keep no histories
-            scales.load_state(state["fp8_scales"])
+        if scales is not None:
+            # a checkpoint of another recipe (bf16, blockwise) keeps no histories: this block forgets its
+            # own, so what it did before the load does not matter (its next step calibrates)
+            if state.get("fp8_scales") is None:
+                scales.reset()
+            else:
+                scales.load_state(state["fp8_scales"])
 
     def _fp8_scales(self) -> Any:
         """The delayed scales of a "tensorwise" block, else None."""
@@ -233,9 +238,10 @@ class LlamaBlock(nn.Module):
         # The default runners are caches (compiled kernels hold ctypes handles): made again on first
         # use, so copies, pickles and torch.save work after GPU use. A runner set on the block is
         # kept (runners drop their own caches when pickled).
+        # The FP8 path travels: its delayed scales (amax histories, scales, this step's amaxes) and the
+        # blockwise statistics switch; its weight copies do not (nn/fp8/weights.py: made again).
         state = super().__getstate__()
         state["_runners"] = {}
-        state["_fp8_path"] = None           # FP8 weight copies (and delayed scales): made again
         return state
 
     def get_runner(self, dtype: torch.dtype | None = None) -> Runner:

@@ -1,7 +1,9 @@
 """FP8 training of coda_cutlass.nn blocks: recipes (``recipe.py``), the weights' FP8 copies made once
-per optimizer step (``weights.py``), and the block's forward and backward with every GEMM operand
-quantised by the kernel that produces it (``functional.py``)."""
+per optimizer step (``weights.py``; ``weights_changed()`` after edits no optimizer or version
+counter shows), and the block's forward and backward with every operand quantised by the kernel
+that produces it (``functional.py``, ``tensorwise.py``)."""
 
 from .recipe import RECIPES, Fp8Recipe, as_recipe
+from .weights import weights_changed
 
-__all__ = ["RECIPES", "Fp8Recipe", "as_recipe"]
+__all__ = ["RECIPES", "Fp8Recipe", "as_recipe", "weights_changed"]

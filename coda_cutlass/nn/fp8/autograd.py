@@ -14,9 +14,13 @@ from typing import Any
 
 import torch
 
+from ..precision import no_autocast
 from .paths import Path
+from .weights import PinnedWeights
 
 WEIGHT_NAMES = ("qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm")
+INPUT_NAMES = ("input x", "input rstd", "weight qkv", "weight o", "weight gate_up", "weight down",
+               "attention norm gain", "MLP norm gain")
 
 
 def _stamp(t: torch.Tensor) -> tuple:
@@ -36,15 +40,32 @@ def stash_take(step: Any, t: torch.Tensor) -> Any:
     return hit[1] if hit is not None and hit[0] == _stamp(t) else None
 
 
+def _versions(tensors: tuple) -> tuple[int, ...]:
+    return tuple(t._version for t in tensors)
+
+
 class Fp8BlockFunction(torch.autograd.Function):
     """(x, r, weights...) -> x2 [, h2, r2] for one FP8 block; h (the FP8 operand of the block's
-    first GEMM), the step and the recipe's path (paths.py) come in as plain arguments."""
+    first GEMM), the step and the recipe's path (paths.py) come in as plain arguments.
+
+    What the backward needs stays on the ctx (FP8 operands are not tensors ``save_for_backward``
+    takes) and is freed by the backward: a second backward through the same graph
+    (``retain_graph=True``, double backward) is refused with a clear error, and saved-tensor hooks
+    (``save_on_cpu``) do not see these activations. ``record=False`` (an empty batch): the delayed
+    scales record nothing, forward or backward. The backward reads the weights' FP8 copies the
+    forward read (weights.PinnedWeights); a weight or input changed in place between the forward
+    and the backward (its version counter moved) is refused, as autograd refuses it for saved
+    tensors. Autocast is off inside (the kernels' fp32 finishing steps run as written)."""
 
     @staticmethod
     def forward(ctx: Any, x, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, g_next, h: Any, step: Any,  # type: ignore[override]
-                path: Path, next_fp8: bool, weights: Any):
-        x2, h2, r2, saved = path.forward(step, x, h, r, weights, g_next, next_fp8)
-        ctx.step, ctx.saved, ctx.weights, ctx.path = step, saved, weights, path
+                path: Path, next_fp8: bool, weights: Any, record: bool):
+        wq = PinnedWeights(path.weights)
+        with no_autocast(x.device):
+            x2, h2, r2, saved = path.forward(step, x, h, r, weights, g_next, next_fp8, wq=wq, record=record)
+        ctx.step, ctx.saved, ctx.weights, ctx.path, ctx.wq, ctx.record = step, saved, weights, path, wq, record
+        ctx.inputs = (x, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
+        ctx.versions = _versions(ctx.inputs)
         if h2 is None:
             return x2
         if isinstance(h2, torch.Tensor):
@@ -55,10 +76,23 @@ class Fp8BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
-        dx2 = dx2.contiguous()
-        dx, dxq, g = ctx.path.backward(ctx.step, ctx.saved, ctx.weights, dx2, stash_take(ctx.step, dx2))
+        if ctx.saved is None:
+            raise RuntimeError("Trying to backward through an FP8 block a second time: FP8 blocks (nn.fp8) free "
+                               "their saved FP8 activations in their backward, so retain_graph=True and double "
+                               "backward are not supported; run the forward again for another backward "
+                               "(docs/FP8.md)")
+        for name, t, before, now in zip(INPUT_NAMES, ctx.inputs, ctx.versions, _versions(ctx.inputs)):
+            if now != before:
+                raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                                   f"inplace operation: the FP8 block's {name} ({t.dtype}, {tuple(t.shape)}) is at "
+                                   f"version {now}; expected version {before} instead. Change weights after the "
+                                   "backward (optimizer.step() after loss.backward())")
+        with no_autocast(dx2.device):
+            dx2 = dx2.contiguous()
+            dx, dxq, g = ctx.path.backward(ctx.step, ctx.saved, ctx.weights, dx2, stash_take(ctx.step, dx2),
+                                           wq=ctx.wq, record=ctx.record)
         stash_put(ctx.step, dx, dxq)
-        ctx.saved = None
+        ctx.saved = ctx.wq = ctx.inputs = None
         w = ctx.weights
         grads = tuple(g[n].to(getattr(w, n).dtype) for n in WEIGHT_NAMES)
-        return (dx, None, *grads, None, None, None, None, None, None)
+        return (dx, None, *grads, None, None, None, None, None, None, None)

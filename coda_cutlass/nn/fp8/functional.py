@@ -85,9 +85,14 @@ def dgamma_of(step: Any, site: str, ax: torch.Tensor) -> torch.Tensor:
 
 
 def check_tokens(M: int) -> None:
+    """FP8 blocks take 128-token multiples only, in training and without gradients alike."""
     if M % 128:
-        raise CallError(f"FP8 blocks need the token count B * S to be a multiple of 128 (the weight-gradient "
-                        f"GEMMs' K, read in 128-deep blocks), got {M}")
+        raise CallError(f"FP8 blocks need the token count B * S to be a multiple of 128, got {M}: every FP8 operand "
+                        "is quantised with its transposed copy in blocks of 128 tokens (the weight gradients' "
+                        "operands, whose K is the token dimension; the forward makes them too, with or without "
+                        "gradients). Pad the batch to a multiple of 128 tokens (targets of padding "
+                        "ignore_index, or an attention_mask), or run inference and evaluation at other lengths "
+                        "in 16 bits: a model made with fp8=None loads this model's state_dict (docs/FP8.md)")
 
 
 def _gemm(step: Any, site: str, a: torch.Tensor, sa: torch.Tensor, w: torch.Tensor, sw: torch.Tensor,
@@ -107,7 +112,7 @@ def _note(stats: Any, operands: dict[str, Any]) -> None:
     if stats is not None:
         for name, op in operands.items():
             if isinstance(op, Fp8Operand):
-                stats.record(name, op.s)
+                stats.record(name, op.s, op.q)
 
 
 def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor, w: Any, wq: Fp8Weights,

@@ -17,24 +17,31 @@ from .weights import Fp8Weights
 
 
 class Path:
-    """A recipe's block: ``forward`` -> (x2, h2, r2, saved), ``backward`` -> (dx, its FP8 copy, grads)."""
+    """A recipe's block: ``forward`` -> (x2, h2, r2, saved), ``backward`` -> (dx, its FP8 copy, grads).
+    ``wq``: where the weights' FP8 copies come from (the cache ``self.weights``, or the copies a
+    forward used, for its backward: weights.PinnedWeights); ``record=False``: a call that changes no
+    scale state (a forward without autograd: evaluation, inference; an empty batch)."""
 
     def __init__(self, weights: Fp8Weights):
         self.weights = weights
 
     def forward(self, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, w: Any, g_next: Any,
-                next_fp8: bool) -> tuple:
+                next_fp8: bool, *, wq: Any = None, record: bool = True) -> tuple:
         raise NotImplementedError
 
-    def backward(self, step: Any, saved: tuple, w: Any, dx2: torch.Tensor, dx2q: Any) -> tuple:
+    def backward(self, step: Any, saved: tuple, w: Any, dx2: torch.Tensor, dx2q: Any, *, wq: Any = None,
+                 record: bool = True) -> tuple:
         raise NotImplementedError
 
-    def quantize_input(self, step: Any, h: Any) -> Any:
+    def quantize_input(self, step: Any, h: Any, *, record: bool = True) -> Any:
         """The block's first operand h: as it comes when this recipe made it, else quantised here."""
         raise NotImplementedError
 
+    def _wq(self, wq: Any) -> Any:
+        return self.weights if wq is None else wq
+
     def begin_step(self, device: torch.device) -> None:
-        """A forward begins (the delayed scales move on)."""
+        """A training forward begins (the delayed scales move on)."""
 
     def track_stats(self, on: bool) -> None:
         """Keep per-step scale statistics while ``on`` (blockwise; per-tensor scaling keeps its amax
@@ -57,12 +64,12 @@ def _bf16(h: Any, dtype: torch.dtype) -> torch.Tensor:
 class BlockwisePath(Path):
     scale_stats: BlockScaleStats | None = None      # while LlamaBlock.track_fp8_stats() is on
 
-    def forward(self, step, x, h, r, w, g_next, next_fp8):
-        return blockwise.block_forward_fp8(step, x, h, r, w, self.weights, g_next, next_fp8, stats=self.scale_stats)
+    def forward(self, step, x, h, r, w, g_next, next_fp8, *, wq=None, record=True):
+        return blockwise.block_forward_fp8(step, x, h, r, w, self._wq(wq), g_next, next_fp8, stats=self.scale_stats)
 
-    def backward(self, step, saved, w, dx2, dx2q):
+    def backward(self, step, saved, w, dx2, dx2q, *, wq=None, record=True):
         q = dx2q if isinstance(dx2q, blockwise.Fp8Operand) else None
-        return blockwise.block_backward_fp8(step, saved, w, self.weights, dx2, q, stats=self.scale_stats)
+        return blockwise.block_backward_fp8(step, saved, w, self._wq(wq), dx2, q, stats=self.scale_stats)
 
     def track_stats(self, on):
         self.scale_stats = BlockScaleStats() if on else None
@@ -70,7 +77,7 @@ class BlockwisePath(Path):
     def stats(self):
         return {} if self.scale_stats is None else self.scale_stats.stats()
 
-    def quantize_input(self, step, h):
+    def quantize_input(self, step, h, *, record=True):
         if isinstance(h, blockwise.Fp8Operand) and h.group == step.fp8.wgrad_group:
             return h
         return blockwise.quantize_operand(step, "h.quant", _bf16(h, step.dtype or torch.bfloat16), activation=True)
@@ -81,11 +88,14 @@ class TensorwisePath(Path):
         super().__init__(weights)
         self.scales = scales
 
-    def forward(self, step, x, h, r, w, g_next, next_fp8):
-        return tensorwise.block_forward(step, x, h, r, w, self.weights, self.scales, g_next, next_fp8)
+    def forward(self, step, x, h, r, w, g_next, next_fp8, *, wq=None, record=True):
+        return tensorwise.block_forward(step, x, h, r, w, self._wq(wq), self._scales(record), g_next, next_fp8)
 
-    def backward(self, step, saved, w, dx2, dx2q):
-        return tensorwise.block_backward(step, saved, w, self.weights, self.scales, dx2, dx2q)
+    def backward(self, step, saved, w, dx2, dx2q, *, wq=None, record=True):
+        return tensorwise.block_backward(step, saved, w, self._wq(wq), self._scales(record), dx2, dx2q)
+
+    def _scales(self, record: bool) -> Any:
+        return self.scales if record else self.scales.frozen()
 
     def begin_step(self, device):
         self.scales.begin_step(device)
@@ -93,7 +103,8 @@ class TensorwisePath(Path):
     def stats(self):
         return self.scales.stats()
 
-    def quantize_input(self, step, h):
+    def quantize_input(self, step, h, *, record=True):
         if isinstance(h, tensorwise.TensorOperand):
             return h
-        return tensorwise.quantize_map(step, self.scales, "h", "h.quant", _bf16(h, step.dtype or torch.bfloat16))
+        h = _bf16(h, step.dtype or torch.bfloat16)
+        return tensorwise.quantize_map(step, self._scales(record), "h", "h.quant", h)

@@ -12,7 +12,7 @@ granularity and format), so the block code takes a recipe, never flags.
   along their GEMMs' K everywhere (DeepSeek-V3 reports that 128 x 128 blocks for activation
   gradients made a ~16B MoE model diverge).
 - ``"tensorwise"``: one scale per tensor, delayed (Transformer Engine's DelayedScaling): each
-  quantised tensor's scale comes from the largest amax of its last ``history`` steps, which the
+  quantised tensor's scale comes from the largest finite amax of its last ``history`` steps, which the
   epilogue that quantises it reports beside the codes; a tensor's first step runs its producing
   kernel twice, the first time only for the amax (nn/fp8/delayed.py), so no step quantises with
   a guessed scale. The transposed copies keep the scale. Every GEMM is a per-tensor FP8 GEMM.
@@ -30,6 +30,8 @@ from ...errors import ConfigError
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SCALINGS = ("block", "tensor")
 WGRAD_GROUPS = (1, 16)
+DEFAULT_HISTORY = 16
+MAX_HISTORY = 1024       # the history is a (tensors, history) table, its one-hot slots (history, history)
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,10 @@ class Fp8Recipe:
     ``activation`` / ``gradient`` / ``weight``: the FP8 format of each kind of operand.
     ``pow2``: scales rounded up to powers of two (exact to apply; see docs/FP8.md for the measured
     effect) or amax / fp8_max.
-    ``history`` / ``margin`` ("tensor"): a delayed scale is the largest amax of the last ``history``
-    steps times 2^margin, over fp8_max.
+    ``history`` / ``margin`` ("tensor" only: refused for blockwise scaling, which would ignore them;
+    default 16 and 0): a delayed scale is the largest finite, positive amax of the last ``history``
+    steps times 2^margin, over fp8_max; ``history`` at most 1024 (Transformer Engine's default
+    length: the history is kept as a (tensors, history) table on the device).
     ``wgrad_group`` ("block"): 1, or 16: the activation operand of the weight-gradient GEMMs (h^T,
     o^T, y^T, whose K is the token dimension) in 16 x 128 blocks (16 channels x 128 tokens) instead
     of 1 x 128 runs; the weight-gradient GEMMs then run ``scaling="block_16x128"``.
@@ -56,8 +60,8 @@ class Fp8Recipe:
     gradient: torch.dtype = E4M3
     weight: torch.dtype = E4M3
     pow2: bool = True
-    history: int = 16
-    margin: int = 0
+    history: int | None = None          # "tensor": 16 when not given
+    margin: int | None = None           # "tensor": 0 when not given
     fast_accum: bool = False
     wgrad_group: int = 1
 
@@ -65,13 +69,29 @@ class Fp8Recipe:
         if self.scaling not in SCALINGS:
             raise ConfigError(f"FP8 recipe {self.name!r}: scaling {self.scaling!r} is not supported; one of "
                               f"{', '.join(map(repr, SCALINGS))}")
-        if isinstance(self.history, bool) or not isinstance(self.history, int) or self.history < 1:
-            raise ConfigError(f"FP8 recipe {self.name!r}: history must be a positive int, got {self.history!r}")
+        for what, value in (("pow2", self.pow2), ("fast_accum", self.fast_accum)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"FP8 recipe {self.name!r}: {what} must be True or False, got {value!r}")
+        if self.scaling == "block":
+            given = [what for what in ("history", "margin") if getattr(self, what) is not None]
+            if given:
+                raise ConfigError(f"FP8 recipe {self.name!r}: {' and '.join(given)} "
+                                  f"{'apply' if len(given) > 1 else 'applies'} to delayed per-tensor "
+                                  "scaling (scaling='tensor'); blockwise scales come from each block's own amax, "
+                                  "so they would be ignored: leave them out")
+        else:       # defaults of the delayed scales (a frozen dataclass: set once, here)
+            object.__setattr__(self, "history", DEFAULT_HISTORY if self.history is None else self.history)
+            object.__setattr__(self, "margin", 0 if self.margin is None else self.margin)
+            if isinstance(self.history, bool) or not isinstance(self.history, int) \
+                    or not 1 <= self.history <= MAX_HISTORY:
+                raise ConfigError(f"FP8 recipe {self.name!r}: history must be an int in 1..{MAX_HISTORY} (steps of "
+                                  "amaxes kept per tensor; Transformer Engine's default length is 1024), got "
+                                  f"{self.history!r}")
+            if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= 8:
+                raise ConfigError(f"FP8 recipe {self.name!r}: margin must be an int in 0..8, got {self.margin!r}")
         if self.fast_accum and self.scaling == "block":
             raise ConfigError(f"FP8 recipe {self.name!r}: fast_accum needs per-tensor scaling (the blockwise "
                               "mainloop applies its scales while it adds into fp32)")
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or not 0 <= self.margin <= 8:
-            raise ConfigError(f"FP8 recipe {self.name!r}: margin must be an int in 0..8, got {self.margin!r}")
         if isinstance(self.wgrad_group, bool) or self.wgrad_group not in WGRAD_GROUPS:
             raise ConfigError(f"FP8 recipe {self.name!r}: wgrad_group must be one of {WGRAD_GROUPS}, got "
                               f"{self.wgrad_group!r}")

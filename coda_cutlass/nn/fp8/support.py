@@ -12,6 +12,7 @@ from ..functional import BlockWeights, first_norm
 from ..precision import cast, no_autocast
 from . import functional as blockwise
 from .autograd import Fp8BlockFunction
+from .functional import check_tokens
 from .paths import BlockwisePath, Path, TensorwisePath
 from .recipe import Fp8Recipe
 from .tensorwise import new_scales
@@ -57,24 +58,33 @@ def check_block(block: Any, recipe: Fp8Recipe | None) -> Fp8Recipe | None:
 def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next: torch.Tensor | None,
         next_fp8: bool) -> Any:
     """One FP8 block on the stream (the FP8 twin of LlamaBlock._run): the weights are quantised from
-    the parameters themselves (fp32 masters included), the norm gains cast to the compute dtype."""
+    the parameters themselves (fp32 masters included), the norm gains cast to the compute dtype.
+    Everything is checked before any state moves (a refused call changes no scale). A forward
+    without autograd (no_grad, inference_mode, or nothing that requires a gradient: evaluation,
+    inference) runs on the current scales and records nothing, as does an empty batch; only training
+    forwards move the delayed scales on. Autocast is off inside (the kernels' fp32 finishing steps
+    and the weights' copies run as written)."""
     if block.activation_checkpointing:
         raise ConfigError("activation checkpointing of FP8 blocks is not implemented yet")
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"fp8={block.fp8.name!r}: FP8 blocks compute in 16 bits around their FP8 GEMMs, but the "
                           f"stream is {x.dtype}; make the model with dtype=torch.bfloat16, or keep fp32 parameters "
                           "with compute_dtype=torch.bfloat16 (or torch.autocast(dtype=torch.bfloat16))")
+    check_tokens(x.shape[0])
     step = block.local_step(step)
     dtype = step.dtype or torch.bfloat16
     path = block.fp8_path()
-    path.begin_step(x.device)
-    h = path.quantize_input(step, h)     # from a bf16 block, a caller or another recipe: quantised here
     g_attn, g_mlp = (cast(g, dtype) for g in (block.gain(block.attn_norm), block.gain(block.mlp_norm)))
     gn = None if g_next is None else cast(g_next.detach(), dtype)
     w = BlockWeights(block.qkv, block.o, block.gate_up, block.down, g_attn, g_mlp)
     tensors = (block.qkv, block.o, block.gate_up, block.down, g_attn, g_mlp)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors)):
-        return Fp8BlockFunction.apply(x, r, *tensors, gn, h, step, path, next_fp8, w)
+    train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors))
+    record = train and x.shape[0] > 0        # an empty batch is no step: it has no amaxes
     with no_autocast(x.device):
-        x2, h2, r2, _ = path.forward(step, x, h, r, w, gn, next_fp8)
+        if record:
+            path.begin_step(x.device)
+        h = path.quantize_input(step, h, record=record)   # from a bf16 block, a caller or another recipe
+        if train:
+            return Fp8BlockFunction.apply(x, r, *tensors, gn, h, step, path, next_fp8, w, record)
+        x2, h2, r2, _ = path.forward(step, x, h, r, w, gn, next_fp8, record=False)
     return x2 if h2 is None else (x2, h2, r2)

@@ -5,9 +5,14 @@ FP8 tensor cores read K-major operands only, so each weight W (N, K) is needed a
 forward: K = the layer's input) and as W^T (K, N) (the dX GEMM: K = the layer's output). Both come
 from one quantisation in 128 x 128 tiles: W^T's tiles are W's tiles transposed, with the same amax,
 so its codes and scales are W's transposed (exactly). Under per-tensor scaling ("tensorwise") the
-scale is W's current amax over fp8_max and W^T is the same codes transposed. A copy is remade when
-the weight's data changes (its version counter moves: an optimizer step, a load_state_dict, an
-in-place edit).
+scale is W's current amax over fp8_max and W^T is the same codes transposed.
+
+A copy is remade when the weight may have changed: after every optimizer step (a global
+``torch.optim`` step post-hook moves a generation counter that is part of each copy's stamp: fused
+optimizers and FSDP2's re-gathers change parameters without moving their version counters), when
+its version counter, storage, shape, dtype or device moves (a load_state_dict, an in-place edit
+under no_grad), and after ``weights_changed()`` (edits that show in none of these: through
+``.data``, or a hand-written update outside any torch optimizer).
 
 ``halves=True`` (the gate/up weight of a per-tensor block, rows interleaved gate, up, gate, ...):
 W^T's columns are ordered gate rows first, then up rows, matching dz written as its two halves by
@@ -17,12 +22,40 @@ the down-proj dX epilogue (epilogues/fp8_tensorwise.py: swiglu_backward_t).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...quantization import quantize_tiles
+from ..precision import no_autocast
 from .copies import tensor_copies, weight_tiles
 from .recipe import Fp8Recipe
+
+_generation = 0          # moved by every optimizer step and by weights_changed(): part of each stamp
+_hook: Any = None
+
+
+def weights_changed() -> None:
+    """Every FP8 weight copy of every FP8 block is made again on its next use. Call it after changing
+    parameters in a way their version counters do not show: through ``.data`` (``p.data.add_(...)``,
+    a hand-written update or initialisation, an EMA swap), or by an optimizer that is not a
+    ``torch.optim.Optimizer``. Steps of torch optimizers (fused and foreach ones included) call it
+    themselves; in-place edits of the parameters (``with torch.no_grad(): p.mul_(2)``) and
+    ``load_state_dict`` are seen anyway."""
+    global _generation
+    _generation += 1
+
+
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    weights_changed()
+
+
+def _watch_optimizer_steps() -> None:
+    """Register the global optimizer step post-hook once per process (on the first FP8 block)."""
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 @dataclass(frozen=True)
@@ -36,19 +69,29 @@ class Fp8Weight:
 
 
 class Fp8Weights:
-    """A cache of FP8 weight copies keyed by the parameter: quantised again only when it changed."""
+    """A cache of FP8 weight copies keyed by the parameter: quantised again only when it may have
+    changed (the module docstring). Copies and pickles of it start empty (the keys are the objects'
+    ids)."""
 
     def __init__(self, recipe: Fp8Recipe):
         self.recipe = recipe
         self._cache: dict[tuple[int, bool], tuple[tuple, Fp8Weight]] = {}
+        _watch_optimizer_steps()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cache": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        _watch_optimizer_steps()
 
     def get(self, w: torch.Tensor, *, halves: bool = False) -> Fp8Weight:
-        stamp = (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
+        stamp = (_generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
         key = (id(w), halves)
         hit = self._cache.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
-        with torch.no_grad():
+        with torch.no_grad(), no_autocast(w.device):
             if self.recipe.scaling == "tensor":
                 entry = _per_tensor(w.detach(), self.recipe, halves)
             elif self.recipe.pow2 and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0:
@@ -61,6 +104,23 @@ class Fp8Weights:
 
     def clear(self) -> None:
         self._cache.clear()
+
+
+class PinnedWeights:
+    """The FP8 copies one forward used, kept for its backward: the dX GEMMs read the W^T that came
+    with the W the forward read, whatever happened to the cache in between (an optimizer step of
+    another model, ``weights_changed()``)."""
+
+    def __init__(self, source: Fp8Weights):
+        self.source = source
+        self.used: dict[tuple[int, bool], Fp8Weight] = {}
+
+    def get(self, w: torch.Tensor, *, halves: bool = False) -> Fp8Weight:
+        key = (id(w), halves)
+        hit = self.used.get(key)
+        if hit is None:
+            hit = self.used[key] = self.source.get(w, halves=halves)
+        return hit
 
 
 def _per_tensor(w: torch.Tensor, recipe: Fp8Recipe, halves: bool) -> Fp8Weight:

@@ -1,0 +1,419 @@
+"""FP8 training's state on the CPU: the weights' FP8 copies follow every way parameters change
+(fused optimizers, FSDP2's re-gathers, ``.data`` edits with ``weights_changed()``); the delayed
+scales survive non-finite and zero amaxes, evaluation forwards, refused calls, copies, pickles and
+checkpoints of other lengths or recipes; autocast, a second backward and weights edited between
+forward and backward are handled or refused; recipes and token counts are checked with messages
+that say what to do. Tiny widths (the smallest FP8 block: 128 wide, one head of 128)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from coda_cutlass.errors import CallError, ConfigError
+from coda_cutlass.nn import LlamaBlock, LlamaModel
+from coda_cutlass.nn.fp8 import RECIPES, Fp8Recipe, weights_changed
+from coda_cutlass.nn.fp8.block_stats import BlockScaleStats
+from coda_cutlass.nn.fp8.delayed import DelayedScales, _fold
+from coda_cutlass.nn.fp8.weights import Fp8Weights
+from coda_cutlass.quantization import quantize_blocks
+
+BF16, E4M3 = torch.bfloat16, torch.float8_e4m3fn
+CPU = torch.device("cpu")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _block(fp8, seed=0, **kw):
+    torch.manual_seed(seed)
+    return LlamaBlock(128, 1, 1, 128, head_dim=128, fp8=fp8, dtype=BF16, **kw)
+
+
+def _model(fp8, seed=0, **kw):
+    torch.manual_seed(seed)
+    kw.setdefault("dtype", BF16)
+    return LlamaModel(256, 128, 2, 1, 1, 128, head_dim=128, fp8=fp8, **kw)
+
+
+def _tokens(seed=1, batch=1):
+    return torch.randint(0, 256, (batch, 128), generator=torch.Generator().manual_seed(seed))
+
+
+def _inputs(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 128, 128, generator=g).to(BF16) for _ in range(n)], \
+        torch.randn(1, 128, 128, generator=g).to(BF16)
+
+
+def _same_copy(a, b):
+    return all(torch.equal(getattr(a, f).view(torch.uint8) if getattr(a, f).dtype in (E4M3,) else getattr(a, f),
+                           getattr(b, f).view(torch.uint8) if getattr(b, f).dtype in (E4M3,) else getattr(b, f))
+               for f in ("w", "scale", "wt", "scale_t"))
+
+
+# ---------------------------------------------------------------- the weights' FP8 copies
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_a_fused_optimizer_step_and_weights_changed_remake_the_weight_copies(recipe):
+    """Fused AdamW changes a parameter without moving its version counter; every optimizer step
+    moves the copies' generation instead. ``.data`` edits show nowhere: weights_changed() says so."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(256, 128))
+    cache = Fp8Weights(RECIPES[recipe])
+    a = cache.get(w)
+    assert cache.get(w) is a
+    w.grad = torch.randn_like(w)
+    torch.optim.AdamW([w], lr=0.1, fused=True).step()
+    b = cache.get(w)
+    assert b is not a and _same_copy(b, Fp8Weights(RECIPES[recipe]).get(w))
+    # as FSDP2 gathers a parameter again: new values, the version counter kept (the storage may even
+    # be the same), after an optimizer step on the shards
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+        w.copy_(torch.randn_like(w))
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()
+    b = cache.get(w)
+    assert _same_copy(b, Fp8Weights(RECIPES[recipe]).get(w))
+    w.data.mul_(2.0)                    # through .data: no version counter moves
+    assert cache.get(w) is b
+    weights_changed()
+    c = cache.get(w)
+    assert c is not b and _same_copy(c, Fp8Weights(RECIPES[recipe]).get(w))
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_a_model_trained_by_fused_adamw_computes_with_its_current_weights(recipe):
+    m = _model(recipe, dtype=torch.float32, compute_dtype=BF16)
+    tok = _tokens()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3, fused=True)
+    m(tok, tok).backward()
+    opt.step()
+    with torch.no_grad():               # a copy makes its FP8 weights from scratch (and has the same scales)
+        assert torch.equal(m(tok, tok), copy.deepcopy(m)(tok, tok))
+
+
+_FSDP_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from coda_cutlass.nn import LlamaModel
+    from coda_cutlass.nn.parallel import shard_model
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 256, (1, 129), generator=g) for _ in range(6)]
+    out = {}
+    for sharded in (False, True):
+        torch.manual_seed(0)
+        m = LlamaModel(256, 128, 2, 1, 1, 128, head_dim=128, fp8=sys.argv[1], dtype=torch.float32,
+                       compute_dtype=torch.bfloat16)
+        if sharded:
+            shard_model(m, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-2)
+        losses = []
+        for t in batches:
+            loss = m(t[:, :-1], t[:, 1:]); loss.backward(); opt.step(); opt.zero_grad(); losses.append(loss.item())
+        out[str(sharded)] = losses
+    dist.destroy_process_group()
+    print(json.dumps(out))
+""")
+
+
+def test_fsdp2_regathered_weights_are_quantised_again_after_each_optimizer_step():
+    """FSDP2 gathers the unsharded parameters again into storage that may sit at the same address,
+    keeping their version counters: the sharded model (world size 1) computes what the plain one does."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT, "tensorwise"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["True"] == out["False"], out
+
+
+# ---------------------------------------------------------------- delayed scales: inf, NaN and zero amaxes
+
+def test_one_non_finite_batch_shows_in_its_step_and_training_recovers_at_once():
+    xs, dy = _inputs(6)
+    bad = xs[2].clone()
+    bad[0, 5, 7] = float("inf")
+    b = _block("tensorwise")
+    finite = []
+    for i, x in enumerate(xs):
+        y = b(bad if i == 2 else x)
+        y.backward(dy)
+        finite.append(bool(torch.isfinite(y).all()))
+    assert finite == [True, True, False, True, True, True]
+    assert all(math.isfinite(v["scale"]) for v in b.fp8_stats().values())
+
+
+class FakeKernel:
+    def __init__(self, amax):
+        self.amax, self.scales = amax, []
+
+    def __call__(self, s):
+        self.scales.append(float(s))
+        return {}, torch.tensor(self.amax)
+
+
+def test_a_tensor_seen_only_as_zero_or_non_finite_keeps_calibrating():
+    """Zero-initialised output projections give exactly zero gradients on the first step: that amax
+    makes no scale (scale 1 would flush the next step's small gradients to zero); the tensor
+    calibrates from its current amax until it has a finite, positive one."""
+    sc = DelayedScales(RECIPES["tensorwise"], {"dz": E4M3})
+    k = FakeKernel(0.0)
+    launches = []
+    for amax in (0.0, float("nan"), 1e-3, 1e-3):
+        sc.begin_step(CPU)
+        k.amax, k.scales = amax, []
+        sc.quantize("dz", k, CPU)
+        launches.append(k.scales)
+    small = 2.0 ** -18                      # 1e-3 / 448 rounded up to a power of two
+    assert launches[0] == [1.0, 1.0] and launches[1][0] == 1.0 and len(launches[1]) == 2
+    assert launches[2] == [1.0, small] and launches[3] == [small]
+
+
+def test_zero_initialised_output_projections_still_train_their_inputs():
+    b = _block("tensorwise")
+    with torch.no_grad():
+        b.o.zero_()
+        b.down.zero_()
+    xs, dy = _inputs(2)
+    b(xs[0]).backward(dy)                   # dz, dx1, ... are exactly 0
+    assert b.fp8_stats()["dz"]["calibrated"] is False
+    with torch.no_grad():                   # what the optimizer step does: small output projections
+        b.o.normal_(0.0, 1e-3)
+        b.down.normal_(0.0, 1e-3)
+    b.zero_grad()
+    b(xs[1]).backward(dy)
+    assert b.gate_up.grad.abs().max() > 0 and b.qkv.grad.abs().max() > 0
+    assert b.fp8_stats()["dz"]["scale"] < 2.0 ** -10
+
+
+def test_the_compiled_fold_is_bit_for_bit_the_eager_fold():
+    """The fold runs compiled by torch.compile on a GPU: inductor on the CPU builds the same graph
+    from the same elementwise ops; amaxes and scales agree bit for bit, the histories too (NaN
+    payloads aside), over zero, inf and NaN amaxes and both formats."""
+    torch.manual_seed(0)
+    n, length = 10, 16
+    hist = torch.rand(n, length) * 10
+    hist[0] = 0.0
+    hist[1, 3], hist[2, :], hist[3, 5] = float("nan"), float("inf"), float("inf")
+    amax = torch.tensor([0.0, 3.0, 2.0, 0.0, 1.0, 1.0, 0.0, 0.0, 5.0, 1e-30])
+    slot = torch.eye(length, dtype=torch.bool)[4]
+    fmax = torch.tensor([448.0] * 5 + [57344.0] * 5)
+    parts = [torch.tensor([1.0, float("nan")]), torch.rand(3, 2), torch.tensor(0.0), torch.tensor(float("inf")),
+             torch.rand(7)]
+    owners = (1, 2, 0, 4, 4)
+    want = _fold(hist, amax, slot, fmax, parts, owners)
+    try:
+        got = torch.compile(_fold, fullgraph=True, dynamic=True)(hist, amax, slot, fmax, parts, owners)
+    except Exception as e:  # noqa: BLE001 - no C++ compiler for inductor here
+        pytest.skip(f"torch.compile on the CPU failed: {type(e).__name__}: {str(e)[:200]}")
+    for g, w in zip(got, want):
+        assert torch.equal(g.isnan(), w.isnan())
+        assert torch.equal(g.nan_to_num(-1.0).view(torch.int32), w.nan_to_num(-1.0).view(torch.int32))
+    assert torch.equal(want[2][:2], torch.tensor([1.0, 2.0 ** -5]))     # "a" calibrates; 9.5 / 448 -> 2^-5
+
+
+# ---------------------------------------------------------------- forwards that do not train
+
+def test_an_evaluation_forward_does_not_change_training():
+    xs, dy = _inputs(5)
+    x_eval = torch.randn(1, 128, 128).to(BF16)
+    x_eval[0, :, 0] = 40.0                  # an outlier channel: its amax would set 16 steps' scales
+    outs = {}
+    for evaluate in (False, True):
+        b = _block("tensorwise")
+        outs[evaluate] = []
+        for i, x in enumerate(xs):
+            y = b(x)
+            y.backward(dy)
+            outs[evaluate].append(y)
+            if evaluate and i == 2:
+                before = b.fp8_stats()
+                b.eval()
+                with torch.no_grad():
+                    assert torch.isfinite(b(x_eval)).all()
+                b.train()
+                assert b.fp8_stats() == before
+    assert all(torch.equal(a, c) for a, c in zip(outs[False], outs[True]))
+
+
+def test_a_block_that_never_trained_evaluates_without_recording():
+    b = _block("tensorwise")
+    with torch.no_grad():
+        y = b(_inputs(1)[0][0])
+    assert torch.isfinite(y).all()
+    assert not any(v["calibrated"] for v in b.fp8_stats().values())
+
+
+# ---------------------------------------------------------------- refused and empty calls
+
+def test_a_refused_call_changes_no_scale_and_an_empty_batch_runs():
+    xs, dy = _inputs(2)
+    b = _block("tensorwise")
+    b(xs[0]).backward(dy)
+    before, steps = b.fp8_stats(), b.fp8_path().scales.steps
+    odd = torch.randn(1, 100, 128).to(BF16)
+    with pytest.raises(CallError, match="multiple of 128"):
+        b(odd)
+    assert b.fp8_stats() == before and b.fp8_path().scales.steps == steps
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    losses = {r: float(_model(r)(empty, empty)) for r in ("blockwise", "tensorwise")}
+    assert losses["tensorwise"] == losses["blockwise"], losses
+    m = _model("tensorwise")
+    tok = _tokens()
+    m(tok, tok).backward()
+    before = m.fp8_stats()
+    m(empty, empty).backward()                        # no tokens, no amaxes: a step that records nothing
+    assert m.fp8_stats() == before
+
+
+def test_odd_token_counts_are_refused_with_what_to_do():
+    m = _model("blockwise").eval()
+    with torch.no_grad(), pytest.raises(CallError, match=r"multiple of 128, got 77(.|\n)*Pad the batch(.|\n)*fp8=None"):
+        m(torch.randint(0, 256, (1, 77)))
+
+
+# ---------------------------------------------------------------- autocast, autograd
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_autocast_computes_what_compute_dtype_does(recipe):
+    tok = _tokens()
+    a = _model(recipe, dtype=torch.float32)
+    b = _model(recipe, dtype=torch.float32, compute_dtype=BF16)
+    with torch.autocast("cpu", dtype=BF16):
+        la = a(tok, tok)
+    lb = b(tok, tok)
+    la.backward()
+    lb.backward()
+    assert torch.equal(la, lb)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_a_second_backward_and_a_weight_edited_before_the_backward_are_refused(recipe):
+    x = _inputs(1)[0][0]
+    b = _block(recipe)
+    y = b(x)
+    y.float().sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second time(.|\n)*retain_graph=True"):
+        y.float().sum().backward()
+    y = b(x)
+    with torch.no_grad():
+        b.down.mul_(4.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation(.|\n)*weight down"):
+        y.float().sum().backward()
+
+
+# ---------------------------------------------------------------- copies, pickles, checkpoints
+
+def _train(m, opt, batches):
+    out = []
+    for t in batches:
+        loss = m(t, t)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.detach())
+    return out
+
+
+def test_copies_and_pickles_keep_the_scale_state_and_continue_identically():
+    batches = [_tokens(seed) for seed in range(4)]
+    m = _model("tensorwise", dtype=torch.float32, compute_dtype=BF16)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    _train(m, opt, batches[:2])
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    copies = [copy.deepcopy(m), torch.load(buf, weights_only=False)]
+    assert all(c.fp8_stats() == m.fp8_stats() for c in copies)
+    ref = _train(m, opt, batches[2:])
+    for c in copies:
+        got = _train(c, torch.optim.SGD(c.parameters(), lr=0.1), batches[2:])
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    bw = _model("blockwise")
+    bw.track_fp8_stats()
+    c = copy.deepcopy(bw)
+    tok = _tokens()
+    c(tok, tok).backward()
+    assert set(c.fp8_stats()) == {0, 1}
+
+
+def test_a_checkpoint_of_another_history_length_loads_its_most_recent_amaxes():
+    m = _model("tensorwise")
+    tok = _tokens()
+    for _ in range(3):
+        m(tok, tok).backward()
+    ckpt = m.state_dict()
+    ref = m.fp8_stats()
+    for length in (32, 2):
+        recipe = Fp8Recipe(f"tw{length}", scaling="tensor", fast_accum=True, history=length)
+        other = _model(recipe, seed=5)
+        other.load_state_dict(ckpt)
+        assert all(torch.equal(p, ckpt[n]) for n, p in other.named_parameters())
+        got = other.fp8_stats()
+        for i in ref:
+            for name, st in ref[i].items():
+                kept = min(length, 16)
+                assert got[i][name]["amax_history"][:kept] == st["amax_history"][:kept], (length, i, name)
+                assert got[i][name]["last_amax"] == st["last_amax"]
+        if length == 32:                     # every entry kept: the same next step
+            assert torch.equal(other(tok, tok), m(tok, tok))
+
+
+def test_a_checkpoint_without_scale_state_resets_the_histories():
+    ckpt = _model(None, seed=1).state_dict()          # a bf16 model's
+    tok = _tokens()
+    used = _model("tensorwise")
+    with torch.no_grad():
+        used.embed.mul_(30.0)
+    used(tok, tok).backward()                         # it trained on other weights first
+    used.load_state_dict(ckpt)
+    assert used.fp8_stats() == {}
+    fresh = _model("tensorwise", seed=2)
+    fresh.load_state_dict(ckpt)
+    assert torch.equal(used(tok, tok), fresh(tok, tok))
+
+
+# ---------------------------------------------------------------- blockwise statistics, recipes
+
+def test_all_zero_runs_are_counted_apart_from_the_scale_bounds():
+    x = torch.randn(256, 256) * 1e-3
+    x[200:] = 0.0                                     # padding rows: their runs get scale 1
+    q, s = quantize_blocks(x, E4M3)
+    st = BlockScaleStats()
+    st.record("dz", s, q)
+    got = st.stats()["dz"]
+    amax = float(x.abs().max())
+    assert got["zero_runs"] == 56 * 2 and got["nonfinite_runs"] == 0
+    assert got["amax_bound"] / 2 < amax <= got["amax_bound"] and got["max_scale"] < 1e-4
+    st.record("zero", torch.ones(2, 2), torch.zeros(2, 256, dtype=E4M3))
+    assert st.stats()["zero"]["max_scale"] == 0.0 and st.stats()["zero"]["min_scale"] == 0.0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(history=16), "history applies to delayed per-tensor scaling"),
+    (dict(history=1000, margin=8), "history and margin apply"),
+    (dict(margin=1), "margin applies"),
+    (dict(scaling="tensor", history=10 ** 7), r"history must be an int in 1\.\.1024"),
+    (dict(scaling="tensor", pow2="no"), "pow2 must be True or False"),
+    (dict(scaling="tensor", fast_accum=1), "fast_accum must be True or False"),
+])
+def test_recipe_options_that_would_be_ignored_or_misread_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Fp8Recipe("mine", **kwargs)
+    assert Fp8Recipe("mine", scaling="tensor").history == 16 and RECIPES["tensorwise"].margin == 0
