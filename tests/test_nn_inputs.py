@@ -149,3 +149,29 @@ def test_a_vocabulary_the_kernels_cannot_take_is_refused_before_any_launch(monke
     with pytest.raises(ValueError, match="vocab_size 250 is not a multiple of 8"):
         fresh(tokens, tokens)
     assert launches == []
+
+
+# ------------------------------------------------------------ found by a new user's pass (twenty-fourth session)
+def test_models_build_under_a_meta_device_context_and_load_with_assign():
+    from coda_cutlass.nn import LlamaModel
+    with torch.device("meta"):
+        m = LlamaModel(64, 32, 1, 2, 1, 64)
+    assert m.embed.device.type == "meta" and m.blocks[0].rope_freq.device.type == "meta"
+    ref = LlamaModel(64, 32, 1, 2, 1, 64)
+    m.load_state_dict(ref.state_dict(), assign=True)
+    tokens = torch.randint(0, 64, (1, 8))
+    assert m.blocks[0].rope_freq.device.type == "cpu"
+    torch.testing.assert_close(m(tokens, tokens), ref(tokens, tokens))
+
+
+def test_dim_not_divisible_by_heads_says_so():
+    from coda_cutlass.nn import LlamaBlock
+    with pytest.raises(ValueError, match=r"dim \(32\) is not a multiple of n_heads \(3\)"):
+        LlamaBlock(32, 3, 1, 64)
+
+
+def test_position_ids_of_another_length_are_refused_by_name():
+    from coda_cutlass.nn import LlamaModel
+    m = LlamaModel(64, 32, 1, 2, 1, 64)
+    with pytest.raises(ValueError, match=r"position_ids must be \(batch, seq\)"):
+        m(torch.randint(0, 64, (1, 8)), position_ids=torch.arange(5)[None])

@@ -121,7 +121,7 @@ class LlamaBlock(nn.Module):
         self._softcap = attention_softcap
         self._set_rope(rope if rope is not None else Rope.explicit(inv_freq) if inv_freq is not None
                        else Rope.default(head_dim, rope_theta),
-                       torch.device(device) if device is not None else torch.device("cpu"))
+                       torch.device(device) if device is not None else torch.get_default_device())
         self.compute_dtype = check_compute_dtype(compute_dtype)
         # recompute the forward in the backward instead of keeping its activations (nn.checkpointing)
         self.activation_checkpointing = False
@@ -148,9 +148,11 @@ class LlamaBlock(nn.Module):
 
     def _set_rope_buffers(self, device: torch.device) -> None:
         d = self.dims
-        inv = self.rope.inv_freq()
+        with torch.device("cpu"):       # computed on the host (also under `with torch.device("meta")`)
+            inv = self.rope.inv_freq()
+            freq = column_frequencies(inv, d.n_heads, d.n_kv_heads)
         self.inv_freq = inv.to(device, torch.float32)
-        self.rope_freq = column_frequencies(inv, d.n_heads, d.n_kv_heads).to(device)
+        self.rope_freq = freq.to(device)
         self._freq_cache = {}
 
     def column_freq(self, seq: int) -> torch.Tensor:
@@ -182,7 +184,7 @@ class LlamaBlock(nn.Module):
             raise ValueError(f"LlamaBlock extra state must be a dict with the RoPE settings, got {type(state).__name__}")
         self._attention_args = (self._attention_args[0], state.get("attention_scale"), state.get("sliding_window"))
         self._softcap = state.get("attention_softcap")
-        self._set_rope(Rope.from_dict(state["rope"]), self.rope_freq.device)
+        self._set_rope(Rope.from_dict(state["rope"]), self.qkv.device)   # (the buffers may still be on meta)
         scales = self._fp8_scales()
         if scales is not None:
             # a checkpoint of another recipe (bf16, blockwise) keeps no histories: this block forgets its

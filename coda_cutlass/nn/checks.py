@@ -37,6 +37,9 @@ def check_block_args(dim: int, n_heads: int, n_kv_heads: int, head_dim: int | No
     (0 or NaN gave NaN silently)."""
     vec = " (the kernels move 8-element vectors: every GEMM's K and N)"
     _positive_int("n_heads", n_heads)
+    if head_dim is None and isinstance(dim, int) and dim % n_heads:
+        raise ValueError(f"dim ({dim}) is not a multiple of n_heads ({n_heads}): head_dim would be dim / n_heads; "
+                         "pass head_dim= for heads of another width")
     head_dim = dim // n_heads if head_dim is None else head_dim
     _positive_int("dim", dim, 8, vec)
     _positive_int("n_kv_heads", n_kv_heads)

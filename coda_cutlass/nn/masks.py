@@ -29,6 +29,10 @@ def attention_mask(batch: int, seq: int, device: torch.device, padding: torch.Te
     """The (B, 1, S, S) mask of padding and packed documents (causal included), or None when it
     is plain causal attention."""
     keys_ok = None
+    if position_ids is not None and (position_ids.dim() not in (1, 2) or position_ids.shape[-1] != seq
+                                     or (position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch))):
+        raise ValueError(f"position_ids must be (batch, seq) = ({batch}, {seq}) or (1, {seq}), got "
+                         f"{tuple(position_ids.shape)}")
     if padding is not None:
         if tuple(padding.shape) != (batch, seq):
             raise ValueError(f"attention_mask must be (batch, seq) = ({batch}, {seq}), got {tuple(padding.shape)}")
