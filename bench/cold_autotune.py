@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import coda_cutlass as cc  # noqa: E402
+from report import require_hopper  # noqa: E402
 from coda_cutlass.tuning import TunedEpilogue  # noqa: E402
 
 
@@ -32,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_hopper("bench/cold_autotune.py")
     cache = tempfile.mkdtemp(prefix="coda-cold-tune-")
     M, N, K = 8192, 4096, 4096
     A = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

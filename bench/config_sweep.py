@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import coda_cutlass as cc  # noqa: E402
+from report import require_hopper  # noqa: E402
 from coda_cutlass.timing import time_cuda  # noqa: E402
 from coda_cutlass.tuning import TunedEpilogue  # noqa: E402
 from coda_cutlass.tuning.space import CANDIDATES  # noqa: E402
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[8192, 16384])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_hopper("bench/config_sweep.py")
     configs = list(CANDIDATES) + [cc.KernelConfig.from_name(x) for x in args.extra]
     rows = []
     for name in args.programs:

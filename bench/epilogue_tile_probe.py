@@ -22,13 +22,16 @@ import coda_cutlass as cc  # noqa: E402
 from coda_cutlass import epilogues as E  # noqa: E402
 from coda_cutlass.timing import interleaved  # noqa: E402
 from pairwise import HEAD_DIM, WORKLOADS, make_set  # noqa: E402
-from report import GpuSampler  # noqa: E402
+from report import GpuSampler, require_hopper  # noqa: E402
 
 BASE = dict(tile_m=128, tile_n=256, tile_k=64, cluster_m=2, cluster_n=1)
 TILES = [None, (128, 64)]   # 128x32 measured the same as auto; 64x64 does not build for 2 consumer warp groups
 
 
 def main() -> None:
+    import argparse
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    require_hopper("bench/epilogue_tile_probe.py")
     w = WORKLOADS["rope"]
     sets = [make_set(w, 8192, s) for s in (1, 2)]
     head = torch.arange(sets[0]["freq"].numel(), device="cuda") // HEAD_DIM

@@ -27,6 +27,8 @@ N, K, TILES = 4096, 4096, 32
 
 
 def main() -> None:
+    import argparse
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     require_hopper("bench/finish_probe.py")
     residual = cc.compile_epilogue(E.residual_add, torch.bfloat16)
     full = cc.compile_epilogue(E.residual_norm_stats, torch.bfloat16)

@@ -15,6 +15,7 @@ import time
 import torch
 
 import coda_cutlass as cc
+from report import require_hopper
 from coda_cutlass.epilogues import residual_norm_stats
 
 
@@ -36,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    require_hopper("bench/host_overhead.py")
     M = N = K = 256
     dev = "cuda"
     A = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

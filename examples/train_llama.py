@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from coda_cutlass.nn import LlamaModel  # noqa: E402
+from coda_cutlass.nn.fp8 import RECIPES  # noqa: E402
 from coda_cutlass.nn.reference import ReferenceLlama  # noqa: E402
 
 
@@ -51,6 +52,7 @@ def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int) -> 
 
 
 PEER = "torchao fp8 tensorwise"
+MIN_JUDGED_STEPS = 200      # FP8 recipes are held to the 1.25x bar on runs this long or longer
 
 
 def torchao_twin(model: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module | None:
@@ -99,11 +101,19 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, required=True, help="folder for loss.json / loss.png (created)")
-    ap.add_argument("--fp8", action="append", default=[], metavar="RECIPE",
-                    help="also train the coda model with this FP8 recipe (coda_cutlass.nn.fp8.RECIPES)")
+    ap.add_argument("--fp8", action="append", default=[], metavar="RECIPE", choices=sorted(RECIPES),
+                    help="also train the coda model with this FP8 recipe (coda_cutlass.nn.fp8.RECIPES); its PASS bar "
+                         "(1.25x eager bf16's distance to fp32) is for runs of 200 steps or more")
     ap.add_argument("--no-torchao", dest="torchao", action="store_false",
                     help="leave out the torchao float8 tensorwise twin (trained by default with --fp8 on a GPU)")
     args = ap.parse_args()
+    if args.steps < 1 or args.batch < 1 or args.seq < 2:
+        ap.error("--steps and --batch must be at least 1 and --seq at least 2")
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out} exists and is not a folder")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch has no CUDA device (use --device cpu)")
+    args.out.mkdir(parents=True, exist_ok=True)      # before training: a bad folder must not cost the run
     device = torch.device(args.device)
     low = torch.bfloat16
     torch.manual_seed(0)
@@ -137,7 +147,9 @@ def main() -> int:
     ref = curves["eager fp32"]
     dist = {n: sum(abs(a - b) for a, b in zip(c, ref)) / len(ref) for n, c in curves.items() if n != "eager fp32"}
     ok = dist["coda"] <= 2 * dist[lowp] + 0.01
-    fp8_ok = {n: dist[n] <= 1.25 * dist[lowp] for n, _ in fp8_models}
+    # the 1.25x bar is for the 200+ step runs it was set on; a short run's distances are too noisy to judge
+    judged = args.steps >= MIN_JUDGED_STEPS
+    fp8_ok = {n: dist[n] <= 1.25 * dist[lowp] or not judged for n, _ in fp8_models}
     finite = all(all(v == v and abs(v) != float("inf") for v in c) for n, c in curves.items() if n != PEER)
     ok = ok and all(fp8_ok.values()) and finite
     summary = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(low),
@@ -147,7 +159,9 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loss.json").write_text(json.dumps(summary, indent=1))
     wrote = ["loss.json"] + (["loss.png"] if plot(curves, args.out / "loss.png", summary) else [])
-    fp8_text = "".join(f", {n} {dist[n]:.4f} ({'ok' if fp8_ok[n] else 'over'} 1.25x eager bf16)" for n in fp8_ok)
+    fp8_text = "".join(f", {n} {dist[n]:.4f} ("
+                       + (("ok" if fp8_ok[n] else "over") + " 1.25x eager bf16" if judged
+                          else f"not judged under {MIN_JUDGED_STEPS} steps") + ")" for n in fp8_ok)
     fp8_text += f", {PEER} {dist[PEER]:.4f} (peer, not judged)" if PEER in dist else ""
     print(f"mean |loss - fp32 loss|: coda {dist['coda']:.4f}, {lowp} {dist[lowp]:.4f}{fp8_text} -> "
           f"{'PASS' if ok else 'FAIL'} (coda within 2x eager bf16 + 0.01; FP8 recipes within 1.25x eager bf16; all finite); "

@@ -1,6 +1,7 @@
 """examples/finetune_hf.py runs on the CPU: transformers' Trainer fine-tunes a from_hf model (the
 eval loss drops), and the checkpoint it saves reloads in transformers to the same loss (the script
-exits non-zero otherwise)."""
+exits non-zero otherwise); examples/train_llama.py refuses bad options before it trains and does not
+judge FP8 recipes on runs too short for its bar."""
 
 from __future__ import annotations
 
@@ -23,3 +24,26 @@ def test_finetune_hf_example(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "saved checkpoint reloaded by transformers" in run.stdout
     assert (tmp_path / "model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--steps", "0"], "--steps and --batch must be at least 1"),
+    (["--fp8", "bogus"], "invalid choice: 'bogus'"),
+    (["--out-is-a-file"], "exists and is not a folder"),
+])
+def test_train_llama_refuses_bad_options_before_training(tmp_path, args, match):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    out = ["--out", str(f)] if args == ["--out-is-a-file"] else ["--out", str(tmp_path / "o")] + args
+    run = subprocess.run([sys.executable, str(REPO / "examples" / "train_llama.py"), "--device", "cpu", *out],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2 and match in run.stderr, run.stderr[-1000:]
+
+
+def test_train_llama_short_fp8_runs_are_not_judged(tmp_path):
+    run = subprocess.run([sys.executable, str(REPO / "examples" / "train_llama.py"), "--device", "cpu", "--steps", "2",
+                          "--batch", "2", "--seq", "128", "--fp8", "tensorwise", "--no-torchao", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "not judged under 200 steps" in run.stdout and (tmp_path / "loss.json").is_file()

@@ -70,8 +70,13 @@ def _kernel_ld(layout: str, ld: int) -> int:
 
 
 # CODA_CUTLASS_POISON=1 fills every buffer the runtime allocates with NaN before the launch, so an
-# element the kernel fails to write shows up (used by the GPU tests).
-POISON = env_flag("CODA_CUTLASS_POISON", False)
+# element the kernel fails to write shows up (used by the GPU tests). Read at call time (a bad value
+# is an error of the call, not of `import coda_cutlass`); tests may set POISON to force it.
+POISON: bool | None = None
+
+
+def poison_enabled() -> bool:
+    return env_flag("CODA_CUTLASS_POISON", False) if POISON is None else POISON
 
 
 def new_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, poison: bool) -> torch.Tensor:
@@ -233,7 +238,7 @@ class Kernel(ReductionOutputs):
             self._check_names(operands)
         if out:
             checks.check_out_names(self.name, out, self._tile_outputs)
-        poison = POISON
+        poison = poison_enabled()
         scalars = [checks.check_scalar(name, operands[name]) for name in self._scalar_names]
         for o in self._unused_tensors:     # operands the program does not use: still checked
             self.spec.check_operand(o, operands[o.name], M, N, device)

@@ -202,7 +202,7 @@ class CompiledMap(ReductionOutputs):
         if out:
             checks.check_out_names(self.name, out, self._tile_outputs)
         device = X.device
-        poison = _kernel.POISON      # CODA_CUTLASS_POISON (read at call time: tests switch it)
+        poison = _kernel.poison_enabled()      # CODA_CUTLASS_POISON, read at call time
         scalars = [checks.check_scalar(n, operands[n]) for n in self._scalars]
         for o in self._unused:       # operands the program does not use: still checked
             self._check_vector_or_tile(o.name, o.kind, operands[o.name], o.dtype, M, N, device)
