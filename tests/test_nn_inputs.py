@@ -175,3 +175,10 @@ def test_position_ids_of_another_length_are_refused_by_name():
     m = LlamaModel(64, 32, 1, 2, 1, 64)
     with pytest.raises(ValueError, match=r"position_ids must be \(batch, seq\)"):
         m(torch.randint(0, 64, (1, 8)), position_ids=torch.arange(5)[None])
+
+
+def test_float64_parameters_are_refused_by_name():
+    from coda_cutlass.nn import LlamaModel
+    m = LlamaModel(64, 32, 1, 2, 1, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="parameters in torch.float64 are not supported"):
+        m(torch.randint(0, 64, (1, 8)))

@@ -35,6 +35,9 @@ def compute_dtype(param_dtype: torch.dtype, device: torch.device, explicit: torc
     """The dtype one call computes in (rules 1-3 of the module docstring)."""
     if explicit is not None:
         return explicit
+    if param_dtype not in (*KERNEL_DTYPES, torch.float32):
+        raise ValueError(f"parameters in {param_dtype} are not supported: use torch.float32 (masters, with "
+                         "compute_dtype= or autocast for 16-bit compute), torch.bfloat16 or torch.float16")
     if param_dtype == torch.float32 and torch.is_autocast_enabled(device.type):
         dtype = torch.get_autocast_dtype(device.type)
         if dtype in KERNEL_DTYPES:
