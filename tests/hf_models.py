@@ -101,3 +101,20 @@ class Legacy:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def hf_model(model_type: str = "llama", seed: int = 3, **fields: Any) -> torch.nn.Module:
+    """A tiny transformers causal LM with large weights (draw)."""
+    torch.manual_seed(seed)
+    return draw(transformers.AutoModelForCausalLM.from_config(config(model_type, **fields)).float(), seed)
+
+
+def coda_grads_hf(model: Any) -> dict[str, torch.Tensor]:
+    """A from_hf / patch_hf model's gradients under the transformers parameter names."""
+    from coda_cutlass.nn.hf.checkpoint import to_hf_keys
+    grads = {n: p.grad for n, p in model.coda.named_parameters(remove_duplicate=False)}
+    return to_hf_keys(grads, model.coda_family, model.config, model.coda_tied)

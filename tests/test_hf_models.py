@@ -13,26 +13,10 @@ import torch
 
 import coda_cutlass.nn as cnn
 from coda_cutlass.errors import ConfigError
-from coda_cutlass.nn.hf.checkpoint import to_hf_keys
 from coda_cutlass.nn.hf.fields import UnsupportedConfig
-from hf_models import config, draw, transformers
+from hf_models import coda_grads_hf, config, draw, hf_model, rel, transformers
 
 TOL = 1e-4
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def hf_model(model_type: str = "llama", seed: int = 3, **fields) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return draw(transformers.AutoModelForCausalLM.from_config(config(model_type, **fields)).float(), seed)
-
-
-def coda_grads_hf(model) -> dict[str, torch.Tensor]:
-    """The coda model's gradients under the transformers parameter names."""
-    grads = {n: p.grad for n, p in model.coda.named_parameters(remove_duplicate=False)}
-    return to_hf_keys(grads, model.coda_family, model.config, model.coda_tied)
 
 
 def check_model(hf, model, tokens, labels, **inputs) -> None:

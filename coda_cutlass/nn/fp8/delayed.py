@@ -55,7 +55,7 @@ def _fold(history: torch.Tensor, amax: torch.Tensor, slot: torch.Tensor, fmax: t
     """A step's amaxes into the histories, and the amaxes and scales of the next step: ``parts[k]``
     belongs to tensor ``owners[k]`` (a tensor with none gets amax 0); ``slot`` is the (history,)
     one-hot mask of the column they go to; ``amax`` the amax behind each current scale
-    (``_delayed``); ``fmax`` the formats' largest values over 2^margin (the same scales as the
+    (``_kept_amax``); ``fmax`` the formats' largest values over 2^margin (the same scales as the
     margin applied to the amax, and no int argument: compiled with dynamic shapes, an int would
     become a 64-bit kernel argument and widen the exponent arithmetic). One compiled graph on a GPU
     (compiled.py): elementwise ops and reductions over fixed shapes, nothing read on the host."""
@@ -65,19 +65,17 @@ def _fold(history: torch.Tensor, amax: torch.Tensor, slot: torch.Tensor, fmax: t
         per[i].append(p)
     col = torch.stack([amax_of(v) if v else zero for v in per])
     history = torch.where(slot, col[:, None], history)
-    amax, scales = _delayed(history, amax, fmax, pow2)
-    return history, amax, scales
+    amax = _kept_amax(history, amax)
+    return history, amax, tensor_scales(amax, fmax, 0, pow2)
 
 
-def _delayed(history: torch.Tensor, amax: torch.Tensor, fmax: torch.Tensor, pow2: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(amax, scale) per tensor from its history: the largest finite, positive amax of the history;
-    where there is none (every entry 0, inf or NaN) the previous ``amax`` stays, and with it the
-    scale (0: no finite positive amax seen yet, the tensor still calibrates: delayed.DelayedScales.
+def _kept_amax(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The amax behind each tensor's delayed scale: the largest finite, positive amax of its
+    history; where there is none (every entry 0, inf or NaN) the previous ``amax`` stays, and with it
+    the scale (0: no finite positive amax seen yet, the tensor still calibrates: DelayedScales.
     quantize). A non-finite or zero amax thus neither poisons nor freezes a scale."""
     seen = torch.where(torch.isfinite(history) & (history > 0), history, torch.zeros_like(history)).amax(1)
-    amax = torch.where(seen > 0, seen, amax)
-    return amax, tensor_scales(amax, fmax, 0, pow2)
+    return torch.where(seen > 0, seen, amax)
 
 
 def tensor_scales(amax: torch.Tensor, fmax: torch.Tensor | float, margin: int, pow2: bool) -> torch.Tensor:
@@ -197,7 +195,7 @@ class DelayedScales:
         hist[:, :kept] = history[:, newest_first].flip(1)          # oldest kept first, the newest last
         before = state.get("amax")      # checkpoints before it kept no amax: every scale from the history
         before = torch.zeros(len(self.names)) if before is None else before.detach().to("cpu", torch.float32)
-        amax, _ = _delayed(hist, before, torch.ones(len(self.names)), True)
+        amax = _kept_amax(hist, before)
         device = device or torch.device("cpu")
         self._history, self._amax = hist.to(device), amax.to(device)
         self._scales = torch.ones(len(self.names), dtype=torch.float32, device=device)
