@@ -596,6 +596,27 @@ def test_fused_lm_head_equals_the_recomputing_backward():
         loss.backward()
 
 
+@pytest.mark.parametrize("dtype, dloss", [(torch.bfloat16, 1 / 3), (torch.float16, 65536.0)])
+def test_fused_lm_head_scales_its_gradients_by_dloss_in_fp32(dtype, dloss):
+    """The fused LM head's gradients (computed for dloss = 1 in the forward) are multiplied by the
+    incoming dloss in fp32 and rounded once: in the compute dtype dloss itself was rounded first
+    (bf16 1/3 -> 0.333984, 0.2% on every gradient; fp16's loss scale 65536, GradScaler's default,
+    -> inf)."""
+    torch.manual_seed(6)
+    model = LlamaModel(40, 64, 1, 4, 2, 96, rope_theta=1e4, dtype=dtype)
+    tokens, targets = torch.randint(0, 40, (2, 8)), torch.randint(0, 40, (2, 8))
+    grads = []
+    for scale in (1.0, dloss):
+        model.zero_grad()
+        (model(tokens, targets) * scale).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    # only the LM head's own gradients are its products; the rest go through the blocks' backward
+    for name in ("lm_head", "norm"):
+        one, scaled = grads[0][name], grads[1][name]
+        assert torch.isfinite(scaled).all(), name
+        assert torch.equal(scaled, (one.float() * dloss).to(dtype)), name
+
+
 def test_in_sequence_tuning_of_fp8_sites_builds_fp8_candidates(monkeypatch):
     """An FP8 site (a tensorwise block's) is tuned with the FP8 candidate space, its candidates built
     with its operand format, scaling and accumulation, and handed to the runner under its FP8 key
