@@ -657,3 +657,16 @@ def test_lm_head_chunks_are_whole_256_row_tiles_where_they_can_be():
     assert ce_chunk_rows(256 << 20, row) == 1024      # 1046 fit
     assert ce_chunk_rows(100 * row, row) == 100       # fewer than 256: as many as fit
     assert ce_chunk_rows(1, row) == 1
+
+
+def test_a_batch_with_every_target_ignored_gives_zero_loss_and_gradients():
+    """As docs/NN.md says (torch's mean cross-entropy gives nan there, which would poison the weights)."""
+    torch.manual_seed(7)
+    model = LlamaModel(40, 64, 1, 4, 2, 96, rope_theta=1e4, dtype=torch.float32)
+    for fused in (True, False):
+        model.zero_grad()
+        model.fused_lm_head = fused
+        loss = model(torch.randint(0, 40, (2, 8)), torch.full((2, 8), -100))
+        loss.backward()
+        assert loss.item() == 0.0
+        assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())

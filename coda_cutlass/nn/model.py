@@ -137,7 +137,8 @@ class LMHeadLogits(torch.autograd.Function):
 
 class LlamaModel(nn.Module):
     """A Llama decoder stack. ``forward(tokens, targets)`` returns the mean cross-entropy (targets
-    equal to ``ignore_index`` are skipped, others outside [0, vocab) raise); ``forward(tokens)``
+    equal to ``ignore_index`` are skipped, others outside [0, vocab) raise; a batch whose targets are
+    all ignored gives 0 and zero gradients, where torch's cross_entropy gives nan); ``forward(tokens)``
     returns the logits (B, S, vocab), differentiable like the loss; ``forward(tokens, targets,
     return_logits=True)`` both, (loss, logits), from one pass through the blocks."""
 
