@@ -170,18 +170,21 @@ class CodaFp8:
             with torch.no_grad():
                 self.block.run(self.step, wl.x, self.h, self.r, wl.g_next, next_fp8=True)
 
-    def weight_quant_ms(self, reps: int = 5) -> float:
-        """One remake of the block's four FP8 weight copies (what each optimizer step adds)."""
+    def weight_quant_ms(self, reps: int = 5, torch_copies: bool = False) -> float:
+        """One remake of the block's four FP8 weight copies (what each optimizer step adds), as the
+        block makes them (per tensor: the runner's map kernel), or with ``torch_copies`` by the
+        compiled torch copies (no runner)."""
         cache = self.block.fp8_weights()
         b = self.block
+        run = None if torch_copies else self.runner
         times = []
         for _ in range(reps + 1):
             cache.clear()
             torch.cuda.synchronize()
             t = time.perf_counter()
             for w in (b.qkv, b.o, b.down):
-                cache.get(w)
-            cache.get(b.gate_up, halves=b.fp8.scaling == "tensor")
+                cache.get(w, runner=run)
+            cache.get(b.gate_up, halves=b.fp8.scaling == "tensor", runner=run)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
         return sorted(times[1:])[reps // 2]

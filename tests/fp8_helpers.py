@@ -46,7 +46,7 @@ def draw_weights(block: Any) -> Any:
     return block
 
 
-def blocks_step(seed: int = 0, fp8: str = "blockwise") -> RecordingRunner:
+def blocks_step(seed: int = 0, fp8: Any = "blockwise") -> RecordingRunner:
     """The two blocks of a small FP8 model, forward and backward, without the (bf16) LM head."""
     torch.manual_seed(seed)
     m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8=fp8, dtype=BF16)

@@ -11,13 +11,13 @@ import torch
 
 from coda_cutlass.lower.plan import default_config, plan
 from coda_cutlass.nn import LlamaModel
-from coda_cutlass.nn.fp8 import RECIPES
+from coda_cutlass.nn.fp8 import RECIPES, Fp8Recipe
 from coda_cutlass.nn.fp8.kernels import gemm_sites, map_items, map_sites, prebuild_items
 from coda_cutlass.nn.runner import gemm_options
 from fp8_helpers import RecordingRunner, blocks_step
 from coda_cutlass.pipeline import lower_program
 
-BF16 = torch.bfloat16
+BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 NAMES = ("blockwise", "blockwise_g16", "tensorwise")
 
 
@@ -37,6 +37,31 @@ def test_every_launch_of_an_fp8_step_is_listed_with_its_program_and_formats(name
         if site not in maps and site.endswith(".quant"):
             site = "o.quant"                  # tensorwise lists one program for its quantisation map kernels
         assert maps.get(site) == (program, partial), site
+
+
+@pytest.mark.parametrize("formats", [(E4M3, E5M2, E4M3), (E5M2, E5M2, E5M2), (E4M3, E4M3, E5M2)])
+def test_a_tensorwise_recipes_formats_reach_every_gemm_operand(formats):
+    """Every FP8 GEMM of a per-tensor step reads its activation, gradient and weight operands in the
+    recipe's formats (e5m2 gradients, Transformer Engine's "hybrid", included): each operand stored
+    by its producer's program in that format, the programs and the weight copies listed under the
+    recipe's sites. (Every quantising program once stored e4m3 whatever the recipe said.)"""
+    act, grad, weight = formats
+    recipe = Fp8Recipe("formats", scaling="tensor", activation=act, gradient=grad, weight=weight, fast_accum=True)
+    fmt = {"activation": act, "gradient": grad, "weight": weight}
+    sites, maps = gemm_sites(recipe), map_sites(recipe)
+    run = blocks_step(fp8=recipe)
+    fp8_gemms = [g for g in run.gemms if g[4] is not None]
+    assert {g[0] for g in fp8_gemms} == set(sites) - {"down.last"}
+    for site, program, layout, partial, fp8, a_dtype, w_dtype in fp8_gemms:
+        kinds = sites[site][1]
+        assert (a_dtype, w_dtype) == (fmt[kinds[0]], fmt[kinds[1]]), site
+        assert program is sites[site][0] and fp8 == recipe.gemm(kinds, "tensor"), site
+    listed = {program for program, _ in maps.values()}
+    assert {program for _, program, _ in run.maps} <= listed
+    assert {p.name for p in listed if p.name.startswith("quantize_tensor")} == {
+        "quantize_tensor" if f == E4M3 else "quantize_tensor_e5m2" for f in formats}
+    names = {program.name for program, _ in prebuild_items(recipe)}
+    assert ("swiglu_backward_t_e5m2" in names) == (grad == E5M2) and ("swiglu_t_e5m2" in names) == (act == E5M2)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -5,10 +5,12 @@ emulation written from the recipes' description (tests/fp8_emulation.py)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
+from coda_cutlass import epilogues as E
 from coda_cutlass.errors import ConfigError
 from coda_cutlass.nn import LlamaBlock, LlamaModel
 from coda_cutlass.nn.fp8 import RECIPES, Fp8Recipe
@@ -174,14 +176,57 @@ def test_per_tensor_weight_copies_and_the_gate_up_halves():
     assert cache.get(w) is a and cache.get(w, halves=True) is h
 
 
-def _block(seed: int = 0, recipe: str = "tensorwise") -> LlamaBlock:
+@pytest.mark.parametrize("halves", [False, True])
+def test_weight_copies_by_the_runners_map_kernel_equal_the_torch_copies(halves):
+    """A bf16 weight's per-tensor copies come from the runner's ``quantize_tensor`` map kernel (the
+    gate/up halves through strided views), bit for bit the torch copies; fp32 master weights stay in
+    torch, quantised from fp32."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.nn.Parameter((torch.randn(256, 384, generator=g) * 3).to(BF16))
+    run = RecordingRunner()
+    got = Fp8Weights(RECIPES["tensorwise"]).get(w, halves=halves, runner=run)
+    want = Fp8Weights(RECIPES["tensorwise"]).get(w, halves=halves)
+    assert [m[:2] for m in run.maps] == [("weight.quant", E.quantize_tensor)]
+    assert torch.equal(got.scale, want.scale) and got.scale_t is got.scale
+    for a, b in ((got.w, want.w), (got.wt, want.wt)):
+        assert a.is_contiguous() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    w32 = torch.nn.Parameter(w.detach().float() * 1.001)
+    Fp8Weights(RECIPES["tensorwise"]).get(w32, halves=halves, runner=run)
+    assert len(run.maps) == 1
+
+
+def test_the_map_kernel_call_takes_the_gate_up_halves_views(fake_nvcc):
+    """What a GPU call checks (CompiledMap._prepare, no launch): W read as its gate rows then its up
+    rows, W's codes written back through the same strided view, W^T allocated in that order."""
+    import coda_cutlass as cc
+    from coda_cutlass.nn.fp8.weights import _as_halves
+    k = cc.compile_map(E.quantize_tensor, BF16)
+    w = torch.randn(256, 384).to(BF16)
+    q = torch.empty(256, 384, dtype=E4M3)
+    M, N, ptrs, views, _, results, _ = k._prepare(_as_halves(w), {"s": torch.tensor(1.0)}, {"q": _as_halves(q)})
+    assert (M, N) == (256, 384) and results["q"].data_ptr() == q.data_ptr()
+    assert views[:5] == [384, 768, 128, 0, 384]          # (outer_m, stride_m, inner_m, outer_n, inner_n)
+    assert tuple(results["qt"].shape) == (384, 256)
+
+
+def _block(seed: int = 0, recipe: Any = "tensorwise") -> LlamaBlock:
     torch.manual_seed(seed)
     b = LlamaBlock(256, 2, 1, 512, head_dim=128, fp8=recipe, dtype=BF16)
     return draw_weights(b)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "blockwise_g16"])
-def test_each_recipe_matches_an_fp8_emulation_of_it(recipe):
+HYBRID = Fp8Recipe("hybrid", scaling="tensor", gradient=E5M2, fast_accum=True)     # Transformer Engine's formats
+
+
+@pytest.mark.parametrize("recipe, formats, bound", [
+    ("tensorwise", (E4M3, E4M3, E4M3), 0.75), ("blockwise", (E4M3, E4M3, E4M3), 0.75),
+    ("blockwise_g16", (E4M3, E4M3, E4M3), 0.75),
+    # e5m2 gradients (2 mantissa bits): the attention's bf16 backward moves more dq/dk/dv values across
+    # a rounding boundary (measured up to 0.86 of FP8's distance, v; an operand in the wrong format or
+    # scale gave 0.7-1.0 of the gradients' own size)
+    (HYBRID, (E4M3, E5M2, E4M3), 0.9),
+    (Fp8Recipe("e5m2", scaling="tensor", activation=E5M2, gradient=E5M2, weight=E5M2), (E5M2, E5M2, E5M2), 0.9)])
+def test_each_recipe_matches_an_fp8_emulation_of_it(recipe, formats, bound):
     blk = _block(recipe=recipe)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 128, 256, generator=g).to(BF16)
@@ -193,7 +238,8 @@ def test_each_recipe_matches_an_fp8_emulation_of_it(recipe):
         y.backward(dy)
     coda = (y.detach().float() - x.float(), xi.grad, coda_grads_standard(blk))
     res = {}
-    for name, fn in (("emulated", lambda xx, w: emulated_block(xx, w, blk.dims, blk.inv_freq, (E4M3,) * 3, recipe)),
+    kind = recipe if isinstance(recipe, str) else "tensorwise"
+    for name, fn in (("emulated", lambda xx, w: emulated_block(xx, w, blk.dims, blk.inv_freq, formats, kind)),
                      ("exact", lambda xx, w: standard_block(xx, w, blk.dims, blk.inv_freq))):
         w = {k: v.detach().float().requires_grad_() for k, v in standard_weights(blk).items()}
         xx = x.float().requires_grad_()
@@ -208,7 +254,7 @@ def test_each_recipe_matches_an_fp8_emulation_of_it(recipe):
         # to it than FP8 is to exact (measured 0.45-0.7x: bf16 intermediates move values across e4m3
         # rounding boundaries), and no further from exact than the emulation
         assert e_ex > 0.03, (name, e_ex)
-        assert e_ce < 0.75 * e_ex, (name, e_ce, e_ex)
+        assert e_ce < bound * e_ex, (name, e_ce, e_ex)
         assert e_cx < 1.25 * e_ex, (name, e_cx, e_ex)
 
 

@@ -173,3 +173,20 @@ def test_the_compiled_weight_copies_are_bit_for_bit_the_tile_quantisation():
         q_ref, s_ref = quantize_tiles(w, dtype, 128, True)
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), dtype
         assert torch.equal(qt.view(torch.uint8), q_ref.t().contiguous().view(torch.uint8)) and torch.equal(st, s_ref.t())
+
+
+@pytest.mark.parametrize("halves", [False, True])
+def test_per_tensor_weight_copies_by_the_map_kernel_are_the_torch_copies(halves):
+    """The tensorwise blocks' weight copies from the quantize_tensor map kernel (strided views for the
+    gate/up halves) against the compiled torch copies, bit for bit, in both FP8 formats."""
+    from coda_cutlass.nn.fp8 import RECIPES as ALL
+    from coda_cutlass.nn.fp8.weights import Fp8Weights
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.nn.Parameter((torch.randn(1024, 768, device="cuda", generator=g) * 7).to(BF16))
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        recipe = ALL["tensorwise"].replace(weight=fmt) if fmt != torch.float8_e4m3fn else ALL["tensorwise"]
+        got = Fp8Weights(recipe).get(w, halves=halves, runner=KernelRunner(BF16))
+        want = Fp8Weights(recipe).get(w, halves=halves)
+        assert torch.equal(got.scale, want.scale), fmt
+        for a, b in ((got.w, want.w), (got.wt, want.wt)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), fmt

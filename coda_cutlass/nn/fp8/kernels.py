@@ -5,11 +5,13 @@ all sites."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from ... import epilogues as E
+from ...epilogues.fp8_tensorwise import TensorwisePrograms, tensorwise_programs
 from .recipe import Fp8Recipe
 
 # site -> (program, (A kind, W kind), scaling, partial reductions)
@@ -31,23 +33,31 @@ GEMM_SITES: dict[str, tuple[Any, tuple[str, str], str, bool]] = {
     "qkv.wgrad": (E.identity, ("gradient", "activation"), "block_1x128", False),
 }
 
-# recipe "tensorwise" (nn/fp8/tensorwise.py): every GEMM per-tensor scaled
-TENSOR_GEMM_SITES: dict[str, tuple[Any, tuple[str, str], str, bool]] = {
-    "qkv": (E.rope, ("activation", "weight"), "tensor", False),
-    "o": (E.residual_norm_stats_t, ("activation", "weight"), "tensor", True),
-    "gate_up": (E.swiglu_t, ("activation", "weight"), "tensor", False),
-    "down": (E.residual_norm_stats_t, ("activation", "weight"), "tensor", True),
-    "down.to_bf16": (E.residual_norm_stats, ("activation", "weight"), "tensor", True),
-    "down.last": (E.residual_add, ("activation", "weight"), "tensor", False),
-    "down.dgrad": (E.swiglu_backward_t, ("gradient", "weight"), "tensor", True),
-    "gate_up.dgrad": (E.norm_backward_t, ("gradient", "weight"), "tensor", True),
-    "o.dgrad": (E.identity, ("gradient", "weight"), "tensor", False),
-    "qkv.dgrad": (E.norm_backward_t, ("gradient", "weight"), "tensor", True),
-    "down.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
-    "gate_up.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),    # twice: gate and up rows
-    "o.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
-    "qkv.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
-}
+def programs(recipe: Fp8Recipe) -> TensorwisePrograms:
+    """The per-tensor programs storing the recipe's formats (e4m3 by default)."""
+    return tensorwise_programs(recipe.activation, recipe.gradient, recipe.weight)
+
+
+@functools.cache
+def _tensor_gemm_sites(P: TensorwisePrograms) -> dict[str, tuple[Any, tuple[str, str], str, bool]]:
+    """Recipe "tensorwise" (nn/fp8/tensorwise.py): every GEMM per-tensor scaled."""
+    return {
+        "qkv": (E.rope, ("activation", "weight"), "tensor", False),
+        "o": (P.residual_norm_stats_t, ("activation", "weight"), "tensor", True),
+        "gate_up": (P.swiglu_t, ("activation", "weight"), "tensor", False),
+        "down": (P.residual_norm_stats_t, ("activation", "weight"), "tensor", True),
+        "down.to_bf16": (E.residual_norm_stats, ("activation", "weight"), "tensor", True),
+        "down.last": (E.residual_add, ("activation", "weight"), "tensor", False),
+        "down.dgrad": (P.swiglu_backward_t, ("gradient", "weight"), "tensor", True),
+        "gate_up.dgrad": (P.norm_backward_t, ("gradient", "weight"), "tensor", True),
+        "o.dgrad": (E.identity, ("gradient", "weight"), "tensor", False),
+        "qkv.dgrad": (P.norm_backward_t, ("gradient", "weight"), "tensor", True),
+        "down.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
+        "gate_up.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),    # twice: gate and up rows
+        "o.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
+        "qkv.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
+    }
+
 
 # map kernels (16-bit input): site -> (program, partial reductions)
 MAP_SITES: dict[str, tuple[Any, bool]] = {
@@ -71,22 +81,26 @@ G16_MAP_SITES: dict[str, tuple[Any, bool]] = {
     **MAP_SITES, "norm0": (E.norm_stats_fp8_g16, True), "o.quant": (E.quantize_rows_t_g16, False),
     "h.quant": (E.quantize_rows_t_g16, False),
 }
-TENSOR_MAP_SITES: dict[str, tuple[Any, bool]] = {
-    "norm0": (E.norm_stats, True),                # the first block quantises its h itself ("h.quant")
-    "o.quant": (E.quantize_tensor, False),        # every ".quant" site: o, h, an incoming gradient
-    "rope.dgrad": (E.rope_backward_t, True),
-}
+@functools.cache
+def _tensor_map_sites(P: TensorwisePrograms) -> dict[str, tuple[Any, bool]]:
+    return {
+        "norm0": (E.norm_stats, True),                      # the first block quantises its h itself ("h.quant")
+        "o.quant": (P.quantize_activation, False),          # o, and h entering the first block ("h.quant")
+        "dx2.quant": (P.quantize_gradient, False),          # a gradient no coda epilogue quantised
+        "weight.quant": (P.quantize_weight, False),         # the weights' copies, once per optimizer step
+        "rope.dgrad": (P.rope_backward_t, True),
+    }
 
 
 def gemm_sites(recipe: Fp8Recipe) -> dict[str, tuple[Any, tuple[str, str], str, bool]]:
     if recipe.scaling == "tensor":
-        return TENSOR_GEMM_SITES
+        return _tensor_gemm_sites(programs(recipe))
     return G16_GEMM_SITES if recipe.wgrad_group == 16 else GEMM_SITES
 
 
 def map_sites(recipe: Fp8Recipe) -> dict[str, tuple[Any, bool]]:
     if recipe.scaling == "tensor":
-        return TENSOR_MAP_SITES
+        return _tensor_map_sites(programs(recipe))
     return G16_MAP_SITES if recipe.wgrad_group == 16 else MAP_SITES
 
 

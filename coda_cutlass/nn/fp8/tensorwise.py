@@ -25,6 +25,7 @@ from ... import epilogues as E
 from ..stats import row_mean, rstd
 from .delayed import DelayedScales
 from .functional import check_tokens, dgamma_of
+from .kernels import programs
 from .weights import Fp8Weight, Fp8Weights
 
 # the tensors a block quantises, by name -> the recipe's format for them
@@ -81,33 +82,41 @@ def _on(sc: DelayedScales, device: torch.device) -> Any:
 
 
 def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Tensor) -> TensorOperand:
-    """A tensor no GEMM produced, by a map kernel, with its transposed copy."""
-    out, s = sc.quantize(name, lambda s: _with_amax(step.runner.map(site, E.quantize_tensor, x, s=s)), x.device)
+    """A tensor no GEMM produced, by a map kernel, with its transposed copy (in its kind's format)."""
+    P = programs(step.fp8)
+    program = P.quantize_gradient if name in GRADIENTS else P.quantize_activation
+    out, s = sc.quantize(name, lambda s: _with_amax(step.runner.map(site, program, x, s=s)), x.device)
     return TensorOperand(out["q"], s, out["qt"])
+
+
+def weight_copies(step: Any, w: Any, wq: Fp8Weights) -> tuple[Fp8Weight, ...]:
+    """(qkv, o, down, gate/up) FP8 copies, made by the step's runner when remade."""
+    run = step.runner
+    return (wq.get(w.qkv, runner=run), wq.get(w.o, runner=run), wq.get(w.down, runner=run),
+            wq.get(w.gate_up, halves=True, runner=run))
 
 
 def block_forward(step: Any, x: torch.Tensor, h: TensorOperand, r: torch.Tensor, w: Any, wq: Fp8Weights,
                   sc: DelayedScales, g_next: torch.Tensor | None, next_fp8: bool
                   ) -> tuple[torch.Tensor, Any, torch.Tensor | None, tuple]:
     """One block: (x2, h2, r2, saved); h2 a TensorOperand when the next consumer is an FP8 block."""
-    d = step.dims
+    d, P = step.dims, programs(step.fp8)
     check_tokens(x.shape[0])
     quant = _on(sc, x.device)
-    wqkv, wo, wd = wq.get(w.qkv), wq.get(w.o), wq.get(w.down)
-    wgu = wq.get(w.gate_up, halves=True)
+    wqkv, wo, wd, wgu = weight_copies(step, w, wq)
     qkv = _fwd(step, "qkv", E.rope, h, wqkv, r=r, pos=step.pos, freq=step.freq)["D"]
     o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
     oq = quantize_map(step, sc, "o", "o.quant", o)
-    f1, s1 = quant("h1", lambda s: _with_amax(_fwd(step, "o", E.residual_norm_stats_t, oq, wo, partial=True,
+    f1, s1 = quant("h1", lambda s: _with_amax(_fwd(step, "o", P.residual_norm_stats_t, oq, wo, partial=True,
                                                          resid=x, g=w.mlp_norm, s=s)))
     x1, h1, r1 = f1["D"], TensorOperand(f1["h"], s1, f1["ht"]), rstd(f1["sumsq"], d.dim, d.eps)
-    f2, sy = quant("y", lambda s: _with_amax(_fwd(step, "gate_up", E.swiglu_t, h1, wgu, r=r1, s=s)))
+    f2, sy = quant("y", lambda s: _with_amax(_fwd(step, "gate_up", P.swiglu_t, h1, wgu, r=r1, s=s)))
     z, y = f2["z"], TensorOperand(f2["y"], sy, f2["yt"])
     if g_next is None:
         x2 = _fwd(step, "down.last", E.residual_add, y, wd, resid=x1)["D"]
         h2 = r2 = None
     elif next_fp8:
-        f3, s2 = quant("h2", lambda s: _with_amax(_fwd(step, "down", E.residual_norm_stats_t, y, wd,
+        f3, s2 = quant("h2", lambda s: _with_amax(_fwd(step, "down", P.residual_norm_stats_t, y, wd,
                                                              partial=True, resid=x1, g=g_next, s=s)))
         x2, h2, r2 = f3["D"], TensorOperand(f3["h"], s2, f3["ht"]), rstd(f3["sumsq"], d.dim, d.eps)
     else:
@@ -120,11 +129,10 @@ def block_forward(step: Any, x: torch.Tensor, h: TensorOperand, r: torch.Tensor,
 def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedScales, dx2: torch.Tensor,
                    dx2q: TensorOperand | None) -> tuple[torch.Tensor, TensorOperand, dict[str, torch.Tensor]]:
     """(dx, its FP8 copy for the previous block, the weight gradients by name)."""
-    d, run = step.dims, step.runner
+    d, run, P = step.dims, step.runner, programs(step.fp8)
     quant = _on(sc, dx2.device)
     x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx = saved
-    wqkv, wo, wd = wq.get(w.qkv), wq.get(w.o), wq.get(w.down)
-    wgu = wq.get(w.gate_up, halves=True)
+    wqkv, wo, wd, wgu = weight_copies(step, w, wq)
     if not isinstance(dx2q, TensorOperand):      # a gradient no coda epilogue quantised (the LM head's, a user's)
         dx2q = quantize_map(step, sc, "dx2", "dx2.quant", dx2)
     M, f = dx2.shape[0], d.ffn_dim
@@ -134,14 +142,14 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
     halves = {"dg": dz8[:, :f], "du": dz8[:, f:], "dgt": dzt8[:f], "dut": dzt8[f:]}
 
     def down_dgrad(s: torch.Tensor) -> tuple[dict, tuple[torch.Tensor, ...]]:
-        out = _dgrad(step, "down.dgrad", E.swiglu_backward_t, dx2q, wd, partial=True, out=halves, z=z, r=r1, s=s)
+        out = _dgrad(step, "down.dgrad", P.swiglu_backward_t, dx2q, wd, partial=True, out=halves, z=z, r=r1, s=s)
         return out, (out["amax_g"], out["amax_u"])
 
     b4, sdz = quant("dz", down_dgrad)
     dzq = TensorOperand(dz8, sdz, dzt8)
     d_down = _wgrad(step, "down.wgrad", dx2q, y)["D"]
     c1 = row_mean(b4["zdz"], d.dim)
-    b6, sdx1 = quant("dx1", lambda s: _with_amax(_dgrad(step, "gate_up.dgrad", E.norm_backward_t, dzq, wgu,
+    b6, sdx1 = quant("dx1", lambda s: _with_amax(_dgrad(step, "gate_up.dgrad", P.norm_backward_t, dzq, wgu,
                                                               partial=True, x=x1, r=r1, c=c1, g=w.mlp_norm,
                                                               dres=dx2, s=s)))
     dx1, dx1q = b6["dx"], TensorOperand(b6["dx8"], sdx1, b6["dx8t"])
@@ -161,7 +169,7 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
         for g4 in grads:
             width = g4.shape[2] * g4.shape[3]
             cols = slice(start, start + width)
-            res = run.map("rope.dgrad", E.rope_backward_t, g4, partial=True,
+            res = run.map("rope.dgrad", P.rope_backward_t, g4, partial=True,
                           out={"dz": dqkv8[:, cols], "dzt": dqkvt8[cols]}, y=qkv[:, cols], r=r, pos=step.pos,
                           freq=step.freq[cols], s=s)
             zdz.append(res["zdz"])
@@ -172,7 +180,7 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
     b1, sdq = quant("dqkv", rope_dgrad)
     dqkvq = TensorOperand(dqkv8, sdq, dqkvt8)
     c = row_mean(b1["zdz"], d.dim)
-    b2, sdx = quant("dx", lambda s: _with_amax(_dgrad(step, "qkv.dgrad", E.norm_backward_t, dqkvq, wqkv,
+    b2, sdx = quant("dx", lambda s: _with_amax(_dgrad(step, "qkv.dgrad", P.norm_backward_t, dqkvq, wqkv,
                                                             partial=True, x=x, r=r, c=c, g=w.attn_norm, dres=dx1,
                                                             s=s)))
     d_qkv = _wgrad(step, "qkv.wgrad", dqkvq, h)["D"]
