@@ -251,6 +251,35 @@ def test_an_evaluation_forward_does_not_change_training():
     assert all(torch.equal(a, c) for a, c in zip(outs[False], outs[True]))
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("growth", [4.0, 1.3])
+def test_torch_checkpoint_around_tensorwise_blocks_recomputes_on_the_first_pass_scales(use_reentrant, growth):
+    """torch.utils.checkpoint (both forms) around "tensorwise" blocks gives the unwrapped blocks'
+    outputs and gradients bit for bit, step after step, while the inputs grow (every step's scales
+    move): the recompute, inside the backward, used to fold the step's amaxes first and so ran on
+    other scales than the forward whose output the loss used (weight gradients 5-33% off); the
+    reentrant form's first pass, without autograd, ran a fold behind its recompute."""
+    from torch.utils.checkpoint import checkpoint
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(1, 128, 128, generator=g).to(BF16) * growth ** k for k in range(4)]
+    dy = torch.randn(1, 128, 128, generator=g).to(BF16)
+    runs = {}
+    for wrapped in (False, True):
+        blocks = [_block("tensorwise", seed=s) for s in (0, 1)]
+        runs[wrapped] = []
+        for x in xs:
+            for b in blocks:
+                b.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = xi
+            for b in blocks:
+                y = checkpoint(b, y, use_reentrant=use_reentrant) if wrapped else b(y)
+            y.backward(dy)
+            runs[wrapped].append([y.detach(), xi.grad] + [p.grad.clone() for b in blocks for p in b.parameters()])
+    for step, (a, b) in enumerate(zip(runs[True], runs[False])):
+        assert all(torch.equal(u, v) for u, v in zip(a, b)), step
+
+
 def test_a_block_that_never_trained_evaluates_without_recording():
     b = _block("tensorwise")
     with torch.no_grad():

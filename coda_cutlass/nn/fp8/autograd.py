@@ -52,18 +52,20 @@ class Fp8BlockFunction(torch.autograd.Function):
     takes) and is freed by the backward: a second backward through the same graph
     (``retain_graph=True``, double backward) is refused with a clear error, and saved-tensor hooks
     (``save_on_cpu``) do not see these activations. ``record=False`` (an empty batch): the delayed
-    scales record nothing, forward or backward. The backward reads the weights' FP8 copies the
+    scales record nothing, forward or backward; ``fold_after``: a forward recomputed inside a
+    backward (torch.utils.checkpoint), whose amaxes are folded when its backward ends. The backward reads the weights' FP8 copies the
     forward read (weights.PinnedWeights); a weight or input changed in place between the forward
     and the backward (its version counter moved) is refused, as autograd refuses it for saved
     tensors. Autocast is off inside (the kernels' fp32 finishing steps run as written)."""
 
     @staticmethod
     def forward(ctx: Any, x, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp, g_next, h: Any, step: Any,  # type: ignore[override]
-                path: Path, next_fp8: bool, weights: Any, record: bool):
+                path: Path, next_fp8: bool, weights: Any, record: bool, fold_after: bool = False):
         wq = PinnedWeights(path.weights)
         with no_autocast(x.device):
             x2, h2, r2, saved = path.forward(step, x, h, r, weights, g_next, next_fp8, wq=wq, record=record)
         ctx.step, ctx.saved, ctx.weights, ctx.path, ctx.wq, ctx.record = step, saved, weights, path, wq, record
+        ctx.fold_after = fold_after
         ctx.inputs = (x, r, w_qkv, w_o, w_gu, w_down, g_attn, g_mlp)
         ctx.versions = _versions(ctx.inputs)
         if h2 is None:
@@ -92,7 +94,9 @@ class Fp8BlockFunction(torch.autograd.Function):
             dx, dxq, g = ctx.path.backward(ctx.step, ctx.saved, ctx.weights, dx2, stash_take(ctx.step, dx2),
                                            wq=ctx.wq, record=ctx.record)
         stash_put(ctx.step, dx, dxq)
+        if ctx.fold_after:          # a checkpoint's recompute: its step ends with this backward
+            ctx.path.begin_step(dx2.device)
         ctx.saved = ctx.wq = ctx.inputs = None
         w = ctx.weights
         grads = tuple(g[n].to(getattr(w, n).dtype) for n in WEIGHT_NAMES)
-        return (dx, None, *grads, None, None, None, None, None, None, None)
+        return (dx, None, *grads, None, None, None, None, None, None, None, None)

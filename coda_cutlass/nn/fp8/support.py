@@ -80,11 +80,16 @@ def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next:
     tensors = (block.qkv, block.o, block.gate_up, block.down, g_attn, g_mlp)
     train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors))
     record = train and x.shape[0] > 0        # an empty batch is no step: it has no amaxes
+    # A checkpoint's recompute (torch.utils.checkpoint) runs inside the backward and must see the
+    # scales its first pass saw: it starts no step; its amaxes are recorded (again, for the
+    # non-reentrant form: the same values) and folded when its own backward ends (the reentrant
+    # form's first pass, without autograd, recorded nothing)
+    recompute = record and torch._C._current_graph_task_id() != -1
     with no_autocast(x.device):
-        if record:
+        if record and not recompute:
             path.begin_step(x.device)
         h = path.quantize_input(step, h, record=record)   # from a bf16 block, a caller or another recipe
         if train:
-            return Fp8BlockFunction.apply(x, r, *tensors, gn, h, step, path, next_fp8, w, record)
+            return Fp8BlockFunction.apply(x, r, *tensors, gn, h, step, path, next_fp8, w, record, recompute)
         x2, h2, r2, _ = path.forward(step, x, h, r, w, gn, next_fp8, record=False)
     return x2 if h2 is None else (x2, h2, r2)
