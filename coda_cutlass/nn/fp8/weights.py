@@ -138,6 +138,7 @@ def _per_tensor(w: torch.Tensor, recipe: Fp8Recipe, halves: bool, runner: Any) -
     if runner is None or w.dtype != runner.dtype:
         q, scale, qt = tensor_copies(w, recipe.weight, halves, recipe.pow2)
         return Fp8Weight(q, scale, qt, scale)
+    w = w.contiguous()                             # the halves view needs W's rows in one run
     lo, hi = torch.aminmax(w)                      # one pass, no |W| temporary; NaN propagates
     amax = torch.maximum(hi.float(), -lo.float())
     scale = tensor_scales(amax, float(FP8_MAX[as_dtype(recipe.weight)]), 0, recipe.pow2)
