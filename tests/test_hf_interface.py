@@ -280,3 +280,43 @@ def test_tuples_and_parameter_counts_as_transformers():
     (logits,) = model(input_ids=tokens, return_dict=False)
     for kw in ({}, {"exclude_embeddings": True}, {"only_trainable": True}):
         assert model.num_parameters(**kw) == hf.num_parameters(**kw), kw
+
+
+def test_shift_labels_and_ignore_index_as_transformers():
+    """transformers' causal-LM loss takes labels already shifted (``shift_labels``: Trainer's context
+    parallelism, padding-free collators) and another ignored label value (``ignore_index``)."""
+    from test_hf_models import check_model
+    tokens = torch.randint(1, 48, (2, 12))
+    tokens[:, 8:] = 0                                               # right padding with id 0, left in the labels
+    shifted = torch.nn.functional.pad(tokens, (0, 1), value=-100)[:, 1:].clone()
+    shifted[:, :5] = -100                                           # e.g. the prompt masked
+    for kw in ({"ignore_index": 0}, {"shift_labels": shifted},
+               {"shift_labels": shifted.clamp_min(0), "ignore_index": 0},
+               {"shift_labels": shifted, "num_items_in_batch": torch.tensor(20)}):
+        hf = hf_model()
+        check_model(hf, cnn.from_hf(hf), tokens, tokens, **kw)
+    hf = hf_model().eval()
+    model = cnn.from_hf(hf)
+    with torch.no_grad():
+        ref, out = (m(input_ids=tokens, labels=tokens, shift_labels=shifted.clamp_min(0), ignore_index=0)
+                    for m in (hf, model))
+    assert abs(out.loss.item() - ref.loss.item()) < 1e-4 * ref.loss.item() and rel(out.logits, ref.logits) < 1e-4
+    with pytest.raises(ValueError, match="shift_labels .* without labels"):
+        model(input_ids=tokens, shift_labels=shifted)
+    with pytest.raises(ValueError, match=r"shift_labels \(2, 11\) must have the shape of input_ids \(2, 12\)"):
+        model(input_ids=tokens, labels=tokens, shift_labels=shifted[:, 1:])
+
+
+def test_a_loss_keyword_coda_does_not_honour_is_refused(monkeypatch):
+    """Any keyword transformers' causal-LM loss takes is honoured or refused by name, never swallowed."""
+    from transformers.loss import loss_utils
+
+    def loss_with_more(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                       z_loss=0.0, **kwargs):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(loss_utils, "ForCausalLMLoss", loss_with_more)
+    model = cnn.from_hf(hf_model())
+    tokens = torch.randint(0, 48, (2, 8))
+    with pytest.raises(ValueError, match="z_loss=.*not supported by coda models"):
+        model(input_ids=tokens, labels=tokens, z_loss=1e-4)

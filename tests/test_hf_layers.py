@@ -217,6 +217,16 @@ def test_gemma3_layers(layer_idx):
     assert block.rope.params["rope_theta"] == (10000.0 if layer_idx == 0 else 1000000.0)
 
 
+def test_gemma3_ignores_attn_logit_softcapping_as_transformers():
+    cfg = config("gemma3_text", layer_types=["full_attention"] * 2, attn_logit_softcapping=3.0)
+    assert check_layer(cfg, S=10).attention.softcap is None
+
+
+def test_gemma_activation_is_hidden_act_as_in_transformers_5():
+    block = check_layer(config("gemma", hidden_act="relu", hidden_activation="gelu_pytorch_tanh"), S=10)
+    assert block.mlp.name == "relu"
+
+
 def test_phi3_fused_weights():
     check_layer(config("phi3"), S=10)
 

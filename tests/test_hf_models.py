@@ -38,6 +38,10 @@ def check_model(hf, model, tokens, labels, **inputs) -> None:
     ("gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": None, "sliding_window": 5}),
     ("gemma2", {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, "sliding_window": 5}),
     ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}),
+    # transformers 5's Gemma 3 attention never applies attn_logit_softcapping (Gemma 2's does)
+    ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
+                     "attn_logit_softcapping": 3.0}),
+    ("gemma", {"hidden_act": "relu", "hidden_activation": "gelu_pytorch_tanh"}),   # transformers 5 reads hidden_act
     ("llama", {"hidden_act": "relu", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                           "original_max_position_embeddings": 8}})])
 def test_loss_and_every_gradient_match_the_transformers_model(model_type, fields):
@@ -58,6 +62,33 @@ def test_tied_embeddings_share_one_parameter():
     model = cnn.from_hf(hf_model(tie_word_embeddings=True))
     assert model.coda.lm_head is model.coda.embed and model.coda_tied
     assert len(list(model.parameters())) == 2 + 6 * 2        # embed, norm, 6 per block
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma"])
+def test_a_head_untied_by_hand_stays_untied_whatever_the_config_says(model_type, tmp_path):
+    """The usual recipe unties the head without editing config.tie_word_embeddings: transformers then
+    trains a separate head, saves it and loads it back untied. coda ties by parameter identity too."""
+    hf = hf_model(model_type, tie_word_embeddings=True)
+    embed = hf.model.embed_tokens.weight
+    hf.lm_head.weight = torch.nn.Parameter(embed.detach() + 0.1 * torch.randn_like(embed))
+    assert hf.config.tie_word_embeddings and hf.lm_head.weight is not embed
+    model = cnn.from_hf(hf)
+    assert not model.coda_tied and model.coda.lm_head is not model.coda.embed
+    tokens = torch.randint(0, 48, (2, 12))
+    check_model(hf, model, tokens, tokens)
+    for saved in (model, hf):
+        saved.save_pretrained(tmp_path / type(saved).__name__)
+    ours, theirs = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / type(m).__name__) for m in (model, hf))
+    for back in (ours, theirs):
+        assert back.lm_head.weight is not back.model.embed_tokens.weight
+    assert set(ours.state_dict()) == set(theirs.state_dict())
+    for k, v in model.hf_state_dict().items():
+        assert torch.equal(ours.state_dict()[k], v) and torch.equal(theirs.state_dict()[k], v), k
+    again = model.to_hf()
+    assert again.lm_head.weight is not again.model.embed_tokens.weight
+    assert torch.equal(again.lm_head.weight, hf.lm_head.weight) and torch.equal(again.model.embed_tokens.weight, embed)
+    patched = cnn.patch_hf(copy.deepcopy(hf))
+    assert not patched.coda_tied and torch.equal(patched.coda.lm_head, hf.lm_head.weight)
 
 
 def test_save_pretrained_round_trips_through_auto_model(tmp_path):

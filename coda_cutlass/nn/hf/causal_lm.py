@@ -18,6 +18,7 @@ of it (Trainer's resume). The weights live in the kernels' layout inside (``mode
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any, Iterable
 
 import torch
@@ -53,21 +54,26 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
     if isinstance(hf_model, CodaCausalLM):
         raise ValueError(f"this {type(hf_model).__name__} is already a coda model (from_hf or patch_hf made it): use "
                          "it as it is; model.to_hf() gives a transformers model of its weights")
+    _check_not_peft(hf_model)
     config = hf_model.config
     family = family_of(config)
     family.check_config(config, ignore_fields)
     family.check_model_config(config)
     _check_causal_lm(hf_model, family)
+    family.check_model(hf_model)
     layers = family.model_part(hf_model, family.layers_path)
     if len(layers) != config.num_hidden_layers:
         raise UnsupportedConfig(f"the model has {len(layers)} layers, config.num_hidden_layers is "
                                 f"{config.num_hidden_layers}")
-    for layer in layers:
-        family.check_layer(layer)
+    for i, layer in enumerate(layers):
+        family.check_layer(layer, f"{family.layers_path}.{i}.")
     trainable = [layer_requires_grad(family.read_layer(layer), i) for i, layer in enumerate(layers)]
     embed = family.model_param(hf_model, family.embed_path)
     lm_head = family.model_param(hf_model, family.lm_head_path)
-    tied = lm_head is embed or bool(getattr(config, "tie_word_embeddings", False))
+    # tied is what the model computes, not what the config says: a head untied by hand (a new
+    # Parameter, config.tie_word_embeddings left True) is trained, saved and loaded separately by
+    # transformers, and so by coda
+    tied = lm_head is embed
     device, dtype = embed.device, embed.dtype
     heads = config.num_attention_heads
     model = LlamaModel(config.vocab_size, config.hidden_size, 0, heads, getattr(config, "num_key_value_heads", heads),
@@ -106,6 +112,17 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
     if not tied:
         model.lm_head.requires_grad_(lm_head.requires_grad)
     return model, family, tied
+
+
+def _check_not_peft(hf_model: Any) -> None:
+    """A PEFT wrapper (PeftModel, LoraModel) around the transformers model: named, with the way to
+    convert what it computes."""
+    cls = type(hf_model)
+    if cls.__module__.split(".")[0] == "peft":
+        raise UnsupportedConfig(f"{cls.__name__} is a PEFT wrapper ({cls.__module__}.{cls.__qualname__}): from_hf "
+                                "and patch_hf take the transformers model with the adapters merged into its weights, "
+                                "model = peft_model.merge_and_unload(); adapters on a coda model are not supported "
+                                "yet")
 
 
 def _check_causal_lm(hf_model: Any, family: Family) -> None:
@@ -151,10 +168,17 @@ class CodaCausalLM:
                 use_cache: bool | None = None, output_attentions: bool | None = None,
                 output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs: Any) -> Any:
         """As a transformers *ForCausalLM: the loss of next-token prediction when ``labels`` are given
-        (labels[:, 1:] predicted from positions :-1, -100 ignored; no valid label: nan, as
-        transformers), and the logits, differentiable, when no labels are given, with
-        ``return_logits``, or in eval mode (Trainer's compute_metrics and predict read them). In
-        training with labels alone the LM head writes no logits (the fused loss)."""
+        (labels[:, 1:] predicted from positions :-1, or ``shift_labels`` as given, already shifted;
+        ``ignore_index`` ignored; no valid label: nan, as transformers), and the logits,
+        differentiable, when no labels are given, with ``return_logits``, or in eval mode (Trainer's
+        compute_metrics and predict read them). In training with labels alone the LM head writes no
+        logits (the fused loss)."""
+        _check_coda_modules(self.coda)
+        # loss keywords through **kwargs, as transformers takes them: Trainer reads every forward
+        # parameter named like "*label*" as a label column (find_labels)
+        shift_labels: torch.Tensor | None = kwargs.pop("shift_labels", None)
+        ignore_index: int = kwargs.pop("ignore_index", -100)
+        _check_loss_keywords(kwargs)
         if input_ids is None:
             raise ValueError("coda models take input_ids (inputs_embeds is not supported)")
         if inputs_embeds is not None:
@@ -171,19 +195,28 @@ class CodaCausalLM:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         where = {"position_ids": position_ids, "attention_mask": attention_mask}
         loss = logits = targets = None
+        if shift_labels is not None and labels is None:    # transformers would compute no loss: say so, not nan
+            raise ValueError("shift_labels given without labels: transformers' causal LMs compute a loss only when "
+                             "labels are given; pass labels too (shift_labels are then the targets)")
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
-            targets = torch.full_like(labels, -100)
-            targets[:, :-1] = labels[:, 1:]
+            if shift_labels is not None:            # already shifted (context parallelism, padding-free collators)
+                if shift_labels.shape != input_ids.shape:
+                    raise ValueError(f"shift_labels {tuple(shift_labels.shape)} must have the shape of input_ids "
+                                     f"{tuple(input_ids.shape)}")
+                targets = shift_labels.to(input_ids.device)
+            else:
+                targets = torch.full_like(labels, ignore_index)
+                targets[:, :-1] = labels[:, 1:]
         if targets is None:
             logits = self.coda(input_ids, **where)
         elif self.training and not return_logits:   # the fused LM head: no logits written
-            loss = self.coda(input_ids, targets, **where)
+            loss = self.coda(input_ids, targets, ignore_index=ignore_index, **where)
         else:                                       # eval (Trainer's metrics and predictions) or asked for
-            loss, logits = self.coda(input_ids, targets, return_logits=True, **where)
+            loss, logits = self.coda(input_ids, targets, ignore_index=ignore_index, return_logits=True, **where)
         if loss is not None:
-            valid = (targets != -100).sum()
+            valid = (targets != ignore_index).sum()
             if num_items_in_batch is not None:      # sum over the whole (accumulated) batch / its token count
                 loss = loss * (valid.clamp_min(1) / torch.as_tensor(num_items_in_batch, device=loss.device))
             else:                                   # the mean of no tokens: nan, as transformers' loss
@@ -222,6 +255,15 @@ class CodaCausalLM:
         ref = self.coda.embed
         with torch.device(ref.device):
             hf = self.coda_hf_class(copy.deepcopy(self.config)).to(ref.dtype)
+        # tied as this model is, whatever config.tie_word_embeddings made of the new one (a head untied by
+        # hand must not be loaded into the embedding it would share)
+        family = self.coda_family
+        head = family.model_part(hf, family.lm_head_path.rpartition(".")[0])
+        embed = family.model_param(hf, family.embed_path)
+        if self.coda_tied and head.weight is not embed:
+            head.weight = embed
+        elif not self.coda_tied and head.weight is embed:
+            head.weight = nn.Parameter(torch.empty_like(embed), requires_grad=embed.requires_grad)
         missing, unexpected = hf.load_state_dict(self.hf_state_dict(), strict=False)
         tied = {self.coda_family.lm_head_path} if self.coda_tied else set()
         if set(missing) - tied or unexpected:
@@ -231,8 +273,9 @@ class CodaCausalLM:
 
     # ------------------------------------------------------------------ pieces transformers asks for
     def get_input_embeddings(self) -> nn.Module:
-        raise NotImplementedError("coda models keep the embedding as coda.embed (a Parameter); resizing the "
-                                  "vocabulary is not supported")
+        raise NotImplementedError("coda models keep the embedding as coda.embed (a Parameter), not an nn.Embedding: "
+                                  "resizing the vocabulary is not supported; call resize_token_embeddings on the "
+                                  "transformers model before from_hf / patch_hf")
 
     def tune(self, tokens: torch.Tensor, **options: Any) -> dict[str, Any]:
         """Tune the kernels inside the training step on these tokens (LlamaModel.tune)."""
@@ -271,6 +314,42 @@ class CodaCausalLM:
     @property
     def is_activation_checkpointing(self) -> bool:
         return any(b.activation_checkpointing for b in self.coda.blocks)
+
+
+def _check_coda_modules(coda: Any) -> None:
+    """PEFT's target_parameters wraps a coda block (or coda itself, for ``embed``) in a ParamWrapper,
+    which the model would fail on deep inside: named here. Other wrappers are coda's to judge
+    (LlamaModel refuses a checkpoint_wrapper around a block; DDP around ``coda`` works)."""
+    parts = [("coda", coda, "LlamaModel")]
+    if isinstance(coda, LlamaModel):
+        parts += [(f"coda.blocks.{i}", b, "LlamaBlock") for i, b in enumerate(coda.blocks)]
+    for where, module, what in parts:
+        cls = type(module)
+        if cls.__module__.split(".")[0] == "peft":
+            raise TypeError(f"{where} is a {cls.__module__}.{cls.__qualname__}, not a coda {what}: PEFT adapters "
+                            "on a coda model (target_parameters) are not supported yet; apply them to the "
+                            "transformers model, merge them (model = peft_model.merge_and_unload()) and convert "
+                            "that model")
+
+
+# the keywords of transformers' causal-LM loss that forward takes by name (logits and vocab_size are
+# the model's own to pass)
+_LOSS_HONOURED = frozenset({"logits", "labels", "vocab_size", "num_items_in_batch", "ignore_index", "shift_labels"})
+
+
+def _check_loss_keywords(kwargs: dict[str, Any]) -> None:
+    """A keyword transformers' causal-LM loss takes (read from its signature: a newer transformers
+    may add some) that coda does not honour is refused, not swallowed by **kwargs."""
+    if not kwargs:
+        return
+    from transformers.loss import loss_utils
+    params = inspect.signature(loss_utils.ForCausalLMLoss).parameters
+    unknown = [n for n in kwargs if n in params and n not in _LOSS_HONOURED
+               and params[n].kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)]
+    if unknown:
+        raise ValueError(f"{', '.join(f'{n}={kwargs[n]!r}' for n in unknown)}: this keyword of transformers' causal-LM "
+                         "loss is not supported by coda models (the fused loss takes labels or shift_labels, "
+                         "ignore_index and num_items_in_batch)")
 
 
 def _hf_state_to_coda(module: Any, state_dict: dict, prefix: str, local_metadata: Any, strict: bool,

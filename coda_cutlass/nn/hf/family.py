@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+from torch import nn
 
 from ..activations import HF_NAMES
 from .fields import UnsupportedConfig, check_known, head_dim, require, rope_from_config
@@ -42,6 +43,42 @@ def _param(obj: Any, path: str, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise UnsupportedConfig(f"{module} of a {what} has no {attr} tensor")
     return t
+
+
+MERGE_ADAPTERS = ("LoRA / PEFT adapters: merge them into the weights first (model = peft_model.merge_and_unload()) "
+                  "and convert that model; adapters on a coda model are not supported yet")
+
+
+def check_linear(module: Any, where: str) -> None:
+    """A projection coda reads as ``x @ weight.T (+ bias)`` must compute that: a module wrapped
+    around the linear (PEFT's lora.Linear forwards ``.weight`` to its base layer, quantized
+    linears) would have its weight read and the rest of what it computes dropped, silently."""
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        return
+    cls = type(module)
+    extra = [n for n, _ in module.named_parameters() if n not in ("weight", "bias")]
+    holds = f" (it holds {', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''})" if extra else ""
+    raise UnsupportedConfig(f"{where} is a {cls.__module__}.{cls.__qualname__}, not a plain torch.nn.Linear{holds}: "
+                            f"coda reads its weight alone and would drop whatever else it computes. {MERGE_ADAPTERS}")
+
+
+def check_read(params: Iterable[tuple[str, torch.Tensor]], read: Iterable[str], prefix: str = "") -> None:
+    """Every parameter (name, tensor) of a model or layer is one coda reads (``read``: names) and
+    holds data: a parameter left out (an adapter's, a wrapper's) would be silently dropped, and one
+    on the meta device (offloaded to disk by a device_map) cannot be copied."""
+    read = set(read)
+    unread = []
+    for name, p in params:
+        if p.is_meta:
+            raise UnsupportedConfig(f"{prefix}{name} is on the meta device (no data: offloaded to disk by a "
+                                    "device_map, or made on the meta device): load the model fully first "
+                                    "(from_pretrained without disk offload, e.g. device_map=None or a device that "
+                                    "holds the whole model), then convert it")
+        if name not in read:
+            unread.append(prefix + name)
+    if unread:
+        raise UnsupportedConfig(f"coda does not read {', '.join(unread[:4])}{', ...' if len(unread) > 4 else ''}: "
+                                f"converting would drop {'it' if len(unread) == 1 else 'them'}. {MERGE_ADAPTERS}")
 
 
 class Family:
@@ -122,16 +159,22 @@ class Family:
         return None
 
     # ------------------------------------------------------------------ layers
-    def check_layer(self, layer: Any) -> None:
-        """The layer has this family's parameters, and no bias the family does not read."""
+    def check_layer(self, layer: Any, prefix: str = "") -> None:
+        """The layer has this family's parameters, each projection a plain nn.Linear, no bias the
+        family does not read and no other parameter (``prefix``: the layer's path in the model, for
+        the errors)."""
         expected = set(self.paths.values())
-        for path in expected:
+        for path in self.paths.values():           # in order: the first projection is the one named
+            module_path = path.rpartition(".")[0]
+            module = _part(layer, module_path, self.layer_what)
+            if module_path.endswith("_proj"):           # the linears (the others are norms)
+                check_linear(module, prefix + module_path)
             _param(layer, path, self.layer_what)
             if path.endswith(".weight"):
-                module = _part(layer, path.rpartition(".")[0], self.layer_what)
                 bias = path[:-len("weight")] + "bias"
                 if getattr(module, "bias", None) is not None and bias not in expected:
                     raise UnsupportedConfig(f"{bias} exists: that linear bias is not implemented for {self.name}")
+        check_read(layer.named_parameters(), expected, prefix)
 
     def to_standard(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The layer's parameters by path (``paths`` values) -> the standard layout."""
@@ -170,6 +213,15 @@ class Family:
 
     def model_part(self, model: Any, path: str) -> Any:
         return _part(model, path, f"{self.name} causal LM")
+
+    def check_model(self, model: Any) -> None:
+        """The causal LM's parameters outside its layers are the embedding, the final norm and the
+        LM head (a plain nn.Linear), all with data (``check_layer`` checks the layers)."""
+        head = self.lm_head_path.rpartition(".")[0]
+        check_linear(self.model_part(model, head), head)
+        layers = self.layers_path + "."
+        check_read(((n, p) for n, p in model.named_parameters() if not n.startswith(layers)),
+                   (self.embed_path, self.norm_path, self.lm_head_path))
 
     def logit_softcap(self, config: Any) -> float | None:
         """The final logits' soft-cap (Gemma 2), None for none."""

@@ -1,6 +1,7 @@
 """Gemma (1): a Llama layer whose RMSNorms scale by (1 + weight), whose MLP is GeGLU (tanh form,
-``hidden_act="gelu_pytorch_tanh"``) and whose embedding output is multiplied by sqrt(hidden_size)
-(in the compute dtype, as transformers does); the LM head is tied to the embedding by default.
+``hidden_act="gelu_pytorch_tanh"``: transformers 5 reads hidden_act, not hidden_activation) and
+whose embedding output is multiplied by sqrt(hidden_size) (in the compute dtype, as transformers
+does); the LM head is tied to the embedding by default.
 Bidirectional attention (``use_bidirectional_attention``) is refused: the block is causal."""
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ class Gemma(Family):
             raise UnsupportedConfig("config.use_bidirectional_attention=True: the block's attention is causal")
 
     def activation_name(self, config: Any) -> str:
-        # transformers 4 read hidden_activation (tanh GELU when unset); both read a legacy
-        # hidden_act="gelu" as the tanh form
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "gelu_pytorch_tanh"
+        # transformers 5's GemmaMLP reads hidden_act alone (a hidden_activation beside it is inert);
+        # hidden_activation only where a transformers-4 style config has no hidden_act. Both read a
+        # legacy hidden_act="gelu" as the tanh form (transformers 5's GemmaConfig rewrites it)
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         return "gelu_pytorch_tanh" if act == "gelu" else act
 
     def embed_scale(self, config: Any) -> float | None:
