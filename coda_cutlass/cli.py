@@ -232,6 +232,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print(f"  {line}")
     if args.export:
         from .build.export import export_cache_entry
+        out = Path(args.export)
+        below = next((p for p in (out, *out.parents) if os.path.lexists(p)), None)
+        if below is not None and not below.is_dir():
+            raise UserError(f"--export {args.export}: {below} is not a folder (give a new or existing folder)")
         n = sum(export_cache_entry(cache, k, args.export) for k in keys)
         print(f"exported {n} verified kernels as prebuilt kernels to {args.export}")
     return 0

@@ -17,8 +17,10 @@ by you alone (trust.py) and meta.json records the SHA-256 of kernel.so and the f
 it. In a cache you own, a corrupt or foreign entry is moved aside and rebuilt; a cache you cannot
 claim (a teammate's, say) is read-only for you: such entries are skipped, never moved, deleted or
 chmodded, and builds go to your fallback. Everything is created private (0700 folders, 0600
-files) whatever the umask; a folder the cache created that others can write is repaired, and no
-folder it did not create is ever chmodded.
+files) whatever the umask; a folder the cache created that others can write is repaired (a
+prefix folder kernels/<k[:2]> before its entries are judged, so a `chmod -R g+w` of the folders
+costs no intact entry), and no folder it did not create is ever chmodded. A root whose path holds
+a character nvcc's shell would interpret (run.shell_unsafe) is read, never built in.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from pathlib import Path
 from typing import ContextManager, Iterator
 
 from ..errors import BuildError, ConfigError
-from .files import make_dirs, read_json_object, write_file
+from .files import make_dirs, read_json_object, sync_file, write_file
 from .layout import MARKER, MARKER_TEXT, inspect, is_key, tmp_key
 from .locks import hold, is_held
 from .progress import LOGGER, warn
+from .run import shell_unsafe
 from .trust import claim_dir, others_can_write, repair, untrusted_reason
 from .verify import Rejected, verify
 
@@ -55,7 +58,7 @@ def absolute(path: str | Path) -> Path:
 
 def default_root() -> Path:
     env = os.environ.get("CODA_CUTLASS_CACHE_DIR")
-    if env:
+    if env and env.strip():          # empty or blank: unset (never a folder named " ")
         # Resolved against the directory current when the value is first seen.
         return _ROOTS_FROM_ENV.setdefault(env, absolute(env))
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -64,8 +67,8 @@ def default_root() -> Path:
 
 
 def resolve_root(root: str | Path | None) -> Path:
-    if root is not None and str(root) == "":
-        raise ConfigError("cache_dir='' is empty: pass None (the default, $CODA_CUTLASS_CACHE_DIR or "
+    if root is not None and str(root).strip() == "":
+        raise ConfigError(f"cache_dir={str(root)!r} is empty: pass None (the default, $CODA_CUTLASS_CACHE_DIR or "
                           "~/.cache/coda-cutlass) or the folder to use")
     return default_root() if root is None else absolute(root)
 
@@ -105,8 +108,8 @@ class KernelCache:
         the folder and what is in it if it is someone's folder, not a cache."""
         found = inspect(Path(os.path.realpath(self.root)))
         if found.kind == "foreign":
-            raise ConfigError(f"{self.root} is not a coda-cutlass cache: it holds {found.detail} and no {MARKER} "
-                              "of coda-cutlass, and the cache only takes a new or empty folder or one it created. "
+            raise ConfigError(f"{self.root} is not a coda-cutlass cache: it holds {found.detail}, and is not marked "
+                              f"as one ({MARKER}); the cache only takes a new or empty folder or one it created. "
                               "Point CODA_CUTLASS_CACHE_DIR (or cache_dir=) at a new folder")
         return found.kind
 
@@ -121,6 +124,10 @@ class KernelCache:
             return refusal
         root = Path(os.path.realpath(self.root))
         kind = self.check_root()
+        unsafe = shell_unsafe(self.root) or shell_unsafe(root)
+        if unsafe:
+            return (f"its path contains {unsafe}, which nvcc cannot take (it passes its temp folder, made inside "
+                    "the cache, through sh -c): choose a folder without ` $ \" or \\")
         if kind == "not a folder":
             return inspect(root).detail
         if kind == "missing":
@@ -144,10 +151,14 @@ class KernelCache:
                 if refusal:
                     return refusal
         if kind != "marked":
+            damaged = kind == "old cache" and os.path.lexists(root / MARKER)
             refusal = _mark(root)
             if refusal:
                 return refusal
-            if kind == "old cache":
+            if damaged:
+                warn(f"{root / MARKER} was damaged (not the marker of coda-cutlass) in a folder that is otherwise "
+                     "a coda-cutlass cache; rewrote it", stacklevel=3)
+            elif kind == "old cache":
                 LOGGER.info("adopted %s, a cache made before coda-cutlass marked its caches", root)
         for sub in SUBDIRS:
             refusal = claim_dir(root / sub)
@@ -205,11 +216,17 @@ class KernelCache:
         reason = self.problem(key)
         if reason is None:
             return entry / "kernel.so"
-        not_mine = self.claim()
+        not_mine = self.claim()            # also repairs the root and kernels/
         if not_mine:
             LOGGER.info("skipping cache entry %s: %s (left in place: %s)", entry, reason, not_mine)
-        else:
-            self.discard(key, reason)
+            return None
+        # The prefix folder is the cache's too: made private again, the entry may pass now (its
+        # owner, key and SHA-256 are still checked), instead of being rebuilt for the folder's mode.
+        if claim_dir(entry.parent) is None:
+            reason = self.problem(key)
+            if reason is None:
+                return entry / "kernel.so"
+        self.discard(key, reason)
         return None
 
     def meta(self, key: str) -> dict:
@@ -234,7 +251,7 @@ class KernelCache:
             os.rename(path, trash)
         except OSError:
             return False
-        shutil.rmtree(trash, ignore_errors=True)
+        _remove(trash)
         return True
 
     # ------------------------------------------------------------------ building
@@ -251,6 +268,8 @@ class KernelCache:
         refusal = claim_dir(entry.parent)
         if refusal:
             raise BuildError(f"cannot publish the kernel built in {build_dir}: {refusal}")
+        for name in ("kernel.so", "meta.json"):    # on disk before the rename makes them the entry
+            sync_file(build_dir / name)
         try:
             os.rename(build_dir, entry)
             return entry / "kernel.so"
@@ -294,7 +313,7 @@ class KernelCache:
                     if time.time() - os.lstat(path).st_mtime > 60:
                         path.unlink()
             elif key is not None and (name.startswith("trash-") or key == held or not self._building(key)):
-                shutil.rmtree(path, ignore_errors=True)
+                _remove(path)
 
     def _building(self, key: str) -> bool:
         return is_held(self.root / "locks" / f"{key}.lock")
@@ -313,6 +332,19 @@ def _checked(key: str) -> str:
     return key
 
 
+def _remove(path: Path) -> None:
+    """Delete a folder or file of the cache's (an entry damaged into a plain file is one too)."""
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return
+    if is_dir:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def _existing_ancestor(path: Path) -> Path:
     while not os.path.lexists(path) and path.parent != path:
         path = path.parent
@@ -323,7 +355,7 @@ def _mark(root: Path) -> str | None:
     """Write the marker (atomically: a reader sees none or all of it); why that failed, or None."""
     tmp = root / f".{MARKER}-{uuid.uuid4().hex}"
     try:
-        write_file(tmp, MARKER_TEXT)
+        write_file(tmp, MARKER_TEXT, sync=True)
         os.replace(tmp, root / MARKER)
     except OSError as e:
         with contextlib.suppress(OSError):

@@ -3,11 +3,13 @@
 What coda-cutlass creates is private whatever the umask: folders 0700, files 0600 (kernel.so and
 build.sh 0700), created with O_EXCL | O_NOFOLLOW so a planted file or link is never written
 through. Metadata is JSON; valid JSON that is not an object ([], null, 1, "x") is as corrupt as
-invalid JSON.
+invalid JSON. A write that fails (a full disk) removes its partial file and names it in the error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -64,14 +66,17 @@ def make_dirs(path: Path, mode: int = PRIVATE_DIR) -> None:
         try:
             os.mkdir(d, mode & PRIVATE_DIR)
         except FileExistsError:
-            if not d.is_dir():
-                raise
+            if not d.is_dir():      # a file where a folder must go: say so, not "File exists"
+                raise NotADirectoryError(errno.ENOTDIR, "exists and is not a folder", str(d)) from None
             continue
         os.chmod(d, mode)
 
 
-def write_file(path: Path, data: str | bytes, mode: int = PRIVATE_FILE) -> None:
-    """Create ``path`` (replacing a file of ours) with ``mode``, never following a link."""
+def write_file(path: Path, data: str | bytes, mode: int = PRIVATE_FILE, sync: bool = False) -> None:
+    """Create ``path`` (replacing a file of ours) with ``mode``, never following a link. ``sync``:
+    on disk before returning (for a file about to be renamed into place: after a crash the name
+    must not point at an empty file). On failure (ENOSPC, EFBIG) the partial file is removed and the
+    OSError names ``path`` (a failed write() names no file)."""
     if isinstance(data, str):
         data = data.encode("utf-8")
     try:
@@ -79,6 +84,24 @@ def write_file(path: Path, data: str | bytes, mode: int = PRIVATE_FILE) -> None:
     except FileNotFoundError:
         pass
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(fd, mode)
-        f.write(data)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(fd, mode)
+            f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(fd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(path)         # created above with O_EXCL: ours
+        raise OSError(e.errno, e.strerror, str(path)) from e
+
+
+def sync_file(path: Path) -> None:
+    """fsync an existing file (best effort: a file system that cannot is no reason to fail)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -3,14 +3,17 @@
 The cache writes a marker, ``CACHEDIR.TAG`` (the Cache Directory Tagging format, so backup tools
 skip the folder, plus a line naming coda-cutlass), into a root it creates. It uses a folder
 only if it is missing, empty, marked, or an unmarked cache made by coda-cutlass before the marker
-existed (every name in it is one the cache generates, owned by the folder's owner: adopted by
-writing the marker). Anything else is someone's folder: refused, naming what is in it. Inside a
+existed (every name in it is one the cache generates, owned by the folder's owner, and a
+tuning.json in it is a tuning cache: adopted by writing the marker). A damaged marker (empty,
+garbled: anything but another tool's tag) counts as a missing one, so such a cache is adopted again
+and the marker rewritten. Anything else is someone's folder: refused, naming what is in it. Inside a
 cache, only names of the shapes below are ever removed, so a user's folder that happens to lie
 in ``tmp/`` or ``kernels/`` is never touched.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -79,21 +82,54 @@ def inspect(root: Path) -> Found:
     return Found("foreign", shown)
 
 
-def has_marker(root: Path) -> bool:
+def _read_small(path: Path, limit: int) -> bytes | None:
+    """The first ``limit`` bytes of a regular file (no link followed); None if it is none."""
     try:
-        fd = os.open(root / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
-        return False
+        return None
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        lines = f.read(4096).decode("utf-8", errors="replace").splitlines()
+            return None
+        try:
+            return f.read(limit)
+        except OSError:
+            return None
+
+
+def _marker_lines(root: Path) -> list[str] | None:
+    data = _read_small(root / MARKER, 4096)
+    return None if data is None else data.decode("utf-8", errors="replace").splitlines()
+
+
+def has_marker(root: Path) -> bool:
+    lines = _marker_lines(root)
     return bool(lines) and lines[0] == _SIGNATURE and _OURS in lines
+
+
+def _is_other_tag(root: Path) -> bool:
+    """Whether CACHEDIR.TAG is a valid tag of another tool (cargo's, say): not ours, not damaged."""
+    lines = _marker_lines(root) or []
+    return bool(lines) and lines[0] == _SIGNATURE and any(l.strip() for l in lines[1:]) and _OURS not in lines
+
+
+def is_tuning_cache(path: Path) -> bool:
+    """Whether ``path`` holds what the tuning store writes: a JSON object of JSON objects (a
+    user's tuning.json of another shape is theirs, not the cache's)."""
+    data = _read_small(path, 1 << 26)
+    if data is None:
+        return not os.path.lexists(path)     # gone since listed (nothing of anyone's), or not a file
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(value, dict) and all(isinstance(v, dict) for v in value.values())
 
 
 def _strays(root: Path, names: list[str], owner: int) -> list[str]:
     """Paths (relative to root) in an unmarked folder that the cache would never have made."""
     strays: list[str] = []
+    damaged: list[str] = []     # a damaged marker: named only beside real strays (else it is rewritten)
 
     def odd(rel: str, is_dir: bool) -> str | None:
         """None if ``rel`` is a folder (a file) of the root's owner, else how it differs."""
@@ -127,7 +163,16 @@ def _strays(root: Path, names: list[str], owner: int) -> list[str]:
 
     for name in names:
         is_dir = name in ("kernels", "failed", "locks", "tmp")
-        if not check(name, is_dir or _ROOT_FILES.fullmatch(name) is not None, is_dir) or not is_dir:
+        if name == MARKER:     # not ours (else the folder is "marked"): damaged, or another tool's
+            if _is_other_tag(root):
+                strays.append(f"{MARKER} (another program's cache tag)")
+            elif check(name, True, False):
+                damaged.append(f"{MARKER} (damaged: not the marker of coda-cutlass)")
+            continue
+        ours = check(name, is_dir or _ROOT_FILES.fullmatch(name) is not None, is_dir)
+        if ours and name == "tuning.json" and not is_tuning_cache(root / name):
+            strays.append("tuning.json (not a tuning cache of coda-cutlass)")     # a user's file of that name
+        if not ours or not is_dir:
             continue
         if name == "kernels":
             for prefix in children("kernels"):
@@ -143,4 +188,4 @@ def _strays(root: Path, names: list[str], owner: int) -> list[str]:
         else:
             for n in children("tmp"):
                 check(f"tmp/{n}", tmp_key(n) is not None, tmp_key(n) != "")
-    return strays
+    return strays + damaged if strays else []

@@ -11,15 +11,17 @@ waiting for it; and the behaviour must not change with the filelock version torc
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Iterator
 
 from ..errors import BuildError
 from .files import PRIVATE_FILE
-from .progress import say
+from .progress import say, seconds_text
 
 _FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -30,7 +32,7 @@ def hold(path: Path, what: str, timeout: float | None, verbose: bool | None,
     """Hold the lock at ``path``, waiting for another holder (``doing`` ``what``) at most
     ``timeout`` seconds (None: forever) with a progress line every 15 s; a BuildError when the
     time is up."""
-    fd = os.open(path, _FLAGS | os.O_CREAT, PRIVATE_FILE)
+    fd = _open(path)
     try:
         _wait(fd, path, f"{doing} {what}", timeout, verbose)
         os.ftruncate(fd, 0)
@@ -39,6 +41,20 @@ def hold(path: Path, what: str, timeout: float | None, verbose: bool | None,
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _open(path: Path) -> int:
+    """The lock file, created if missing; a BuildError naming it if it is a folder or a link (which
+    the cache never makes: a link is not followed, so its target is never written)."""
+    try:
+        return os.open(path, _FLAGS | os.O_CREAT, PRIVATE_FILE)
+    except OSError as e:
+        if e.errno in (errno.EISDIR, errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):
+            what = "a folder" if os.path.isdir(path) and not os.path.islink(path) else \
+                   "a symbolic link" if os.path.islink(path) else "not a plain file"
+            raise BuildError(f"cannot use the lock file {path}: it is {what}, and the cache only makes plain "
+                             f"files there; remove it (rm -r {shlex.quote(str(path))}) and try again") from None
+        raise BuildError(f"cannot open the lock file {path}: {e.strerror}") from None
 
 
 def is_held(path: Path) -> bool:
@@ -70,14 +86,14 @@ def _wait(fd: int, path: Path, task: str, timeout: float | None, verbose: bool |
         return
     holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
     start = time.monotonic()
-    limit = f", for at most {timeout:.0f} s" if timeout is not None else ""
+    limit = f", for at most {seconds_text(timeout)} s" if timeout is not None else ""
     say(f"waiting for another process (pid {holder}) {task}{limit} (lock {path})...", verbose)
     next_note = start + every
     while not _try(fd):
         time.sleep(0.2)
         now = time.monotonic()
         if timeout is not None and now - start >= timeout:
-            raise BuildError(f"gave up after {now - start:.0f} s waiting for another process (pid {holder}) "
+            raise BuildError(f"gave up after {seconds_text(now - start)} s waiting for another process (pid {holder}) "
                              f"{task} (lock {path}); set CODA_CUTLASS_LOCK_TIMEOUT to wait longer")
         if now >= next_note:
             say(f"  ... still waiting for pid {holder} {task} ({now - start:.0f} s)", verbose)

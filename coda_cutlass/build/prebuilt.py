@@ -4,7 +4,9 @@ Search order: directories in $CODA_CUTLASS_PREBUILT_PATH (os.pathsep-separated),
 ``coda_cutlass/prebuilt`` folder shipped in a wheel. A prebuilt kernel is ``<source_key>.so`` with
 ``<source_key>.json`` (its metadata, including the .so's SHA-256) beside it. Like a cache entry, it
 is used only from a path nobody but you, root or the package's owner controls (trust.py); a
-foreign, corrupt or mismatching one is skipped with a warning.
+foreign, corrupt or mismatching one is skipped with a warning, as is one whose metadata records
+another source key (an export copied under another kernel's name). Relative folders in the
+variable are made absolute once, when the value is first seen, so a later chdir changes nothing.
 """
 
 from __future__ import annotations
@@ -12,16 +14,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .files import read_json_object
 from .progress import warn
 from .verify import Rejected, verify
 
 PACKAGE_PREBUILT = Path(__file__).resolve().parent.parent / "prebuilt"
+_DIRS_FROM_ENV: dict[str, tuple[Path, ...]] = {}
 
 
 def search_dirs() -> list[Path]:
-    dirs = [Path(p) for p in os.environ.get("CODA_CUTLASS_PREBUILT_PATH", "").split(os.pathsep) if p]
-    dirs.append(PACKAGE_PREBUILT)
-    return dirs
+    env = os.environ.get("CODA_CUTLASS_PREBUILT_PATH", "")
+    # Resolved against the directory current when the value is first seen (as the cache root is):
+    # a kernel found through "good" must still load after the script changes directory.
+    if env not in _DIRS_FROM_ENV:
+        _DIRS_FROM_ENV[env] = tuple(Path(os.path.abspath(Path(p).expanduser()))
+                                    for p in env.split(os.pathsep) if p.strip())
+    return [*_DIRS_FROM_ENV[env], PACKAGE_PREBUILT]
 
 
 def search_report() -> str:
@@ -42,7 +50,13 @@ def find_prebuilt(source_key: str) -> Path | None:
             continue
         try:
             verify(so, meta)
-            return so
         except Rejected as e:
             warn(f"skipping prebuilt kernel {so}: {e}", stacklevel=3)
+            continue
+        recorded = (read_json_object(meta) or {}).get("source_key", source_key)
+        if recorded != source_key:
+            warn(f"skipping prebuilt kernel {so}: {meta.name} records source_key={recorded!r}, another kernel's "
+                 "(copied under this name?); remove it or export it again", stacklevel=3)
+            continue
+        return so
     return None

@@ -39,6 +39,12 @@ def say(message: str, verbose: bool | None = None) -> None:
             sys.stderr.flush()
 
 
+def seconds_text(s: float) -> str:
+    """A duration for a message: whole seconds, but a short one that is not whole keeps two
+    digits (a timeout of 0.001 s must not read "0 s")."""
+    return f"{s:.0f}" if s >= 9.5 or (s >= 1 and abs(s - round(s)) < 0.05) else f"{s:.2g}"
+
+
 def warn(message: str, stacklevel: int = 2) -> None:
     """A RuntimeWarning "coda-cutlass: <message>" (``stacklevel`` as for warnings.warn, counted
     from the caller), also logged at WARNING."""

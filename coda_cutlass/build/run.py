@@ -8,7 +8,9 @@ nvcc writes its intermediates (tmpxft_<pid>_*.cudafe1.cpp, .ptx, .cubin) under $
 predictable names and reads them back: in a shared /tmp another user can pre-create them or
 append to them mid-build. So nvcc and everything it starts get TMPDIR, TMP and TEMP pointing at a
 folder of their own, 0700, inside the build folder (itself private), removed when the command
-is over.
+is over. nvcc 13 hands that path to its host compiler through ``sh -c`` inside double quotes, so a
+path with ` $ " or \\ in it breaks every build (a backquote even runs a command): such a folder is
+refused (shell_unsafe; the cache refuses such a root before building in it).
 """
 
 from __future__ import annotations
@@ -21,12 +23,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import BuildError
 from .files import PRIVATE_DIR, PRIVATE_FILE
 
 SUPERVISOR = Path(__file__).resolve().parent / "supervise.py"
 EXIT_NOT_FOUND = 127
 PRIVATE_TMP = ".tmp"         # the compiler's temp folder, inside the build folder
 TEMP_VARS = ("TMPDIR", "TMP", "TEMP")
+SHELL_UNSAFE = {"`": "backquote", "$": "dollar sign", '"': "double quote", "\\": "backslash"}
+
+
+def shell_unsafe(path: str | Path) -> str | None:
+    """What in ``path`` nvcc's ``sh -c "..."`` would interpret ("` (backquote), ..."), or None."""
+    found = [f"{c} ({name})" for c, name in SHELL_UNSAFE.items() if c in str(path)]
+    return ", ".join(found) or None
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,10 @@ class Ran:
 def run(cmd: list[str], cwd: Path, timeout: float | None) -> Ran:
     """Run ``cmd`` in ``cwd`` (a private folder of the build) with its own temp folder there."""
     tmp = cwd / PRIVATE_TMP
+    unsafe = shell_unsafe(tmp)
+    if unsafe:
+        raise BuildError(f"cannot run nvcc in {cwd}: the path contains {unsafe}, which nvcc passes through a "
+                         "shell (sh -c) with its temp folder; use a cache folder without ` $ \" or \\")
     os.mkdir(tmp, PRIVATE_DIR)      # fails if anything is already there: never one made by someone else
     os.chmod(tmp, PRIVATE_DIR)
     try:

@@ -4,7 +4,8 @@ layout, N, K and a power-of-two M bucket.
 
 A file that is not a JSON object, a record that is not one, or (when the reader names the fields it
 reads) a record without them is corrupt: it is ignored with a warning (the shape is tuned again)
-and replaced by the next write. A choice is written only into a cache you can claim (a teammate's
+and replaced by the next write, which says so. (A folder whose tuning.json is not a tuning cache is
+not taken as a cache at all: build/layout.py.) A choice is written only into a cache you can claim (a teammate's
 is read-only for you) and under the build lock's implementation (build/locks.py), waiting at most
 $CODA_CUTLASS_LOCK_TIMEOUT (default 60 s); otherwise it is kept in memory only, saying why.
 """
@@ -20,7 +21,7 @@ from typing import Any, Mapping
 import torch
 
 from ..env import env_seconds
-from ..errors import BuildError
+from ..errors import BuildError, ConfigError
 from ..build.cache import KernelCache, resolve_root
 from ..build.files import read_json_object, write_file
 from ..build.locks import hold
@@ -71,15 +72,25 @@ class TuningStore:
         return rec
 
     def put(self, key: str, record: dict[str, Any]) -> None:
-        if KernelCache(self.root).refusal() is not None:
+        try:
+            refusal = KernelCache(self.root).refusal()
+        except ConfigError as e:    # someone's folder, not a cache: nothing is written into it
+            warn(f"tuning choice {key!r} not saved in {self.path} ({e}); it is kept in memory only", stacklevel=3)
+            return
+        if refusal is not None:
             return   # a cache you cannot write (or a teammate's): the choice is kept in memory only
         try:
             with hold(self.root / "tuning.lock", "the tuning cache", env_seconds("CODA_CUTLASS_LOCK_TIMEOUT",
                       LOCK_TIMEOUT_S), None, doing="writing"):
-                data = read_json_object(self.path) or {}
+                data = read_json_object(self.path)
+                if data is None:
+                    data = {}
+                    if os.path.lexists(self.path):
+                        warn(f"replacing {self.path}: it is not a JSON object (a damaged tuning cache); the "
+                             "choices it held are tuned again", stacklevel=4)
                 data[key] = record
                 tmp = self.path.with_name(f".tuning-{uuid.uuid4().hex}.json")
-                write_file(tmp, json.dumps(data, indent=1, sort_keys=True))
+                write_file(tmp, json.dumps(data, indent=1, sort_keys=True), sync=True)
                 os.replace(tmp, self.path)
         except (BuildError, OSError) as e:
             warn(f"tuning choice {key!r} not saved in {self.path} ({e}); it is kept in memory only", stacklevel=3)

@@ -1,0 +1,287 @@
+"""The cache and export paths under damage a tester found (issue: cache robustness probes), with
+the fake nvcc: shell characters in the cache path, group-writable prefix folders, a user's
+tuning.json, a damaged marker, odd lock files, a full disk, relative prebuilt paths, an export
+that must not delete anything, and smaller cases."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+from pathlib import Path
+
+import pytest
+
+import coda_cutlass as cc
+from coda_cutlass.build import cache as cache_mod
+from coda_cutlass.build import prebuilt as prebuilt_mod
+from coda_cutlass.build.builder import build
+from coda_cutlass.build.cache import KernelCache
+from coda_cutlass.build.export import export_sources
+from coda_cutlass.build.files import make_dirs, write_file
+from coda_cutlass.build.layout import MARKER, has_marker
+from coda_cutlass.build.run import run
+from coda_cutlass.cli import main
+from coda_cutlass.tuning.store import TuningStore
+from shared_machine import mode, snapshot
+
+SRC = "// kernel source (robustness)\nint r;\n"
+REC = {"config": {"tile_m": 128}, "raster": "n", "swizzle": 2}
+
+
+def calls(fake) -> int:
+    return len(fake["log"].read_text().splitlines())
+
+
+# ---------------------------------------------------------------- 1: shell characters in the path
+@pytest.mark.parametrize("char", ["`", "$", '"', "\\"])
+def test_cache_path_nvcc_cannot_take_is_refused_for_builds(fake_nvcc, monkeypatch, tmp_path, char):
+    """nvcc 13 runs its host compiler through sh -c with TMPDIR (inside the build folder) in double
+    quotes: a backquote ran a command, $ expanded. Such a root is refused before anything is
+    written in it, naming the character; builds go to the fallback."""
+    root = tmp_path / f"cache{char}touch x{char}"
+    monkeypatch.setattr(cache_mod, "fallback_root", lambda: tmp_path / "fallback")
+    with pytest.warns(RuntimeWarning, match=rf"{root.name[:5]}.*contains .*nvcc") as w:
+        r = build(SRC, "k", cache_dir=root)
+    assert repr(char) in str(w[0].message) or char in str(w[0].message)
+    assert r.origin == "built" and tmp_path / "fallback" in r.path.parents
+    assert not root.exists()
+
+
+def test_run_refuses_a_folder_nvcc_would_pass_through_a_shell(tmp_path):
+    d = tmp_path / "b`touch INJECTED`"
+    make_dirs(d)
+    with pytest.raises(cc.BuildError, match=r"contains `"):
+        run(["true"], d, 10)
+
+
+# ---------------------------------------------------------------- 2: a group-writable prefix folder
+@pytest.mark.parametrize("chmod_root", [False, True])
+def test_group_writable_prefix_folder_is_repaired_not_the_entry_discarded(fake_nvcc, chmod_root):
+    first = build(SRC, "k")
+    prefix = first.path.parent.parent
+    root = fake_nvcc["cache"]
+    ino = first.path.stat().st_ino
+    for d in [prefix] + ([root, root / "kernels"] if chmod_root else []):
+        os.chmod(d, 0o770)
+    with pytest.warns(RuntimeWarning, match=rf"{prefix} was writable by others.*made it private"):
+        again = build(SRC, "k")
+    assert again.origin == "cache" and again.path.stat().st_ino == ino and calls(fake_nvcc) == 1
+    assert mode(prefix) == mode(root) == 0o700
+
+
+def test_group_writable_entry_files_are_still_rebuilt(fake_nvcc):
+    """The repair stops at the cache's folders: a kernel.so a group could rewrite (with a matching
+    meta.json) cannot be told from the one built, so it is rebuilt."""
+    first = build(SRC, "k")
+    for p in (first.path.parent, first.path, first.path.parent / "meta.json"):
+        os.chmod(p, os.stat(p).st_mode | 0o020)
+    with pytest.warns(RuntimeWarning, match="discarded cache entry.*writable by its group"):
+        assert build(SRC, "k").origin == "built"
+
+
+# ---------------------------------------------------------------- 3: a user's tuning.json
+@pytest.mark.parametrize("extra", [(), ("tmp", "kernels")])
+@pytest.mark.parametrize("text", ["my own tuning notes, not JSON\n", "[1, 2]", '{"lr": 0.1}'])
+def test_a_folder_with_a_users_tuning_json_is_not_adopted(fake_nvcc, tmp_path, text, extra):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "tuning.json").write_text(text)
+    for name in extra:
+        (proj / name).mkdir()
+    before = snapshot(proj)
+    with pytest.raises(cc.ConfigError, match=r"proj is not a coda-cutlass cache.*tuning\.json"):
+        build(SRC, "k", cache_dir=proj)
+    with pytest.warns(RuntimeWarning, match="not saved"):
+        TuningStore(proj).put("k", REC)
+    assert snapshot(proj) == before and (proj / "tuning.json").read_text() == text
+
+
+def test_an_old_cache_with_its_tuning_json_is_still_adopted(fake_nvcc):
+    build(SRC, "k")
+    TuningStore().put("shape", REC)
+    (fake_nvcc["cache"] / MARKER).unlink()
+    assert build(SRC, "k").origin == "cache" and TuningStore().get("shape") == REC
+
+
+def test_tuning_put_says_when_it_replaces_a_file_it_cannot_read(fake_nvcc):
+    root = fake_nvcc["cache"]
+    assert KernelCache(root).claim() is None
+    (root / "tuning.json").write_text("garbage")
+    with pytest.warns(RuntimeWarning, match=r"replacing .*tuning\.json: it is not a JSON object"):
+        TuningStore(root).put("k", REC)
+    assert TuningStore(root).get("k") == REC
+
+
+# ---------------------------------------------------------------- 4: a damaged marker
+@pytest.mark.parametrize("damage", [b"", b"\x00\xff garbled", b"Signature: 8a477f"])
+def test_a_damaged_marker_is_rewritten(fake_nvcc, damage):
+    first = build(SRC, "k")
+    root = fake_nvcc["cache"]
+    (root / MARKER).write_bytes(damage)
+    with pytest.warns(RuntimeWarning, match=f"{MARKER} was damaged.*rewrote it"):
+        again = build(SRC, "k")
+    assert again.origin == "cache" and again.path == first.path and has_marker(root)
+
+
+def test_a_damaged_marker_beside_other_files_is_named_as_damaged(fake_nvcc):
+    build(SRC, "k")
+    root = fake_nvcc["cache"]
+    (root / MARKER).write_bytes(b"")
+    (root / "notes.txt").write_text("mine")
+    with pytest.raises(cc.ConfigError) as e:
+        build(SRC, "k")
+    assert "notes.txt" in str(e.value) and "CACHEDIR.TAG (damaged" in str(e.value)
+    assert "holds CACHEDIR.TAG and no" not in str(e.value)
+
+
+# ---------------------------------------------------------------- 5: odd lock files
+@pytest.mark.parametrize("kind", ["dir", "symlink"])
+def test_a_lock_that_is_not_a_file_is_a_clear_error(fake_nvcc, tmp_path, kind):
+    first = build(SRC, "k")
+    lock = fake_nvcc["cache"] / "locks" / f"{first.key}.lock"
+    lock.unlink()
+    target = tmp_path / "target.txt"
+    target.write_text("canary")
+    if kind == "dir":
+        lock.mkdir()
+    else:
+        lock.symlink_to(target)
+    first.path.unlink()
+    with pytest.warns(RuntimeWarning, match="discarded"), pytest.raises(cc.BuildError) as e:
+        build(SRC, "k")
+    assert str(lock) in str(e.value) and "remove it" in str(e.value)
+    assert target.read_text() == "canary"
+
+
+def test_a_short_lock_timeout_is_printed_with_its_digits(fake_nvcc, monkeypatch, capsys):
+    first = build(SRC, "k")
+    first.path.unlink()
+    monkeypatch.setenv("CODA_CUTLASS_LOCK_TIMEOUT", "0.001")
+    with KernelCache().lock(first.key):                 # another builder holds it
+        with pytest.warns(RuntimeWarning, match="discarded"), \
+                pytest.raises(cc.BuildError, match=r"gave up after 0\.\d+ s waiting"):
+            build(SRC, "k", verbose=True)
+    assert "for at most 0.001 s" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- 6: a full disk
+@pytest.fixture
+def file_size_limit():
+    """RLIMIT_FSIZE as a stand-in for a full disk (Python ignores SIGXFSZ: writes fail with EFBIG)."""
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def limit(n: int) -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n, old[1]))
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+
+
+def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path, file_size_limit):
+    path = tmp_path / "big.bin"
+    file_size_limit(4096)
+    with pytest.raises(OSError) as e:
+        write_file(path, b"x" * 100_000)
+    assert str(path) in str(e.value) and not path.exists()
+
+
+def test_export_to_a_full_disk_leaves_no_temp_file(fake_nvcc, tmp_path, file_size_limit):
+    build(SRC + "//" + "x" * 100_000 + "\n", "k")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    file_size_limit(4096)
+    assert main(["cache", "--export", str(out)]) == 2
+    file_size_limit(resource.RLIM_INFINITY)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+# ---------------------------------------------------------------- 7: a relative prebuilt path
+def test_relative_prebuilt_path_is_made_absolute_once(fake_nvcc, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CODA_CUTLASS_PREBUILT_PATH", f"good{os.pathsep}/abs")
+    first = prebuilt_mod.search_dirs()
+    monkeypatch.chdir("/")
+    assert prebuilt_mod.search_dirs() == first
+    assert first[:2] == [tmp_path / "good", Path("/abs")]
+
+
+# ---------------------------------------------------------------- 8: export reads, never deletes
+def test_export_skips_a_damaged_entry_and_leaves_it(fake_nvcc, tmp_path, capsys):
+    first = build(SRC, "k")
+    first.path.write_bytes(first.path.read_bytes()[:5])
+    before = snapshot(first.path.parent)
+    with pytest.warns(RuntimeWarning, match=rf"not exporting cache entry {first.path.parent}.*left in place"):
+        assert main(["cache", "--export", str(tmp_path / "out")]) == 0
+    assert snapshot(first.path.parent) == before
+    assert "exported 0" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- 9: smaller cases
+def test_export_to_a_file_says_not_a_folder(fake_nvcc, tmp_path, capsys):
+    build(SRC, "k")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    for target in (afile, afile / "sub"):
+        assert main(["cache", "--export", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert "not a folder" in err and "FileExistsError" not in err, err
+    assert afile.read_text() == "mine"
+
+
+@pytest.mark.parametrize("blank", [" ", "\t\n"])
+def test_a_blank_cache_dir_counts_as_unset(fake_nvcc, monkeypatch, tmp_path, blank):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", blank)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_mod.default_root() == tmp_path / "xdg" / "coda-cutlass"
+    with pytest.raises(cc.ConfigError, match="empty"):
+        KernelCache(blank)
+    assert not os.path.lexists(tmp_path / blank)
+
+
+def test_an_entry_that_is_a_file_is_removed_not_left_in_tmp(fake_nvcc):
+    first = build(SRC, "k")
+    entry = first.path.parent
+    shutil.rmtree(entry)
+    entry.write_text("x")
+    with pytest.warns(RuntimeWarning, match="discarded"):
+        assert build(SRC, "k").origin == "built"
+    assert [p.name for p in (fake_nvcc["cache"] / "tmp").iterdir() if p.name.startswith("trash-")] == []
+
+
+def test_sweep_removes_trash_that_is_a_file(fake_nvcc):
+    first = build(SRC, "k")
+    trash = fake_nvcc["cache"] / "tmp" / f"trash-{first.key}-0123abcd"
+    trash.write_text("x")
+    KernelCache().sweep_tmp()
+    assert not trash.exists()
+
+
+def test_prebuilt_recording_another_source_key_is_skipped(fake_nvcc, monkeypatch, tmp_path):
+    """An export copied under another kernel's name: its own meta says whose it is."""
+    from coda_cutlass.build.files import sha256_file
+    from coda_cutlass.build.keys import source_key
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    skey = source_key(SRC)
+    (pre / f"{skey}.so").write_text("prebuilt")
+    (pre / f"{skey}.json").write_text(json.dumps({"source_key": "0" * 64,
+                                                  "so_sha256": sha256_file(pre / f"{skey}.so")}))
+    monkeypatch.setenv("CODA_CUTLASS_PREBUILT_PATH", str(pre))
+    with pytest.warns(RuntimeWarning, match=rf"skipping prebuilt kernel {pre / skey}\.so.*records source_key"):
+        assert build(SRC, "k").origin == "built"
+
+
+def test_sources_are_not_written_through_a_linked_include_folder(tmp_path):
+    user = tmp_path / "src"
+    (user / "coda").mkdir(parents=True)
+    (user / "coda" / "functors.hpp").write_text("// my header\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "include").symlink_to(user)
+    with pytest.raises(cc.ConfigError, match=rf"{out / 'include'} is a symbolic link"):
+        export_sources(["// generated\n"], out)
+    assert (user / "coda" / "functors.hpp").read_text() == "// my header\n"
+    assert sorted(p.name for p in (user / "coda").iterdir()) == ["functors.hpp"]
