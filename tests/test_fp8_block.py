@@ -142,7 +142,7 @@ def test_what_the_fp8_path_does_not_cover_is_refused_by_name():
         Fp8Recipe("mine", wgrad_group=8)
     with pytest.raises(ConfigError, match="wgrad_group applies to blockwise scaling"):
         Fp8Recipe("mine", scaling="tensor", wgrad_group=16)
-    with pytest.raises(ConfigError, match="compute in 16 bits"):
+    with pytest.raises(ConfigError, match="compute in bf16"):
         LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, fp8="tensorwise")(torch.randint(0, 512, (1, 128)))
     b = _block("blockwise")
     with pytest.raises(CallError, match="multiple of 128"):

@@ -434,6 +434,68 @@ def test_all_zero_runs_are_counted_apart_from_the_scale_bounds():
     assert st.stats()["zero"]["max_scale"] == 0.0 and st.stats()["zero"]["min_scale"] == 0.0
 
 
+def _stats_run(b, xs, dy, wrap=None):
+    for x in xs:
+        xi = x.clone().requires_grad_()
+        (b(xi) if wrap is None else wrap(b, xi)).backward(dy)
+    return b.fp8_stats()
+
+
+def test_blockwise_statistics_cover_an_optimizer_steps_micro_batches_and_no_evaluation():
+    """With gradient accumulation a step's statistics combine its micro-batches (largest and smallest
+    scale over them, runs counted in each): an inf in the first micro-batch used to vanish when the
+    second overwrote the statistics; a forward without autograd records nothing (it used to
+    overwrite h's and h1's). An optimizer step (or weights_changed) starts the next step's."""
+    (x, x2, x_eval), dy = _inputs(3)
+    bad = x.clone()
+    bad[0, 3, 5] = float("inf")
+    alone = []
+    for xi in (bad, x2):
+        b = _block("blockwise")
+        b.track_fp8_stats()
+        alone.append(_stats_run(b, [xi], dy))
+    b = _block("blockwise")
+    b.track_fp8_stats()
+    opt = torch.optim.SGD(b.parameters(), lr=0.1)
+    got = _stats_run(b, [bad, x2], dy)
+    assert set(got) == set(alone[0]) == set(alone[1])
+    for name, st in got.items():
+        a, c = alone[0][name], alone[1][name]
+        assert st["micro_batches"] == 2 and a["micro_batches"] == c["micro_batches"] == 1
+        assert st["nonfinite_runs"] == a["nonfinite_runs"] + c["nonfinite_runs"], name
+        assert st["zero_runs"] == a["zero_runs"] + c["zero_runs"], name
+        assert st["max_scale"] == max(a["max_scale"], c["max_scale"]), name
+        assert st["min_scale"] == min(s for s in (a["min_scale"], c["min_scale"]) if s > 0), name
+    assert got["dz"]["nonfinite_runs"] > 0
+    with torch.no_grad():
+        b(x_eval * 100)
+    assert b.fp8_stats() == got
+    opt.zero_grad()
+    opt.step()                                          # (no gradients: the weights stay)
+    assert b.fp8_stats() == got                         # read after the optimizer step: still its step's
+    assert _stats_run(b, [x2], dy) == alone[1]          # the next step starts afresh
+    weights_changed()
+    assert _stats_run(b, [bad], dy) == alone[0]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_blockwise_statistics_under_torch_checkpoint_count_each_micro_batch_once(use_reentrant):
+    from torch.utils.checkpoint import checkpoint
+    (x, x2), dy = _inputs(2)
+    x = x.clone()
+    x[0, 7, 9] = float("nan")
+
+    def wrap(b, xi):
+        return checkpoint(b, xi, use_reentrant=use_reentrant)
+
+    runs = []
+    for w in (None, wrap):
+        b = _block("blockwise")
+        b.track_fp8_stats()
+        runs.append(_stats_run(b, [x, x2], dy, w))
+    assert runs[0] == runs[1] and runs[0]["h"]["nonfinite_runs"] == 1
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(history=16), "history applies to delayed per-tensor scaling"),
     (dict(history=1000, margin=8), "history and margin apply"),

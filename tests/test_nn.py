@@ -670,3 +670,21 @@ def test_a_batch_with_every_target_ignored_gives_zero_loss_and_gradients():
         loss.backward()
         assert loss.item() == 0.0
         assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in model.parameters())
+
+
+@pytest.mark.parametrize("fp8", [None, "tensorwise", "blockwise"])
+def test_an_empty_batch_gives_empty_logits_and_a_zero_loss(fp8):
+    """A (0, S) batch (the last, empty shard of a dataset): logits (0, S, vocab), loss 0 with zero
+    gradients, as a batch whose targets are all ignored (FP8 blocks: 0 tokens are a multiple of 128)."""
+    torch.manual_seed(7)
+    model = LlamaModel(256, 128, 2, 1, 1, 128, head_dim=128, fp8=fp8, dtype=torch.bfloat16)
+    for shape in ((0, 128), (2, 0)):
+        tok = torch.zeros(shape, dtype=torch.long)
+        model.zero_grad()
+        logits = model(tok)
+        assert logits.shape == (*shape, 256) and logits.dtype == torch.bfloat16
+        logits.float().sum().backward()
+        loss, both = model(tok, tok, return_logits=True)
+        assert loss.item() == 0.0 and both.shape == (*shape, 256)
+        loss.backward()
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters())

@@ -27,7 +27,7 @@ from .attention import Attention
 from .checkpointing import recompute_in_backward
 from .functional import BlockDims, BlockWeights, Step, block_backward, block_forward, first_norm
 from .fp8 import support as fp8_support
-from .fp8.recipe import as_recipe
+from .fp8.recipe import Fp8Recipe, as_recipe
 from .hf.layer import block_from_hf, block_to_hf
 from .checks import check_block_args, check_kernel_runner, check_rope_args, check_stream
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast, runner_for
@@ -128,9 +128,28 @@ class LlamaBlock(nn.Module):
         self.runner: Runner | None = None          # set to pin one (a tuned KernelRunner); else one per dtype
         self._runners: dict[tuple[str, torch.dtype], Runner] = {}
         # FP8 training (nn.fp8): every linear's GEMMs in FP8 with this recipe; None: bf16
-        self.fp8 = fp8_support.check_block(self, as_recipe(fp8))
+        self._fp8: Fp8Recipe | None = None
         self._fp8_path = None
+        self.fp8 = fp8
         self.reset_parameters()
+
+    @property
+    def fp8(self) -> Fp8Recipe | None:
+        """The FP8 recipe of this block's linears (nn.fp8), None for bf16. Assigning one (a recipe
+        name, an Fp8Recipe or None) checks it against the block first; another recipe than the
+        current one starts its FP8 state afresh (weight copies, amax histories: its next training
+        step calibrates), as a new block of that recipe; the same recipe keeps it."""
+        return self._fp8
+
+    @fp8.setter
+    def fp8(self, value: Any) -> None:
+        recipe = fp8_support.check_block(self, as_recipe(value))
+        if recipe == self._fp8:
+            return
+        tracking = self._fp8_path is not None and self._fp8_path.tracking
+        self._fp8, self._fp8_path = recipe, None
+        if recipe is not None and tracking:      # the statistics switch is the user's, not the recipe's
+            self.fp8_path().track_stats(True)
 
     # ------------------------------------------------------------------ RoPE and attention settings
     def _set_rope(self, rope: Rope, device: torch.device) -> None:
@@ -246,6 +265,12 @@ class LlamaBlock(nn.Module):
         state["_runners"] = {}
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if "fp8" in state:          # pickled when the recipe was a plain attribute
+            state = {**state, "_fp8": state["fp8"]}
+            del state["fp8"]
+        super().__setstate__(state)
+
     def get_runner(self, dtype: torch.dtype | None = None) -> Runner:
         """The pinned ``runner``, else this block's runner for the device and compute dtype (kernels
         on a Hopper GPU in bf16 / fp16, the reference interpreter elsewhere: nn.precision.runner_for)."""
@@ -288,13 +313,15 @@ class LlamaBlock(nn.Module):
         return self.attention_dropout if self.training else 0.0
 
     def local_step(self, step: Step) -> Step:
-        """A stack's step with this block's own attention settings and RoPE frequencies (layers of
-        one model may differ in both)."""
+        """A stack's step with this block's own attention settings, RoPE frequencies and FP8 recipe
+        (layers of one model may differ in all three). The stash of gradients' FP8 copies stays the
+        step's (one dict, shared)."""
         freq = self.column_freq(step.length or step.seq)
         if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout() \
-                and step.mlp is self.mlp:
+                and step.mlp is self.mlp and step.fp8 is self.fp8:
             return step
-        return dataclasses.replace(step, attention=self.attention, freq=freq, dropout=self._dropout(), mlp=self.mlp)
+        return dataclasses.replace(step, attention=self.attention, freq=freq, dropout=self._dropout(), mlp=self.mlp,
+                                   fp8=self.fp8)
 
     def gain(self, norm: torch.Tensor) -> torch.Tensor:
         """A norm's effective gain: its weight, plus norm_offset (Gemma's (1 + w))."""
@@ -311,11 +338,13 @@ class LlamaBlock(nn.Module):
                                  for p in (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm)))
 
     def run(self, step: Step, x: torch.Tensor, h: Any, r: torch.Tensor,
-            g_next: torch.Tensor | None, *, next_fp8: bool = False) -> Any:
+            g_next: torch.Tensor | None, *, next_fp8: bool | Fp8Recipe = False) -> Any:
         """The block on an (M, D) stream with its normed copy h and rstd r (as a stack calls it).
         Without autograd (no_grad, or nothing requires a gradient) it runs the forward alone, which
         saves nothing and writes less (``block_forward(train=False)``). With
-        ``activation_checkpointing`` the backward recomputes it (nn.checkpointing)."""
+        ``activation_checkpointing`` the backward recomputes it (nn.checkpointing). ``next_fp8``
+        (FP8 blocks): hand the next block its h in FP8 as that block reads it
+        (nn.fp8.support.hands_fp8), else in bf16."""
         check_stack_call(self, step, r)
         if self.fp8 is not None:             # nn.fp8: h is the FP8 operand of the QKV GEMM
             return fp8_support.run(self, step, x, h, r, g_next, next_fp8)
@@ -366,9 +395,10 @@ class LlamaBlock(nn.Module):
     def fp8_stats(self) -> dict[str, Any]:
         """Per quantised tensor of a "tensorwise" block: its amax history, scale and format; of a
         blockwise block that tracks them (``track_fp8_stats``): each operand's largest and smallest
-        block scale in the last step, the bound on its amax they give, and its non-finite runs
-        (nn/fp8/block_stats.py). Host values: this waits for the GPU; call it for logging. Empty for
-        bf16 blocks or before the first step."""
+        block scale in the step (its training calls since the last optimizer step: micro-batches),
+        the bound on its amax they give, and its non-finite runs (nn/fp8/block_stats.py). Host
+        values: this waits for the GPU; call it for logging. Empty for bf16 blocks or before the
+        first step."""
         return {} if self.fp8 is None else self.fp8_path().stats()
 
     def track_fp8_stats(self, on: bool = True) -> None:

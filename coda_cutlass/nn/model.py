@@ -18,11 +18,14 @@ import torch
 from torch import nn
 
 from . import masks
+from ..errors import ConfigError
 from .block import LlamaBlock
 from .checks import check_model_args, check_vocab_for_kernels, checked_targets
 from .checkpointing import check_stack
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
-from .fp8.support import first_norm_fp8
+from .fp8.recipe import Fp8Recipe, as_recipe
+from .fp8.support import check_block, first_norm_fp8, hands_fp8
+from .fp8.support import check_compute_dtype as check_compute_dtype_fp8
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
 
@@ -50,6 +53,17 @@ def _scale_in_fp32_(dloss: torch.Tensor, grads: list[torch.Tensor]) -> None:
     all three tensors, with no host sync."""
     found_inf = torch.zeros((), dtype=torch.float32, device=dloss.device)     # the op's non-finite flag, unused
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, dloss.detach().to(torch.float32).reshape(()))
+
+
+def per_layer_recipes(fp8: Any, n_layers: int) -> list[Fp8Recipe | None]:
+    """``fp8`` as one recipe per layer: a recipe (name, Fp8Recipe or None) for every layer, or a list /
+    tuple with one per layer (a model mixing recipes, bf16 layers included), each checked by name."""
+    if isinstance(fp8, (list, tuple)):
+        if len(fp8) != n_layers:
+            raise ConfigError(f"fp8: one recipe per layer: {n_layers} layers, {len(fp8)} recipes given; pass one "
+                              "recipe (name, Fp8Recipe or None) for every layer, or a list with one per layer")
+        return [as_recipe(r) for r in fp8]
+    return [as_recipe(fp8)] * n_layers
 
 
 class LMHeadLoss(torch.autograd.Function):
@@ -151,9 +165,10 @@ class LlamaModel(nn.Module):
         self.compute_dtype = check_compute_dtype(compute_dtype)
         kw = {"device": device, "dtype": dtype}
         self.embed = nn.Parameter(torch.empty(vocab_size, dim, **kw))
+        recipes = self._checked_recipes(fp8, n_layers)
         self.blocks = nn.ModuleList(
             LlamaBlock(dim, n_heads, n_kv_heads, ffn_dim, head_dim=head_dim, eps=eps, rope_theta=rope_theta,
-                       attention=attention, fp8=fp8, **kw) for _ in range(n_layers))
+                       attention=attention, compute_dtype=compute_dtype, fp8=r, **kw) for r in recipes)
         self.norm = nn.Parameter(torch.ones(dim, **kw))
         self.lm_head = nn.Parameter(torch.empty(vocab_size, dim, **kw))
         self.ce_chunk_bytes = ce_chunk_bytes
@@ -171,11 +186,38 @@ class LlamaModel(nn.Module):
     def dims(self) -> Any:
         return self.blocks[0].dims
 
+    @property
+    def fp8(self) -> Fp8Recipe | None | tuple[Fp8Recipe | None, ...]:
+        """The blocks' FP8 recipe (nn.fp8): the one they share (None: bf16), or per block, a tuple,
+        when they differ. Assigning a recipe sets every block's; a sequence sets one per layer; all
+        are checked before any block changes (LlamaBlock.fp8: a block given another recipe starts
+        its FP8 state afresh)."""
+        recipes = tuple(b.fp8 for b in self.blocks)
+        return recipes if len(set(recipes)) > 1 else (recipes[0] if recipes else None)
+
+    @fp8.setter
+    def fp8(self, value: Any) -> None:
+        recipes = self._checked_recipes(value, len(self.blocks))
+        for b, r in zip(self.blocks, recipes):
+            check_block(b, r)               # a refused recipe changes no block
+        for b, r in zip(self.blocks, recipes):
+            b.fp8 = r
+
+    def _checked_recipes(self, fp8: Any, n_layers: int) -> list[Fp8Recipe | None]:
+        """One recipe per layer, refused where the model computes in fp16 (its compute_dtype, or fp16
+        parameters without one), before any block is made or changed."""
+        recipes = per_layer_recipes(fp8, n_layers)
+        dtype = self.compute_dtype or self.embed.dtype
+        for r in recipes:
+            if r is not None and dtype == torch.float16:
+                check_compute_dtype_fp8(r, dtype)
+        return recipes
+
     def fp8_stats(self) -> dict[int, dict[str, Any]]:
         """Per FP8 block (by index): each quantised tensor's amax history, scale and format
-        ("tensorwise"), or each operand's last block scales ("blockwise" recipes, once
-        ``track_fp8_stats()`` is on); LlamaBlock.fp8_stats. Host values, so this waits for the GPU:
-        call it for logging."""
+        ("tensorwise"), or each operand's block scales over the step's micro-batches ("blockwise"
+        recipes, once ``track_fp8_stats()`` is on); LlamaBlock.fp8_stats. Host values, so this waits
+        for the GPU: call it for logging."""
         return {i: st for i, b in enumerate(self.blocks) if b.fp8 is not None and (st := b.fp8_stats())}
 
     def track_fp8_stats(self, on: bool = True) -> None:
@@ -232,9 +274,11 @@ class LlamaModel(nn.Module):
         for i, block in enumerate(self.blocks):
             last = i + 1 == len(self.blocks)
             g_next = self.final_gain() if last else self.blocks[i + 1].attn_gain()
-            # an FP8 block quantises the next block's operand in its down-proj epilogue; the LM head
-            # (and a bf16 block) reads it in bf16
-            x, h, r = block.run(step, x, h, r, g_next, next_fp8=not last and self.blocks[i + 1].fp8 is not None)
+            # an FP8 block quantises the next block's operand in its down-proj epilogue when that block
+            # reads it as it is (the same recipe family: hands_fp8); the LM head, a bf16 block and a
+            # block of another recipe get it in bf16
+            hand_on = not last and hands_fp8(block.fp8, self.blocks[i + 1].fp8)
+            x, h, r = block.run(step, x, h, r, g_next, next_fp8=hand_on)
         return step, x, h, r
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, *, ignore_index: int = -100,
@@ -247,7 +291,9 @@ class LlamaModel(nn.Module):
         w_lm, g = cast(self.lm_head, step.dtype), cast(self.final_gain(), step.dtype)
         logits = None
         if target is None or return_logits:
-            logits = LMHeadLogits.apply(x, h, r, w_lm, g, step, self.logit_softcap).view(*tokens.shape, -1)
+            # the vocab named: an empty batch (0 rows) has no -1 to infer
+            logits = LMHeadLogits.apply(x, h, r, w_lm, g, step, self.logit_softcap)
+            logits = logits.view(*tokens.shape, w_lm.shape[0])
             if target is None:
                 return logits
         chunk = ce_chunk_rows(self.ce_chunk_bytes, w_lm.shape[0] * w_lm.element_size())

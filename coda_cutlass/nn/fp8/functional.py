@@ -18,6 +18,7 @@ over each block's 128 rows, docs/FP8.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,20 +108,21 @@ def _gemm(step: Any, site: str, a: torch.Tensor, sa: torch.Tensor, w: torch.Tens
                             **operands)
 
 
-def _note(stats: Any, operands: dict[str, Any]) -> None:
+def _note(stats: Any, operands: dict[str, Any], forward: bool = False) -> None:
     """Operands' 1 x 128 scales into the block's statistics, when it keeps them (block_stats.py)."""
     if stats is not None:
         for name, op in operands.items():
             if isinstance(op, Fp8Operand):
-                stats.record(name, op.s, op.q)
+                stats.record(name, op.s, op.q, forward=forward)
 
 
 def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor, w: Any, wq: Fp8Weights,
-                      g_next: torch.Tensor | None, next_fp8: bool, stats: Any = None
+                      g_next: torch.Tensor | None, next_fp8: bool | Fp8Recipe, stats: Any = None
                       ) -> tuple[torch.Tensor, Any, torch.Tensor | None, tuple]:
     """One FP8 block: (x2, h2, r2, saved). h2 is an Fp8Operand when the next consumer is an FP8
-    block (``next_fp8``), the bf16 h of the bf16 programs otherwise (the LM head), None at the end.
-    ``stats``: a BlockScaleStats that records each quantised operand's scales."""
+    block (``next_fp8``: True, or that block's blockwise recipe, whose weight-gradient groups h2's
+    transposed copy then has), the bf16 h of the bf16 programs otherwise (the LM head), None at
+    the end. ``stats``: a BlockScaleStats that records each quantised operand's scales."""
     d = step.dims
     check_tokens(x.shape[0])
     wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
@@ -138,12 +140,16 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
         x2 = _gemm(step, "down.last", y.q, y.s, wd.w, wd.scale, resid=x1)["D"]
         h2 = r2 = None
     elif next_fp8:
-        f3 = _gemm(step, "down", y.q, y.s, wd.w, wd.scale, resid=x1, g=g_next)
-        x2, h2, r2 = f3["D"], Fp8Operand.of(f3, "h", "ht", group), rstd(f3["sumsq"], d.dim, d.eps)   # R2
+        # written as the next block reads it: a "blockwise_g16" block after a "blockwise" one (or the
+        # reverse) gets its own groups from this epilogue (that recipe's down program), not a requantisation
+        nxt = next_fp8 if isinstance(next_fp8, Fp8Recipe) else step.fp8
+        at = step if nxt == step.fp8 else dataclasses.replace(step, fp8=nxt)
+        f3 = _gemm(at, "down", y.q, y.s, wd.w, wd.scale, resid=x1, g=g_next)
+        x2, h2, r2 = f3["D"], Fp8Operand.of(f3, "h", "ht", nxt.wgrad_group), rstd(f3["sumsq"], d.dim, d.eps)   # R2
     else:
         f3 = _gemm(step, "down.to_bf16", y.q, y.s, wd.w, wd.scale, resid=x1, g=g_next)
         x2, h2, r2 = f3["D"], f3["h"], rstd(f3["sumsq"], d.dim, d.eps)
-    _note(stats, {"h": h, "o": oq, "h1": h1, "y": y, "h2": h2})
+    _note(stats, {"h": h, "o": oq, "h1": h1, "y": y, "h2": h2}, forward=True)
     # the backward reads the activations' transposed copies only (their weight gradients' operands)
     return x2, h2, r2, (x, h.for_wgrad(), r, qkv, oq.for_wgrad(), x1, h1.for_wgrad(), r1, z, y.for_wgrad(), attn_ctx)
 

@@ -20,13 +20,17 @@ class Path:
     """A recipe's block: ``forward`` -> (x2, h2, r2, saved), ``backward`` -> (dx, its FP8 copy, grads).
     ``wq``: where the weights' FP8 copies come from (the cache ``self.weights``, or the copies a
     forward used, for its backward: weights.PinnedWeights); ``record=False``: a call that changes no
-    scale state (a forward without autograd: evaluation, inference; an empty batch)."""
+    scale state (a forward without autograd: evaluation, inference; an empty batch). ``next_fp8``:
+    h2 goes to the next block in FP8 (support.hands_fp8: True, or the next block's blockwise recipe),
+    else in bf16."""
+
+    _tracking = False
 
     def __init__(self, weights: Fp8Weights):
         self.weights = weights
 
     def forward(self, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, w: Any, g_next: Any,
-                next_fp8: bool, *, wq: Any = None, record: bool = True) -> tuple:
+                next_fp8: Any, *, wq: Any = None, record: bool = True) -> tuple:
         raise NotImplementedError
 
     def backward(self, step: Any, saved: tuple, w: Any, dx2: torch.Tensor, dx2q: Any, *, wq: Any = None,
@@ -46,6 +50,12 @@ class Path:
     def track_stats(self, on: bool) -> None:
         """Keep per-step scale statistics while ``on`` (blockwise; per-tensor scaling keeps its amax
         histories anyway)."""
+        self._tracking = on
+
+    @property
+    def tracking(self) -> bool:
+        """``track_stats(True)`` is on (a block keeps it across a change of recipe: LlamaBlock.fp8)."""
+        return self._tracking
 
     def stats(self) -> dict[str, Any]:
         """What LlamaBlock.fp8_stats returns (empty where nothing is kept)."""
@@ -61,18 +71,37 @@ def _bf16(h: Any, dtype: torch.dtype) -> torch.Tensor:
     return (h.q.float() * h.s).to(dtype)
 
 
+def _in_format(op: Any, fmt: torch.dtype) -> bool:
+    """A per-tensor operand whose codes are in ``fmt`` (a block reads a neighbour's only then)."""
+    return isinstance(op, tensorwise.TensorOperand) and op.qt.dtype == fmt
+
+
 class BlockwisePath(Path):
     scale_stats: BlockScaleStats | None = None      # while LlamaBlock.track_fp8_stats() is on
 
+    def _stats(self, record: bool) -> BlockScaleStats | None:
+        # only training calls are a step's: an evaluation forward (or an empty batch) records nothing
+        return self.scale_stats if record else None
+
     def forward(self, step, x, h, r, w, g_next, next_fp8, *, wq=None, record=True):
-        return blockwise.block_forward_fp8(step, x, h, r, w, self._wq(wq), g_next, next_fp8, stats=self.scale_stats)
+        return blockwise.block_forward_fp8(step, x, h, r, w, self._wq(wq), g_next, next_fp8,
+                                           stats=self._stats(record))
 
     def backward(self, step, saved, w, dx2, dx2q, *, wq=None, record=True):
-        q = dx2q if isinstance(dx2q, blockwise.Fp8Operand) else None
-        return blockwise.block_backward_fp8(step, saved, w, self._wq(wq), dx2, q, stats=self.scale_stats)
+        # gradients travel in 1 x 128 runs (group 1) under every blockwise recipe
+        q = dx2q if isinstance(dx2q, blockwise.Fp8Operand) and dx2q.group == 1 else None
+        return blockwise.block_backward_fp8(step, saved, w, self._wq(wq), dx2, q, stats=self._stats(record))
+
+    def begin_step(self, device):
+        if self.scale_stats is not None:
+            self.scale_stats.begin_call()
 
     def track_stats(self, on):
         self.scale_stats = BlockScaleStats() if on else None
+
+    @property
+    def tracking(self):
+        return self.scale_stats is not None
 
     def stats(self):
         return {} if self.scale_stats is None else self.scale_stats.stats()
@@ -92,6 +121,8 @@ class TensorwisePath(Path):
         return tensorwise.block_forward(step, x, h, r, w, self._wq(wq), self._scales(record), g_next, next_fp8)
 
     def backward(self, step, saved, w, dx2, dx2q, *, wq=None, record=True):
+        if not _in_format(dx2q, step.fp8.gradient):     # another recipe's (or format's): quantised here
+            dx2q = None
         return tensorwise.block_backward(step, saved, w, self._wq(wq), self._scales(record), dx2, dx2q)
 
     def _scales(self, record: bool) -> Any:
@@ -104,7 +135,7 @@ class TensorwisePath(Path):
         return self.scales.stats()
 
     def quantize_input(self, step, h, *, record=True):
-        if isinstance(h, tensorwise.TensorOperand):
+        if _in_format(h, step.fp8.activation):
             return h
         h = _bf16(h, step.dtype or torch.bfloat16)
         return tensorwise.quantize_map(step, self._scales(record), "h", "h.quant", h)

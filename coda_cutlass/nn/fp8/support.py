@@ -18,7 +18,7 @@ from .recipe import Fp8Recipe
 from .tensorwise import new_scales
 from .weights import Fp8Weights
 
-__all__ = ["check_block", "first_norm_fp8", "new_path", "run"]
+__all__ = ["check_block", "check_compute_dtype", "first_norm_fp8", "hands_fp8", "new_path", "run"]
 
 
 def new_path(recipe: Fp8Recipe) -> Path:
@@ -27,18 +27,53 @@ def new_path(recipe: Fp8Recipe) -> Path:
     return TensorwisePath(weights, new_scales(recipe)) if recipe.scaling == "tensor" else BlockwisePath(weights)
 
 
+def hands_fp8(recipe: Fp8Recipe | None, nxt: Fp8Recipe | None) -> bool | Fp8Recipe:
+    """The ``next_fp8`` of a block of ``recipe`` followed by a block of ``nxt``: whether its down-proj
+    epilogue writes the next block's first operand in FP8, as that block reads it. Blockwise recipes
+    write it in the next one's weight-gradient groups (the recipe is returned: "blockwise" and
+    "blockwise_g16" mix without requantising); per-tensor recipes when the activation formats
+    agree (the operand carries this block's delayed scale). Otherwise (False) h goes in bf16 and the
+    next block quantises it itself (an FP8 copy dequantised and quantised again would round twice)."""
+    if recipe is None or nxt is None or recipe.scaling != nxt.scaling:
+        return False
+    if recipe.scaling == "block":
+        return True if nxt == recipe else nxt
+    return recipe.activation == nxt.activation
+
+
+def check_compute_dtype(recipe: Fp8Recipe, dtype: torch.dtype | None) -> None:
+    """FP8 blocks compute in bf16 around their GEMMs (the FP8 GEMMs' epilogues write bf16): fp16 is
+    refused, as is an fp32 stream."""
+    if dtype == torch.float16:
+        raise ConfigError(f"fp8={recipe.name!r}: FP8 blocks compute in bf16 around their FP8 GEMMs (their "
+                          "epilogues write bf16 activations), not in float16; use dtype=torch.bfloat16, or "
+                          "compute_dtype=torch.bfloat16 (fp16 or fp32 parameters), or "
+                          "torch.autocast(dtype=torch.bfloat16); fp16 training runs with fp8=None")
+    if dtype is not None and dtype != torch.bfloat16:
+        raise ConfigError(f"fp8={recipe.name!r}: FP8 blocks compute in bf16 around their FP8 GEMMs, but the "
+                          f"stream is {dtype}; make the model with dtype=torch.bfloat16, or keep fp32 parameters "
+                          "with compute_dtype=torch.bfloat16 (or torch.autocast(dtype=torch.bfloat16))")
+
+
 def first_norm_fp8(step: Any, x: torch.Tensor, g: torch.Tensor) -> tuple[Any, torch.Tensor]:
     """(h, r) of the stream entering the first FP8 block: blockwise, h quantised by the norm's map
     kernel; per tensor, h in bf16 (the block quantises it with its own delayed scale)."""
+    check_compute_dtype(step.fp8, x.dtype)
     if step.fp8.scaling == "tensor":
         return first_norm(step, x, g)
     return blockwise.first_norm_fp8(step, x, g)
 
 
 def check_block(block: Any, recipe: Fp8Recipe | None) -> Fp8Recipe | None:
-    """The recipe, once the block is one the FP8 path computes (a Llama block); else a clear error."""
+    """The recipe, once the block is one the FP8 path computes (a Llama block in bf16, or in fp32 that
+    autocast or compute_dtype will make bf16); else a clear error."""
     if recipe is None:
         return None
+    # what decides the compute dtype now: compute_dtype, else 16-bit parameters (fp32 ones may run
+    # under autocast: run() checks the stream)
+    dtype = block.compute_dtype or block.qkv.dtype
+    if dtype == torch.float16:
+        check_compute_dtype(recipe, dtype)
     d = block.dims
     unsupported = [name for name, on in (
         ("qkv_bias", block.qkv_bias is not None), ("qk_norm", block.q_norm is not None),
@@ -56,7 +91,7 @@ def check_block(block: Any, recipe: Fp8Recipe | None) -> Fp8Recipe | None:
 
 
 def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next: torch.Tensor | None,
-        next_fp8: bool) -> Any:
+        next_fp8: bool | Fp8Recipe) -> Any:
     """One FP8 block on the stream (the FP8 twin of LlamaBlock._run): the weights are quantised from
     the parameters themselves (fp32 masters included), the norm gains cast to the compute dtype.
     Everything is checked before any state moves (a refused call changes no scale). A forward
@@ -66,12 +101,9 @@ def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next:
     and the weights' copies run as written)."""
     if block.activation_checkpointing:
         raise ConfigError("activation checkpointing of FP8 blocks is not implemented yet")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ConfigError(f"fp8={block.fp8.name!r}: FP8 blocks compute in 16 bits around their FP8 GEMMs, but the "
-                          f"stream is {x.dtype}; make the model with dtype=torch.bfloat16, or keep fp32 parameters "
-                          "with compute_dtype=torch.bfloat16 (or torch.autocast(dtype=torch.bfloat16))")
+    check_compute_dtype(block.fp8, x.dtype)
     check_tokens(x.shape[0])
-    step = block.local_step(step)
+    step = block.local_step(step)       # this block's recipe (a model's blocks may mix them)
     dtype = step.dtype or torch.bfloat16
     path = block.fp8_path()
     g_attn, g_mlp = (cast(g, dtype) for g in (block.gain(block.attn_norm), block.gain(block.mlp_norm)))
