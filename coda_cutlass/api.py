@@ -16,6 +16,7 @@ from .compiler import CompiledEpilogue, checked_reference, compile_generated, co
 from .config import KernelConfig
 from .dtypes import BF16
 from .errors import CallError, ConfigError
+from .frontend.trace import check_option_values
 from .interpret import check_mode
 from .pipeline import Lowered, Options, generate, lower_program, typed_ir
 from .runtime.arguments import CallSpec
@@ -166,7 +167,8 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
 def reference(program: Any, A: torch.Tensor, W: torch.Tensor, /, *, dtype: Any = None, weight_layout: str = "nk",
               precision: str = "kernel", input_dtypes: Mapping[str, Any] | None = None,
               output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
-              scaling: str | None = None, **operands: Any) -> dict[str, torch.Tensor]:
+              scaling: str | None = None, out: Mapping[str, torch.Tensor] | None = None,
+              **operands: Any) -> dict[str, torch.Tensor]:
     """Evaluate a program with the torch reference interpreter (CPU or GPU), returning the same dict
     the kernel compiled with these options returns for this call.
 
@@ -178,20 +180,24 @@ def reference(program: Any, A: torch.Tensor, W: torch.Tensor, /, *, dtype: Any =
     and every tensor operand, for the exact reference. ``dtype`` (the GEMM operand dtype) defaults
     to A's when A is bf16 or fp16; with a float32 A it must be given, except at ``precision="fp32"``,
     whose results do not depend on it. As the kernel, accumulated outputs are updated in place in
-    the tensors passed, A may have leading batch dimensions, and reductions over an empty M or N
+    the tensors passed, tile outputs are written into the ``out={name: tensor}`` tensors given (and
+    returned as given), A may have leading batch dimensions, and reductions over an empty M or N
     give their identity.
 
     FP8 operands (A and W in float8, or float32 copies with ``dtype`` given): pass ``scale_a`` and
     ``scale_b`` (and ``scaling`` unless "tensor") as to the kernel. The reference dequantises A and
     W with the scales of each block and runs the fp32 program; ``"lowp"`` rounds the product and
     every op to bf16, like ``torch._scaled_mm(..., out_dtype=torch.bfloat16)`` and eager ops after it."""
+    check_option_values("cc.reference", program, constants, {
+        "dtype": dtype, "weight_layout": weight_layout, "precision": precision, "input_dtypes": input_dtypes,
+        "output_dtypes": output_dtypes, "constants": constants, "scaling": scaling})
     check_mode(precision)
     if dtype is None:
         dtype = _reference_dtype(A, W, precision)
     opts = _options(dtype, weight_layout, None, input_dtypes, output_dtypes, constants, scaling)
     ir = typed_ir(program, opts)
     return checked_reference(ir, CallSpec.of(ir), A, W, operands, dtype=opts.dtype, weight_layout=weight_layout,
-                             precision=precision)
+                             precision=precision, out=out)
 
 
 def _reference_dtype(A: Any, W: Any, precision: str) -> Any:

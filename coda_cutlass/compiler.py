@@ -9,7 +9,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -27,11 +27,12 @@ from .runtime.arguments import CallSpec, flatten_batch
 from .runtime.kernel import Kernel
 
 def checked_reference(ir: Program, spec: CallSpec, A: Any, W: Any, operands: dict[str, Any], *, dtype: DType,
-                      weight_layout: str, precision: str,
-                      partial_tile: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+                      weight_layout: str, precision: str, partial_tile: tuple[int, int] | None = None,
+                      out: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The interpreter behind a call checked as the kernel checks it (``runtime/arguments.py``; at
     ``precision="fp32"`` float32 tensors are accepted for every tensor argument), with leading batch
-    dimensions flattened and restored as the kernel does. Accumulated outputs are updated in place.
+    dimensions flattened and restored as the kernel does. Accumulated outputs are updated in place,
+    and tile outputs given in ``out`` are written into those tensors and returned as given.
     An FP8 program (``ir.meta["fp8"]``) takes A and W in its FP8 dtypes and scale_a / scale_b,
     checked as the kernel checks them (fp8/scales.py)."""
     check_mode(precision, weight_layout)
@@ -40,22 +41,26 @@ def checked_reference(ir: Program, spec: CallSpec, A: Any, W: Any, operands: dic
     scales = split_scales(operands, fp8, ir.name)
     if fp8 is not None:
         check_fp8_layout(weight_layout)
+    spec.check_out(out)
     batch = None
     if isinstance(A, torch.Tensor) and A.dim() > 2:
-        A, flat, _, batch = flatten_batch(spec, A, W, operands, weight_layout)
         given = {o.name: operands[o.name] for o in spec.operands if o.inout and o.name in operands}
-        operands = flat
+        given.update(out or {})      # returned as passed, with their leading dimensions
+        A, operands, out, batch = flatten_batch(spec, A, W, operands, weight_layout, out)
     fp32_ok = precision == "fp32"
+    keywords = REFERENCE_KEYWORDS | {"out"}       # the call's options, for misspelt operands
     if fp8 is None:
-        spec.check_reference(A, W, operands, dtype, weight_layout, fp32_ok=fp32_ok, keywords=REFERENCE_KEYWORDS)
+        spec.check_reference(A, W, operands, dtype, weight_layout, fp32_ok=fp32_ok, keywords=keywords, out=out)
     else:
         M, N, K = spec.check_reference(A, W, operands, fp8.a, weight_layout, fp32_ok=fp32_ok,
-                                       keywords=REFERENCE_KEYWORDS, w_dtype=fp8.w)
+                                       keywords=keywords, w_dtype=fp8.w, out=out)
         check_fp8_shapes(fp8, M, N, K, ir.name)
         check_scales(fp8, scales, M, N, K, A.device, tma=False)
         operands.update(scales)
-    out = interpret(ir, A, W, operands, weight_layout=weight_layout, precision=precision, partial_tile=partial_tile)
-    return batch.restore(spec, out, given, partial_tile is not None) if batch else out
+    res = interpret(ir, A, W, operands, weight_layout=weight_layout, precision=precision, partial_tile=partial_tile)
+    for name, t in (out or {}).items():       # as the kernel: written into the tensor given
+        res[name] = t.copy_(res[name])
+    return batch.restore(spec, res, given, partial_tile is not None) if batch else res
 
 
 class CompiledEpilogue(Kernel):
@@ -63,13 +68,14 @@ class CompiledEpilogue(Kernel):
     with the program's reference interpreter beside it."""
 
     def reference(self, A: torch.Tensor, W: torch.Tensor, /, *, precision: str = "kernel",
-                  **operands: Any) -> dict[str, torch.Tensor]:
+                  out: Mapping[str, torch.Tensor] | None = None, **operands: Any) -> dict[str, torch.Tensor]:
         """The torch interpreter's result for the same call (the same output dict), after the kernel
-        call's checks. As the kernel, it updates accumulated outputs in place: pass copies to keep
-        the originals. ``precision="fp32"`` also takes float32 copies of every tensor."""
+        call's checks. As the kernel, it updates accumulated outputs in place (pass copies to keep
+        the originals) and writes tile outputs into the ``out`` tensors given. ``precision="fp32"``
+        also takes float32 copies of every tensor."""
         tile = self.config.tile if self.partial_reductions else None
         return checked_reference(self.ir, self.spec, A, W, operands, dtype=self.dtype,
-                                 weight_layout=self.weight_layout, precision=precision, partial_tile=tile)
+                                 weight_layout=self.weight_layout, precision=precision, partial_tile=tile, out=out)
 
 
 def compile_generated(gen: Generated, *, partial_reductions: bool = False, cache_dir: str | Path | None = None,
@@ -101,6 +107,13 @@ def parallel_jobs(jobs: Any) -> int:
     return int(jobs)
 
 
+def _spill_note(k: CompiledEpilogue) -> str:
+    """What a single build's note says of a kernel that spills (the builds run quiet here)."""
+    res = k.resources
+    return (f"; spills registers to local memory ({res.describe()}), Kernel.resources"
+            if res is not None and res.spills else "")
+
+
 def compile_parallel(items: Sequence[tuple[Generated, dict[str, Any]]], *, jobs: int | None = None,
                      verbose: bool | None = None, skip_failed: bool = False) -> list[CompiledEpilogue | None]:
     """Build (generated kernel, build options) pairs with up to ``jobs`` nvcc processes at once;
@@ -121,7 +134,7 @@ def compile_parallel(items: Sequence[tuple[Generated, dict[str, Any]]], *, jobs:
             return e
         done[0] += 1
         say(f"[{done[0]}/{total}] {gen.program.name}: {k.origin}"
-            + (f" in {k.build_seconds:.0f} s" if k.origin == "built" else ""), verbose)
+            + (f" in {k.build_seconds:.0f} s{_spill_note(k)}" if k.origin == "built" else ""), verbose)
         return k
 
     say(f"building {total} kernels with up to {jobs} parallel nvcc jobs", verbose)

@@ -15,19 +15,22 @@ read once, each output written once. lower/map.py lists what the generator suppo
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from .build.builder import build
-from .dtypes import as_dtype, as_operand_dtype
-from .errors import ConfigError
+from .errors import CallError, ConfigError
+from .frontend.trace import check_option_values
 from .interpret import check_mode, interpret
+from .ir.nodes import Program
 from .lower.map import PARTIALS_TILE, lower_map
 from .pipeline import Options, typed_ir
 from .render.map import render_map_kernel
-from .runtime.map_kernel import CompiledMap, logical_shape
+from .runtime.map_call import MapReferenceCall
+from .runtime.map_kernel import CompiledMap
 
 
 def _map_options(dtype: Any, input_dtypes: Mapping[str, Any] | None, output_dtypes: Mapping[str, Any] | None,
@@ -65,16 +68,76 @@ def compile_map(program: Any, dtype: Any = torch.bfloat16, *, input_dtypes: Mapp
 def map_reference(program: Any, X: torch.Tensor, /, *, dtype: Any = None, precision: str = "kernel",
                   input_dtypes: Mapping[str, Any] | None = None, output_dtypes: Mapping[str, Any] | None = None,
                   constants: Mapping[str, float] | None = None, partial_reductions: bool = False,
-                  **operands: Any) -> dict[str, torch.Tensor]:
-    """The torch interpreter's result of a map kernel call ``k(X, **operands)`` (CPU or GPU).
-    Tile operands may be 2-D, 3-D or 4-D like the kernel's; outputs are (M, N) matrices.
-    ``partial_reductions``: row reductions as the kernel's per-(row, 256-column tile) partials."""
+                  out: Mapping[str, torch.Tensor] | None = None, **operands: Any) -> dict[str, torch.Tensor]:
+    """The torch interpreter's result of a map kernel call ``k(X, out=out, **operands)`` (CPU or GPU).
+
+    The program is checked as ``compile_map`` checks it (what map kernels refuse is refused here) and
+    the arguments as the kernel call checks them, with the same messages, but for memory layout
+    (strides, alignment, N a multiple of 8, a CUDA device); ``precision="fp32"`` also takes float32
+    copies of X and of every tensor. X and tile operands may be 2-D, 3-D or 4-D like the kernel's.
+    Outputs are (M, N) matrices, or written into the ``out=`` tensors and returned as passed;
+    accumulated outputs are updated in place. ``partial_reductions``: row reductions as the
+    kernel's per-(row, 256-column tile) partials."""
+    check_option_values("cc.map_reference", program, constants, {
+        "dtype": dtype, "precision": precision, "input_dtypes": input_dtypes, "output_dtypes": output_dtypes,
+        "constants": constants, "partial_reductions": partial_reductions})
     check_mode(precision)
     if dtype is None:
-        dtype = X.dtype if X.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    opts = Options.make(as_operand_dtype(as_dtype(dtype)), input_dtypes=input_dtypes, output_dtypes=output_dtypes,
-                        constants=constants)
-    M, N = logical_shape("X", X)
-    flat = {k: (v.reshape(M, -1) if isinstance(v, torch.Tensor) and v.dim() > 2 else v) for k, v in operands.items()}
-    return interpret(typed_ir(program, opts), None, None, flat, precision=precision,  # type: ignore[arg-type]
-                     acc=X.reshape(M, N), partial_tile=PARTIALS_TILE if partial_reductions else None)
+        dtype = _map_reference_dtype(X, precision)
+    ir, call = _reference_call(program, _map_options(dtype, input_dtypes, output_dtypes, constants))
+    M, N = call.check(X, operands, out, fp32_ok=precision == "fp32")
+    flat: dict[str, Any] = {}
+    copy_back: list[tuple[str, torch.Tensor, torch.Tensor]] = []   # accumulated 3-/4-D views that needed a copy
+    for name, v in operands.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 2:
+            try:
+                flat[name] = v.view(M, -1)
+            except RuntimeError:     # e.g. (B, S, H, D) transposed from (B, H, S, D): read through a copy
+                flat[name] = v.reshape(M, -1)
+                copy_back.append((name, v, flat[name]))
+        else:
+            flat[name] = v
+    res = interpret(ir, None, None, flat, precision=precision,  # type: ignore[arg-type]
+                    acc=X.reshape(M, N), partial_tile=PARTIALS_TILE if partial_reductions else None)
+    for name, v in operands.items():      # as the kernel: the tensor passed, updated in place
+        if name in res:
+            res[name] = v
+    for name, v, flat_v in copy_back:
+        if name in res:
+            v.copy_(flat_v.view(v.shape))
+    for name, t in (out or {}).items():   # as the kernel: written into the tensor given, returned as given
+        t.copy_(res[name].reshape(t.shape))
+        res[name] = t
+    return res
+
+
+def _map_reference_dtype(X: Any, precision: str) -> Any:
+    """cc.map_reference's default dtype: X's when it is bf16 or fp16."""
+    x_dtype = getattr(X, "dtype", None)
+    if x_dtype in (torch.bfloat16, torch.float16):
+        return x_dtype
+    if precision == "fp32" or x_dtype != torch.float32:
+        return torch.bfloat16     # fp32 precision rounds nothing X's dtype decides; anything else is reported
+    raise CallError(f"cc.map_reference: X is {x_dtype} and no dtype was given. Precision '{precision}' models "
+                    "the kernel's dtype: pass dtype=torch.bfloat16 or torch.float16 (with X in it), or use "
+                    "precision='fp32' for the unrounded reference")
+
+
+def _reference_call(program: Any, opts: Options) -> tuple[Program, MapReferenceCall]:
+    """The typed program and its call checks, lowered as compile_map lowers it (so that what a map
+    kernel refuses is refused); once per (program, options), like a compiled kernel."""
+    try:
+        hash(program)
+    except TypeError:
+        return _lower_reference_call(program, opts)
+    return _cached_reference_call(program, opts)
+
+
+def _lower_reference_call(program: Any, opts: Options) -> tuple[Program, MapReferenceCall]:
+    ir = typed_ir(program, opts)
+    return ir, MapReferenceCall(lower_map(ir, opts.dtype), keywords=_MAP_REFERENCE_OPTIONS)
+
+
+# programs may be made on the fly (a lambda per call): a bounded cache
+_cached_reference_call = functools.lru_cache(maxsize=256)(_lower_reference_call)
+_MAP_REFERENCE_OPTIONS = ("dtype", "precision", "input_dtypes", "output_dtypes", "constants", "partial_reductions")

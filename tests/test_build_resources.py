@@ -95,6 +95,26 @@ def test_a_spilling_build_says_so(fake_nvcc, monkeypatch, capfd):
     assert read_resources(r.path).spills
 
 
+def test_compile_many_says_which_kernels_spill(fake_nvcc, monkeypatch, capfd):
+    """WRITING_EPILOGUES §7: a build that spills says so, in parallel builds too (they build quietly
+    and report one progress line per kernel)."""
+    import torch
+
+    import coda_cutlass as cc
+    monkeypatch.setenv("FAKE_NVCC_SPILL", "96")
+    monkeypatch.setenv("CODA_CUTLASS_QUIET", "0")
+    progs = [cc.epilogue(lambda acc, c=float(i): acc + c, name=f"spilly{i}") for i in range(2)]
+    ks = cc.compile_many(progs, torch.bfloat16, jobs=2)
+    err = capfd.readouterr().err
+    for k in ks:
+        line = next(l for l in err.splitlines() if f"] {k.name}: built in" in l)
+        assert line.endswith("; spills registers to local memory (168 registers, 104-byte stack frame, spills 96 "
+                             "bytes of stores and 96 of loads), Kernel.resources")
+    monkeypatch.setenv("FAKE_NVCC_SPILL", "0")
+    cc.compile_many([cc.epilogue(lambda acc: acc * 3.0, name="tidy")], torch.bfloat16, jobs=1)
+    assert "spills" not in capfd.readouterr().err
+
+
 def test_a_quiet_build_that_spills_prints_nothing(fake_nvcc, monkeypatch, capfd):
     monkeypatch.setenv("FAKE_NVCC_SPILL", "96")
     build(SRC + "// quiet\n", "quiet")

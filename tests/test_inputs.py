@@ -137,6 +137,28 @@ def test_operand_names_taken_by_call_keywords_are_refused_at_trace_time(name):
         cc.epilogue(lambda acc: {name: cc.accumulate(acc)}).trace()
 
 
+@pytest.mark.parametrize("name", ["dtype", "precision", "weight_layout", "constants", "input_dtypes",
+                                  "output_dtypes", "scaling"])
+def test_an_accumulated_output_named_like_a_reference_option_is_named_by_the_references(name):
+    """Passed by name, such an output lands on the option (which printed the whole tensor): the
+    program's reserved-name check says what is wrong."""
+    prog = cc.epilogue(lambda acc: {name: cc.accumulate(acc)}, name="acc_named")
+    A, W = gemm_inputs()
+    buf = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(cc.EpilogueError, match=f"epilogue 'acc_named': accumulated output '{name}'.*'{name}' is "
+                                               "reserved"):
+        cc.reference(prog, A, W, **{name: buf})
+    if name not in ("weight_layout", "scaling"):
+        with pytest.raises(cc.EpilogueError, match=f"accumulated output '{name}'.*reserved"):
+            cc.map_reference(prog, buf, **{name: buf})
+    with pytest.raises(cc.CallError, match=f"cc.reference: {name}= was given a torch.Tensor, but '{name}' is a "
+                                           "keyword option of cc.reference, not an operand of 'plain'"):
+        cc.reference(cc.epilogue(lambda acc: acc * 2.0, name="plain"), A, W, **{name: buf})
+    with pytest.raises(cc.EpilogueError, match="accumulated output 'partial_reductions'.*cc.map_reference"):
+        cc.map_reference(cc.epilogue(lambda acc: {"partial_reductions": cc.accumulate(acc)}), buf,
+                         partial_reductions=buf)
+
+
 def test_operands_named_self_program_and_x_reach_every_call_path(fake_nvcc):
     """self, program and X are positional-only in the calls, so they are ordinary operand names."""
     @cc.epilogue

@@ -323,3 +323,80 @@ def test_a_tile_output_may_be_written_over_x_itself_and_nothing_else(fake_nvcc):
     assert "overlaps the memory of y" in _message(lambda: k._prepare(X, {"y": y}, {"D": y}))
     ref = cc.map_reference(_doubled, X, y=y)
     assert torch.equal(ref["D"], (X.float() * 2 + y.float()).to(BF))
+
+
+# ---------------------------------------------------------------- cc.map_reference checks as the kernel
+def test_map_reference_checks_the_call_as_the_kernel_does(fake_nvcc):
+    """Same names, dtypes, lengths and out= rules, with the kernel call's messages (no layout rules)."""
+    k = cc.compile_map(_checked, BF)
+    X, ops = torch.randn(16, 64).to(BF), _checked_ops(16, 64)
+
+    def both(ops, out=None) -> str:
+        kernel = _message(lambda: k._prepare(X, ops, out))
+        assert _message(lambda: cc.map_reference(_checked, X, out=out, **ops)) == kernel
+        return kernel
+
+    renamed = {("tt" if n == "t" else n): v for n, v in ops.items()}
+    assert "_checked: unknown operand 'tt'; did you mean 't'?" in both(renamed)
+    assert "unknown operand 'extra'" in both({**ops, "extra": ops["t"]})
+    assert "v: shape is (16,), expected (64,): one value per column (length N)" in both({**ops, "v": ops["t"][:, 0]})
+    assert "v: dtype is torch.float32, the kernel was compiled for torch.bfloat16" in both(
+        {**ops, "v": ops["v"].float()})
+    assert "t: shape (16, 32) is a (16, 32) matrix, expected (16, 64)" in both({**ops, "t": ops["t"][:, :32]})
+    assert both(ops, {"mx": X}) == "out: 'mx' is not a tile output of _checked (tile outputs: D, half)"
+    assert "acc_t: is updated in place and overlaps the memory of X" in both({**ops, "acc_t": X})
+    # a misspelt option is suggested as the kernel suggests 'out'
+    assert "unknown operand 'precison'; did you mean 'precision'?" in _message(
+        lambda: cc.map_reference(_checked, X, precison="fp32", **ops))
+
+
+@pytest.mark.parametrize("program,what", [(_with_lse, "log-sum-exp"), (_with_col_sum, "col reductions"),
+                                          (_with_pack, "operand 'z'.*packed pairs"),
+                                          (_two_transposed_with_blocks, "one transposed output when it has 128 x 1")])
+def test_map_reference_refuses_what_map_kernels_refuse(program, what):
+    with pytest.raises(cc.EpilogueError, match=what):
+        cc.map_reference(program, torch.randn(8, 256).to(BF), z=torch.zeros(8, 512, dtype=BF))
+
+
+def test_map_reference_takes_fp32_copies_at_fp32_precision_and_strided_views():
+    @cc.epilogue
+    def scale_rows(acc, rstd: cc.PerRow(torch.float32), g: cc.PerCol, s: cc.DeviceScalar):
+        return {"y": acc * rstd * g * s, "d": cc.accumulate(acc * 2.0)}
+
+    B, S, H, D = 2, 3, 2, 16
+    X = torch.randn(B, H, S, D).to(BF).transpose(1, 2)            # (B, S, H, D), strided
+    rstd, g, s = torch.rand(B * S), torch.randn(H * D).to(BF), torch.tensor(0.5)
+    d = torch.randn(B, H, S, D).to(BF).transpose(1, 2)           # accumulated through a strided view
+    want_d = (d.float() + 2 * X.float()).to(BF)
+    out = cc.map_reference(scale_rows, X, rstd=rstd, g=g, s=s, d=d)
+    assert out["d"] is d and torch.equal(d, want_d)
+    x2 = X.reshape(B * S, H * D).float()
+    torch.testing.assert_close(out["y"].float(), x2 * rstd[:, None] * g.float() * 0.5, rtol=2e-2, atol=1e-2)
+    exact = cc.map_reference(scale_rows, X.float(), dtype=BF, precision="fp32", rstd=rstd, g=g.float(), s=s,
+                             d=torch.zeros(B * S, H * D))
+    torch.testing.assert_close(exact["y"], x2 * rstd[:, None] * g.float() * 0.5)
+    with pytest.raises(cc.CallError, match="X is torch.float32 and no dtype was given"):
+        cc.map_reference(scale_rows, X.float(), rstd=rstd, g=g, s=s, d=d)
+
+
+def test_map_reference_writes_out_tensors_and_lowers_each_program_once(monkeypatch):
+    import coda_cutlass.maps as maps
+    lowered = []
+    real = maps.lower_map
+    monkeypatch.setattr(maps, "lower_map", lambda *a: lowered.append(a) or real(*a))
+    maps._cached_reference_call.cache_clear()
+
+    @cc.epilogue
+    def twice(acc, y: cc.Tile):
+        return {"D": acc * 2.0 + y, "h": cc.half_width(acc)}
+
+    X, y = torch.randn(4, 2, 32).to(BF), torch.randn(8, 32).to(BF)
+    D, h = torch.empty(4, 2, 32, dtype=BF), torch.empty(8, 16, dtype=BF)
+    out = cc.map_reference(twice, X, y=y, out={"D": D, "h": h})
+    assert out["D"] is D and out["h"] is h
+    assert torch.equal(D.reshape(8, 32), (X.reshape(8, 32).float() * 2 + y.float()).to(BF))
+    assert torch.equal(h, X.reshape(8, 32)[:, 0::2])
+    cc.map_reference(twice, X, y=y)
+    assert len(lowered) == 1
+    with pytest.raises(cc.CallError, match=r"out\['h'\]: shape \(8, 32\) is a \(8, 32\) matrix, expected \(8, 16\)"):
+        cc.map_reference(twice, X, y=y, out={"h": D.reshape(8, 32)})

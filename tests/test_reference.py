@@ -200,6 +200,44 @@ def test_float32_inputs_need_a_dtype_except_at_fp32_precision():
         cc.reference(plain, A, W, dtype=bf, b=b.to(bf))
 
 
+# ---------------------------------------------------------------------------------------------- out=
+@cc.epilogue
+def quantized(acc):
+    return {"D": acc, "q": cc.quantize(acc, block=128)}
+
+
+def test_out_takes_tile_outputs_as_the_kernel_call_does(fake_nvcc):
+    """WRITING_EPILOGUES §5: k(A, W, out={...}) writes tile outputs into the tensors given and returns
+    them; cc.reference and CompiledEpilogue.reference take out= with the kernel's checks."""
+    A, W = gemm_inputs()
+    ops = norm_ops()
+    want = cc.reference(norm, A, W, **ops)
+    D = torch.empty(16, 24, dtype=bf)
+    res = cc.reference(norm, A, W, out={"D": D}, **ops)
+    assert res["D"] is D and torch.equal(D, want["D"]) and torch.equal(res["ss"], want["ss"])
+    k = cc.compile_epilogue(norm, bf)
+    D2 = torch.empty(16, 24, dtype=bf)
+    assert k.reference(A, W, out={"D": D2}, **ops)["D"] is D2 and torch.equal(D2, want["D"])
+    assert message(lambda: cc.reference(norm, A, W, out={"ss": D}, **ops)) == (
+        "out: 'ss' is not a tile output of norm (tile outputs: D)")
+    assert message(lambda: cc.reference(norm, A, W, out=[D], **ops)).startswith("out: expected a dict")
+    assert message(lambda: cc.reference(norm, A, W, out={"D": D.float()}, **ops)).startswith(
+        "out['D']: dtype is torch.float32, the kernel was compiled for torch.bfloat16")
+    assert message(lambda: cc.reference(norm, A, W, out={"D": D[:, :12]}, **ops)) == (
+        "out['D']: shape is (16, 12), expected (16, 24)")
+    assert message(lambda: cc.reference(norm, A, W, out={"D": ops["resid"]}, **ops)) == (
+        "D: is updated in place and overlaps the memory of resid; pass a separate tensor")
+    exact = torch.empty(16, 24)                     # float32 at precision="fp32", as for operands
+    assert cc.reference(norm, A, W, precision="fp32", out={"D": exact}, **ops)["D"] is exact
+    B = torch.empty(2, 8, 24, dtype=bf)             # leading batch dimensions: returned as given
+    res = cc.reference(norm, A.view(2, 8, 16), W, out={"D": B}, **{**ops, "resid": ops["resid"].view(2, 8, 24),
+                                                                   "r": ops["r"].view(2, 8)})
+    assert res["D"] is B and torch.equal(B.view(16, 24), want["D"])
+    A8, W8 = gemm_inputs(N=128)
+    assert message(lambda: cc.reference(quantized, A8, W8, out={"q_scale": torch.empty(16, 1)})) == (
+        "quantized: out['q_scale']: block scales are allocated by the kernel call")
+
+
 # ---------------------------------------------------------------------------------------------- batch dims
 @pytest.mark.parametrize("precision", ["kernel", "fp32"])
 def test_leading_batch_dims_flatten_like_nn_linear(precision):

@@ -83,6 +83,37 @@ def test_constant_parameters_and_override():
         f.trace({"nope": 1.0})
 
 
+def test_int_constants_stay_python_ints():
+    """WRITING_EPILOGUES §2: an int constant (a head size, a repeat count) works where Python wants
+    an int; arithmetic with traced values still gives fp32 constants."""
+    seen = {}
+
+    @cc.epilogue
+    def f(acc, head_dim: int = 64, n=2, eps: float = 1):
+        seen.update(head_dim=head_dim, n=n, eps=eps)
+        y = acc
+        for _ in range(n):
+            y = y * 0.5
+        return {"y": y + head_dim, "s": cc.segment_sum(acc * acc, head_dim)}
+
+    p = f.trace()
+    assert (type(seen["head_dim"]), type(seen["n"]), type(seen["eps"])) == (int, int, float)
+    assert p.sink("s").attr("width") == 64 and sum(n.op == "mul" for n in p.nodes) == 3
+    assert 64.0 in [n.attr("value") for n in p.nodes if n.op == "const"]
+    assert f.trace({"head_dim": 128.0}).sink("s").attr("width") == 128      # Options passes floats
+    with pytest.raises(cc.EpilogueError, match=r"head_dim'\]=2.5: .*whole number"):
+        f.trace({"head_dim": 2.5})
+    A, W = torch.randn(4, 32, dtype=torch.bfloat16), torch.randn(256, 32, dtype=torch.bfloat16)
+    out = cc.reference(f, A, W, constants={"head_dim": 32})
+    assert out["s"].shape == (4, 8)
+
+    def half(acc, k: int = 2.5):
+        return acc * k
+
+    with pytest.raises(cc.EpilogueError, match=r"epilogue 'half': constant parameter 'k'=2.5: .*whole number"):
+        cc.epilogue(half)
+
+
 def test_accumulate_adds_an_inout_operand():
     @cc.epilogue
     def f(acc, r: cc.PerRow):
@@ -360,6 +391,28 @@ def test_numpy_scalars_are_numbers():
     A, W = torch.randn(4, 16).bfloat16(), torch.randn(8, 16).bfloat16()
     got = cc.reference(f, A, W, precision="fp32")["D"]
     torch.testing.assert_close(got, (A.float() @ W.float().T) * 2 + 3.5)
+
+
+def test_numpy_functions_on_traced_values_name_the_cc_function():
+    import traceback
+
+    import numpy as np
+
+    @cc.epilogue
+    def np_exp(acc):
+        return np.exp(acc)
+
+    with pytest.raises(cc.EpilogueError, match=r"epilogue 'np_exp', node %0 \(acc\): numpy.exp cannot compute on "
+                                               r"a traced value .*use cc.exp\(x\)") as e:
+        cc.reference(np_exp, torch.randn(8, 16).bfloat16(), torch.randn(16, 16).bfloat16())
+    frames = [(f.filename, f.name) for f in traceback.extract_tb(e.value.__traceback__)]
+    assert (__file__, "np_exp") in frames      # the program's line
+    err(lambda acc: np.maximum(acc, 0.0), r"numpy.maximum .*use cc.maximum\(a, b\)")
+    err(lambda acc: np.clip(acc, 0.0, 1.0), r"numpy.clip .*use cc.minimum\(cc.maximum")
+    err(lambda acc: np.add.reduce(acc), r"numpy.add.reduce cannot compute")
+    # numpy's operators are Python's: a numpy scalar on the left reaches the ufunc, not __rmul__
+    p = cc.epilogue(lambda acc: np.float32(2.0) * acc - np.int64(1) < acc, name="ops").trace()
+    assert [n.op for n in p.nodes if n.op not in ("const", "acc")] == ["mul", "sub", "lt", "store"]
 
 
 def test_a_block_scale_output_may_not_take_an_operands_name():

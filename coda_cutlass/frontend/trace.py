@@ -3,7 +3,7 @@
 The first parameter is the GEMM accumulator. Every other parameter is an operand, annotated with
 ``cc.Tile``, ``cc.PerRow``, ``cc.PerCol`` or ``cc.Scalar``; a parameter annotated ``float``/``int``
 (or left unannotated with a numeric default) is a compile-time constant, overridable with
-``compile_epilogue(..., constants={...})``.
+``compile_epilogue(..., constants={...})``; an int one is passed as a Python int (``range(n)``).
 
 The function returns a dict of named outputs (or a single value, meaning ``{"D": value}``):
 elementwise values become M x N tile outputs, ``cc.row_sum(...)`` and friends become reductions,
@@ -19,7 +19,9 @@ import numbers
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
-from ..errors import EpilogueError
+import torch
+
+from ..errors import CallError, EpilogueError
 from ..ir.nodes import Kind, Operand, Program, make_attrs, renumber
 from .operands import OperandSpec, resolve_spec
 from .values import Accumulate, HalfWidth, Quantized, ReductionResult, Tracer, Value, apply
@@ -32,14 +34,18 @@ _MISSING = inspect.Parameter.empty
 CALL_KEYWORDS = frozenset({"raster", "swizzle", "out"})
 REFERENCE_KEYWORDS = frozenset({"dtype", "weight_layout", "precision", "input_dtypes", "output_dtypes",
                                 "constants", "scaling"})
+MAP_REFERENCE_KEYWORDS = frozenset({"partial_reductions"})   # cc.map_reference's own, beyond the above
 SCALE_KEYWORDS = frozenset({"scale_a", "scale_b"})     # an FP8 GEMM's scales (coda_cutlass/fp8)
-RESERVED_NAMES = frozenset({"A", "W"}) | CALL_KEYWORDS | REFERENCE_KEYWORDS | SCALE_KEYWORDS
+RESERVED_NAMES = (frozenset({"A", "W"}) | CALL_KEYWORDS | REFERENCE_KEYWORDS | MAP_REFERENCE_KEYWORDS
+                  | SCALE_KEYWORDS)
 
 
 def _reserved(name: str) -> str:
     """Why an operand name is reserved (for errors)."""
     if name in REFERENCE_KEYWORDS:
         why = f"a keyword option of cc.reference(program, A, W, {name}=..., **operands)"
+    elif name in MAP_REFERENCE_KEYWORDS:
+        why = f"a keyword option of cc.map_reference(program, X, {name}=..., **operands)"
     elif name in SCALE_KEYWORDS:
         why = "the scales of an FP8 kernel call k(A, W, scale_a=..., scale_b=..., **operands)"
     else:
@@ -96,6 +102,20 @@ def as_program(program: Any) -> EpilogueProgram:
                         f"got {type(program).__name__}")
 
 
+def check_option_values(call: str, program: Any, constants: Any, options: Mapping[str, Any]) -> None:
+    """A keyword option of ``call`` (cc.reference, cc.map_reference) given a tensor: most likely an
+    accumulated output named like the option (they are passed by name), which the program's
+    reserved-name check names when it is traced; else an error naming the option, not one that
+    prints the tensor."""
+    given = [k for k, v in options.items() if isinstance(v, torch.Tensor)]
+    if not given:
+        return
+    prog = as_program(program)
+    prog.trace(constants if isinstance(constants, Mapping) else None)
+    raise CallError(f"{call}: {given[0]}= was given a torch.Tensor, but '{given[0]}' is a keyword option of "
+                    f"{call}, not an operand of '{prog.name}'")
+
+
 def _unpartial(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The callable behind ``functools.partial`` layers."""
     while isinstance(fn, functools.partial):
@@ -122,17 +142,27 @@ def _source_location(fn: Callable[..., Any]) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}" if code else "?"
 
 
-def constant_value(value: Any, what: str, program: str | None = None) -> float:
-    """A constant's value as the float the program is traced with; a clear error for anything
-    else (strings, None, a number too large for a float)."""
+def constant_value(value: Any, what: str, program: str | None = None, integer: bool = False) -> float | int:
+    """A constant's value as the program is traced with it: a float, or with ``integer`` (an int
+    constant) a Python int, so that it works where Python wants an int (range(n), a segment
+    width); a clear error for anything else (strings, None, a number too large for a float, a
+    fraction for an int constant). Arithmetic with traced values turns either into an fp32 constant."""
     if isinstance(value, (str, bytes, bool)) or not isinstance(value, numbers.Real):
         raise EpilogueError(f"{what}={value!r}: a constant must be a real number (int or float), "
                             f"got {type(value).__name__}", program=program)
     try:
-        return float(value)
+        f = float(value)     # an int constant too: it becomes an fp32 constant where a traced value uses it
     except OverflowError:
         raise EpilogueError(f"{what}: {type(value).__name__} {_short(value)} is too large for a float "
                             "(write float('inf') for infinity)", program=program) from None
+    if not integer:
+        return f
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if not f.is_integer():
+        raise EpilogueError(f"{what}={value!r}: the constant is an int (annotated int, or an int default), "
+                            "so its value must be a whole number", program=program)
+    return int(f)    # e.g. 64.0: Options keeps constants as floats (they are part of its hashes)
 
 
 def _short(value: Any) -> str:
@@ -140,7 +170,8 @@ def _short(value: Any) -> str:
     return text if len(text) <= 24 else f"{text[:10]}...{text[-6:]} ({len(text)} digits)"
 
 
-def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, OperandSpec], dict[str, float]]:
+def _parse_signature(fn: Callable[..., Any], name: str
+                     ) -> tuple[dict[str, OperandSpec], dict[str, float | int]]:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
@@ -154,7 +185,7 @@ def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, Opera
         raise EpilogueError("the first parameter must be the accumulator, positional, e.g. def f(acc, ...)",
                             program=name)
     specs: dict[str, OperandSpec] = {}
-    constants: dict[str, float] = {}
+    constants: dict[str, float | int] = {}
     for i, p in enumerate(params):
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise EpilogueError(f"parameter '{p.name}': *args and **kwargs are not supported", program=name)
@@ -176,7 +207,9 @@ def _parse_signature(fn: Callable[..., Any], name: str) -> tuple[dict[str, Opera
         if ann in (float, int) or (ann is _MISSING and is_number_default):
             if not is_number_default:
                 raise EpilogueError(f"constant parameter '{p.name}' needs a numeric default value", program=name)
-            constants[p.name] = constant_value(p.default, f"constant parameter '{p.name}'", name)
+            # int-annotated, or unannotated with an int default: an int (range(n), segment widths)
+            integer = ann is int or (ann is _MISSING and isinstance(p.default, numbers.Integral))
+            constants[p.name] = constant_value(p.default, f"constant parameter '{p.name}'", name, integer)
             continue
         raise EpilogueError(
             f"parameter '{p.name}' needs an operand annotation: cc.Tile (M x N), cc.PerRow (M), "
@@ -192,7 +225,7 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
         if k not in consts:
             raise EpilogueError(f"constants: '{k}' is not a constant parameter (constant parameters: "
                                 f"{', '.join(consts) or 'none'})", program=program.name)
-        consts[k] = constant_value(v, f"constants['{k}']", program.name)
+        consts[k] = constant_value(v, f"constants['{k}']", program.name, integer=type(consts[k]) is int)
 
     tracer = Tracer(program.name)
     acc = Value(tracer, tracer.emit("acc", (), Kind.TILE))
@@ -320,4 +353,5 @@ def _record_output(tracer: Tracer, name: str, value: Any, operands: list[Operand
     tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=accumulate, **attrs)
 
 
-__all__ = ["EpilogueProgram", "epilogue", "trace", "as_program", "constant_value", "RESERVED_NAMES"]
+__all__ = ["EpilogueProgram", "epilogue", "trace", "as_program", "check_option_values", "constant_value",
+           "RESERVED_NAMES"]

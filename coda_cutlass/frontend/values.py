@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import threading
 from typing import Any, Callable
 
@@ -245,6 +246,44 @@ class Value:
         """``torch.sigmoid(x)`` and friends on a traced value record their IR op (torch_functions)."""
         op, args = plain_call(func, args, kwargs or {})
         return power(*args) if op == "pow" else apply(op, *args)
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """numpy on a traced value: its operators (``np.float32(2) * x`` comes here) work as Python's,
+        any other ufunc (``np.exp(x)``) is an error naming the cc.* function to use."""
+        methods = _NUMPY_OPERATORS.get(ufunc.__name__)
+        if methods is not None and method == "__call__" and not kwargs and len(inputs) == ufunc.nin:
+            if isinstance(inputs[0], Value):
+                return getattr(inputs[0], methods[0])(*inputs[1:])
+            return getattr(inputs[1], methods[1])(inputs[0])     # e.g. np.float32(2) * x: x.__rmul__
+        if method != "__call__":
+            raise _numpy_error(self, f"numpy.{ufunc.__name__}.{method}", "", 0)
+        raise _numpy_error(self, f"numpy.{ufunc.__name__}", ufunc.__name__, ufunc.nin)
+
+    def __array_function__(self, func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        """Other numpy functions (``np.clip(x, 0, 1)``, ``np.where(...)``): an error, not an object array."""
+        raise _numpy_error(self, f"numpy.{func.__name__}", func.__name__, 1)
+
+
+# numpy ufuncs that are Python operators on a traced value (a numpy scalar on the left, e.g.
+# np.float32(2) * x, reaches Value.__array_ufunc__ rather than Value.__rmul__)
+_NUMPY_OPERATORS: dict[str, tuple[str, str]] = {     # ufunc -> (Value's method, the reflected one)
+    "add": ("__add__", "__radd__"), "subtract": ("__sub__", "__rsub__"), "multiply": ("__mul__", "__rmul__"),
+    "true_divide": ("__truediv__", "__rtruediv__"), "divide": ("__truediv__", "__rtruediv__"),
+    "power": ("__pow__", "__rpow__"), "floor_divide": ("__floordiv__", "__rfloordiv__"),
+    "remainder": ("__mod__", "__rmod__"), "less": ("__lt__", "__gt__"), "less_equal": ("__le__", "__ge__"),
+    "greater": ("__gt__", "__lt__"), "greater_equal": ("__ge__", "__le__"), "equal": ("__eq__", "__eq__"),
+    "not_equal": ("__ne__", "__ne__"), "negative": ("__neg__", ""), "positive": ("__pos__", ""),
+    "absolute": ("__abs__", "")}
+_NUMPY_HINTS = {"fmax": "cc.maximum(a, b)", "fmin": "cc.minimum(a, b)", "fabs": "cc.abs(x)",
+                "clip": "cc.minimum(cc.maximum(x, lo), hi)", "where": "cc.where(cond, a, b)"}
+
+
+def _numpy_error(value: "Value", name: str, fn: str, nin: int) -> EpilogueError:
+    hint = _NUMPY_HINTS.get(fn) or (f"cc.{fn}({'x' if nin == 1 else 'a, b'})" if fn in OPS else None)
+    hint = (f"use {hint}" if hint else
+            "use the cc.* functions (cc.exp, cc.maximum, cc.where, ...) or torch functions such as torch.exp(x)")
+    return value.tracer.error(f"{name} cannot compute on a traced value (numpy runs on the host, the epilogue "
+                              f"in the kernel); {hint}", node=value.label)
 
 
 def power(x: Any, exponent: Any) -> Any:

@@ -14,9 +14,9 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from ..dtypes import DType
+from ..dtypes import F32, DType
 from ..errors import CallError
-from ..ir.nodes import OPERAND_OPS, TRANSPOSED_LAYOUTS, Kind, Program, layout_columns
+from ..ir.nodes import OPERAND_OPS, TRANSPOSED_LAYOUTS, Kind, Program, layout_columns, layout_shape
 
 # outputs whose rows are not the GEMM's rows m (transposed outputs and their scales): returned as
 # they are when A has leading batch dimensions
@@ -54,6 +54,7 @@ class CallSpec:
     segment_widths: tuple[tuple[str, int], ...]
     uses_index: bool                             # element indices must stay exact in fp32
     positional: tuple[str, ...] = ("A", "W")     # the call's positional tensors (a map kernel: X)
+    output_dtypes: tuple[tuple[str, DType], ...] = ()   # of tile outputs (what out= tensors hold)
 
     @classmethod
     def of(cls, ir: Program, positional: tuple[str, ...] = ("A", "W")) -> "CallSpec":
@@ -76,6 +77,8 @@ class CallSpec:
             segment_widths=segments,
             uses_index=any(n.op == "index" for n in ir.nodes) or bool(segments),
             positional=positional,
+            output_dtypes=tuple((n.attr("name"), n.dtype or F32) for n in ir.nodes     # (as the interpreter)
+                                if n.op == "store" and not n.attr("accumulate")),
         )
 
     @property
@@ -134,12 +137,21 @@ class CallSpec:
             checks.check_vector(o.name, t, N, "column (length N)", o.dtype, device, tma=tma, fp32_ok=fp32_ok)
         return 0
 
+    def check_out(self, out: Mapping[str, Any] | None) -> None:
+        """``out=`` is a dict that names tile outputs (checked before the operands, as the kernel does)."""
+        if out is None:
+            return
+        if not isinstance(out, Mapping):
+            raise CallError(f"out: expected a dict of tile output name -> tensor, got {type(out).__name__}")
+        checks.check_out_names(self.program, out, [n for n, _ in self.tile_outputs])
+
     def check_reference(self, A: Any, W: Any, operands: Mapping[str, Any], dtype: DType, weight_layout: str, *,
-                        fp32_ok: bool = False, keywords: Iterable[str] = (), w_dtype: DType | None = None
-                        ) -> tuple[int, int, int]:
+                        fp32_ok: bool = False, keywords: Iterable[str] = (), w_dtype: DType | None = None,
+                        out: Mapping[str, Any] | None = None) -> tuple[int, int, int]:
         """The kernel call's checks, without those of memory layout; returns (M, N, K). ``w_dtype``:
-        W's dtype when it is not ``dtype`` (FP8)."""
+        W's dtype when it is not ``dtype`` (FP8). ``out``: tensors given for tile outputs."""
         self.check_names(operands, keywords)
+        self.check_out(out)
         M, N, K = checks.check_gemm_shapes(A, W, dtype, weight_layout, fp32_ok, w_dtype)
         self.check_extent(M, N)
         for o in self.operands:
@@ -148,6 +160,13 @@ class CallSpec:
             else:
                 self.check_operand(o, operands[o.name], M, N, A.device, tma=False, fp32_ok=fp32_ok)
         written = {o.name: operands[o.name] for o in self.operands if o.inout}
+        layouts, dtypes = dict(self.tile_outputs), dict(self.output_dtypes)
+        for name, t in (out or {}).items():
+            if layouts[name] in ("scale", "scale_t"):
+                raise CallError(f"{self.program}: out['{name}']: block scales are allocated by the kernel call")
+            rows, cols = layout_shape(layouts[name], M, N)
+            checks.check_tile(f"out['{name}']", t, rows, cols, dtypes[name], A.device, tma=False, fp32_ok=fp32_ok)
+            written[name] = t
         if written:
             read = {"A": A, "W": W}
             read.update((o.name, operands[o.name]) for o in self.operands

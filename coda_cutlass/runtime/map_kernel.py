@@ -58,15 +58,28 @@ def logical_shape(name: str, t: Any) -> tuple[int, int]:
                     f"{tuple(t.shape)}")
 
 
-def tile_view(name: str, t: torch.Tensor, M: int, N: int, dtype: torch.dtype, device: torch.device,
-              half: bool = False) -> list[int]:
-    """The 5-int strided view (outer_m, stride_m, inner_m, outer_n, inner_n) of a tile argument."""
-    if t.dtype != dtype:
-        raise CallError(f"{name}: dtype is {t.dtype}, the kernel was compiled for {dtype}")
+def _dtype_device(name: str, t: Any, dtype: torch.dtype, device: torch.device, layout: bool,
+                  fp32_ok: bool) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise CallError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype and not (fp32_ok and t.dtype == torch.float32):
+        also = " (or torch.float32 with precision='fp32')" if fp32_ok else ""
+        raise CallError(f"{name}: dtype is {t.dtype}, the kernel was compiled for {dtype}{also}")
     if t.device != device:
-        raise CallError(f"{name}: is on {t.device}, but X is on {device}; all tensors must be on the same GPU")
+        raise CallError(f"{name}: is on {t.device}, but X is on {device}; all tensors must be on the same "
+                        + ("GPU" if layout else "device"))
+
+
+def tile_view(name: str, t: torch.Tensor, M: int, N: int, dtype: torch.dtype, device: torch.device,
+              half: bool = False, *, layout: bool = True, fp32_ok: bool = False) -> list[int]:
+    """The 5-int strided view (outer_m, stride_m, inner_m, outer_n, inner_n) of a tile argument.
+    ``layout=False`` (cc.map_reference): the checks without those of strides and alignment;
+    ``fp32_ok``: a float32 tensor is accepted too (precision='fp32')."""
+    _dtype_device(name, t, dtype, device, layout, fp32_ok)
     if logical_shape(name, t) != (M, N):
         raise CallError(f"{name}: shape {tuple(t.shape)} is a {logical_shape(name, t)} matrix, expected ({M}, {N})")
+    if not layout:
+        return []
     st = t.stride()
     if t.dim() == 2:
         view = [0, st[0], max(M, 1), 0, N]
@@ -88,18 +101,19 @@ def tile_view(name: str, t: torch.Tensor, M: int, N: int, dtype: torch.dtype, de
     return view
 
 
-def transposed_view(name: str, t: Any, M: int, N: int, dtype: torch.dtype, device: torch.device) -> list[int]:
+def transposed_view(name: str, t: Any, M: int, N: int, dtype: torch.dtype, device: torch.device, *,
+                    layout: bool = True, fp32_ok: bool = False) -> list[int]:
     """The view of a transposed output: an (N, M) matrix with unit inner stride whose rows start on
-    16-byte boundaries (each thread writes its row's 32-element runs as 16-byte stores)."""
+    16-byte boundaries (each thread writes its row's 32-element runs as 16-byte stores).
+    ``layout`` and ``fp32_ok`` as for ``tile_view``."""
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         raise CallError(f"{name}: a transposed output is a 2-D (N, M) = ({N}, {M}) tensor"
                         + ("" if not isinstance(t, torch.Tensor) else f", got shape {tuple(t.shape)}"))
-    if t.dtype != dtype:
-        raise CallError(f"{name}: dtype is {t.dtype}, the kernel was compiled for {dtype}")
-    if t.device != device:
-        raise CallError(f"{name}: is on {t.device}, but X is on {device}; all tensors must be on the same GPU")
+    _dtype_device(name, t, dtype, device, layout, fp32_ok)
     if tuple(t.shape) != (N, M):
         raise CallError(f"{name}: shape {tuple(t.shape)}, expected the transpose of X: ({N}, {M})")
+    if not layout:
+        return []
     if M == 0 or N == 0:
         return [0, 1, max(N, 1), 0, max(M, 1)]
     ld = t.stride(0)
@@ -205,7 +219,7 @@ class CompiledMap(ReductionOutputs):
         poison = _kernel.poison_enabled()      # CODA_CUTLASS_POISON, read at call time
         scalars = [checks.check_scalar(n, operands[n]) for n in self._scalars]
         for o in self._unused:       # operands the program does not use: still checked
-            self._check_vector_or_tile(o.name, o.kind, operands[o.name], o.dtype, M, N, device)
+            check_vector_or_tile(o.name, o.kind, operands[o.name], o.dtype, M, N, device)
         ptrs: list[int] = []
         views: list[int] = []
         results: dict[str, torch.Tensor] = {}
@@ -246,7 +260,7 @@ class CompiledMap(ReductionOutputs):
                 if s.kind == Kind.TILE:
                     view = tile_view(s.name, t, M, N, s.dtype.torch, device)
                 else:
-                    self._check_vector_or_tile(s.name, s.kind, t, s.dtype, M, N, device)
+                    check_vector_or_tile(s.name, s.kind, t, s.dtype, M, N, device)
                 if s.role == "inout":
                     results[s.name] = t
                     written = written or {}
@@ -263,27 +277,35 @@ class CompiledMap(ReductionOutputs):
         return M, N, ptrs, views, scalars, results, partials
 
     def _is_x(self, name: str, t: torch.Tensor, X: torch.Tensor) -> bool:
-        """Whether tile output ``name`` is given as X's own view (same memory, shape, strides, dtype)."""
-        slot = next((s for s in self.graph.slots if s.name == name and s.role == "output"), None)
-        return (slot is not None and slot.layout == "tile" and t.dtype == X.dtype
-                and t.data_ptr() == X.data_ptr() and t.shape == X.shape and t.stride() == X.stride())
+        return is_x_view(self.graph, name, t, X)
 
     def _finish(self, name: str, buf: torch.Tensor, M: int, N: int) -> torch.Tensor:
         partials, dtype = self._finish_plan[name]
         return partials.finish(buf, M, N, TILE_N).to(dtype)
 
-    @staticmethod
-    def _check_vector_or_tile(name: str, kind: Kind, t: Any, dtype: Any, M: int, N: int, device: torch.device) -> None:
-        if kind == Kind.SCALAR:
-            checks.check_device_scalar(name, t, device)
-        elif kind == Kind.TILE:
-            tile_view(name, t, M, N, dtype.torch, device)
-        else:
-            checks.check_vector(name, t, M if kind == Kind.ROW else N,
-                                "row (length M)" if kind == Kind.ROW else "column (length N)", dtype, device)
+
+def is_x_view(graph: MapGraph, name: str, t: torch.Tensor, X: torch.Tensor) -> bool:
+    """Whether tile output ``name`` is given as X's own view (same memory, shape, strides, dtype)."""
+    slot = next((s for s in graph.slots if s.name == name and s.role == "output"), None)
+    return (slot is not None and slot.layout == "tile" and t.dtype == X.dtype
+            and t.data_ptr() == X.data_ptr() and t.shape == X.shape and t.stride() == X.stride())
+
+
+def check_vector_or_tile(name: str, kind: Kind, t: Any, dtype: Any, M: int, N: int, device: torch.device, *,
+                         layout: bool = True, fp32_ok: bool = False) -> None:
+    """An operand that is not read through a tile view: a vector, a device scalar, or an unused tile."""
+    if kind == Kind.SCALAR:
+        checks.check_device_scalar(name, t, device)
+    elif kind == Kind.TILE:
+        tile_view(name, t, M, N, dtype.torch, device, layout=layout, fp32_ok=fp32_ok)
+    else:
+        checks.check_vector(name, t, M if kind == Kind.ROW else N,
+                            "row (length M)" if kind == Kind.ROW else "column (length N)", dtype, device,
+                            tma=layout, fp32_ok=fp32_ok)
 
 
 _NO_VIEW = (0, 0, 1, 0, 1)      # the view of a slot that is not a tile (vectors, partials)
 
 
-__all__ = ["CompiledMap", "MapLibrary", "logical_shape", "tile_view", "transposed_view"]
+__all__ = ["CompiledMap", "MapLibrary", "check_vector_or_tile", "is_x_view", "logical_shape", "tile_view",
+           "transposed_view"]
