@@ -285,3 +285,10 @@ def test_sources_are_not_written_through_a_linked_include_folder(tmp_path):
         export_sources(["// generated\n"], out)
     assert (user / "coda" / "functors.hpp").read_text() == "// my header\n"
     assert sorted(p.name for p in (user / "coda").iterdir()) == ["functors.hpp"]
+
+
+def test_a_sub_second_build_timeout_is_reported_with_its_digits(fake_nvcc, monkeypatch):
+    """CODA_CUTLASS_BUILD_TIMEOUT=0.3 used to read "timed out after 0 s"."""
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "30")
+    with pytest.raises(cc.BuildError, match=r"timed out after 0\.3 s"):
+        build(SRC, "k", timeout=0.3)

@@ -27,19 +27,21 @@ from .cache import KernelCache, resolve_cache
 from .files import PRIVATE_EXEC, make_dirs, sha256_file, write_file
 from .keys import build_key, header_files, source_key
 from .prebuilt import find_prebuilt, search_report
-from .progress import Ticker, say
+from .progress import Ticker, say, seconds_text
 from .resources import parse_ptxas
 from .run import EXIT_NOT_FOUND, run
 from .toolchain import Toolchain, nvcc_search_report, toolchain
 
 NVCC_TIMEOUT_S = 1800.0
 LOCK_MARGIN_S = 60.0
-# The script that rebuilds an entry by hand; nvcc gets a private temp folder there too (run.py says why).
+# The script that rebuilds an entry by hand; nvcc gets a private temp folder there too (run.py says
+# why): mktemp -d's 0700 folder with a random name in the system's temp folder, whose path nvcc can
+# pass through a shell whatever characters the entry's own path holds.
 BUILD_SH = """#!/bin/sh
 # Rebuilds kernel.so from this directory.
 set -e
 cd "$(dirname "$0")"
-tmp=$(mktemp -d "$PWD/.tmp.XXXXXX")
+tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 export TMPDIR="$tmp" TMP="$tmp" TEMP="$tmp"
 """
@@ -146,8 +148,8 @@ def _compile_in(cache: KernelCache, d: Path, key: str, skey: str, source: str, n
 
     so = d / "kernel.so"
     if ran.timed_out:
-        log += f"\ncoda-cutlass: nvcc timed out after {limit:.0f} s; its process group was killed\n"
-        raise fail(f"nvcc timed out after {limit:.0f} s (CODA_CUTLASS_BUILD_TIMEOUT)")
+        log += f"\ncoda-cutlass: nvcc timed out after {seconds_text(limit)} s; its process group was killed\n"
+        raise fail(f"nvcc timed out after {seconds_text(limit)} s (CODA_CUTLASS_BUILD_TIMEOUT)")
     if ran.returncode == EXIT_NOT_FOUND and not Path(tc.nvcc).is_file():
         raise ToolchainError(f"nvcc disappeared: {tc.nvcc}")
     if ran.returncode != 0 or not so.is_file():
