@@ -75,7 +75,9 @@ def test_nvcc_gets_a_private_tmpdir_inside_its_build_folder(fake_nvcc, monkeypat
 
 
 def test_build_sh_gives_nvcc_a_private_tmpdir_too(fake_nvcc, monkeypatch, tmp_path):
-    """The entry's build.sh (rebuild by hand) does what the builder does."""
+    """The entry's build.sh (rebuild by hand) gives nvcc a private temp folder too: mktemp -d's (0700,
+    a random name, removed afterwards), in the system temp folder, so the entry's own path never
+    reaches nvcc's shell."""
     monkeypatch.setenv("TMPDIR", "/tmp")
     entry = build(SRC, "k").path.parent
     seen_file = tmp_path / "seen.json"
@@ -83,7 +85,7 @@ def test_build_sh_gives_nvcc_a_private_tmpdir_too(fake_nvcc, monkeypatch, tmp_pa
                    env={**os.environ, "FAKE_NVCC_ENV": str(seen_file)})
     seen = json.loads(seen_file.read_text())
     private = Path(seen["TMPDIR"])
-    assert seen["TMP"] == seen["TEMP"] == str(private) and private.parent == entry
+    assert seen["TMP"] == seen["TEMP"] == str(private) and private.parent == Path("/tmp")
     assert (seen["mode"], seen["uid"]) == (0o700, os.getuid()) and not private.exists()
 
 
