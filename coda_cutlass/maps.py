@@ -93,6 +93,10 @@ def map_reference(program: Any, X: torch.Tensor, /, *, dtype: Any = None, precis
             try:
                 flat[name] = v.view(M, -1)
             except RuntimeError:     # e.g. (B, S, H, D) transposed from (B, H, S, D): read through a copy
+                if name in ir.outputs and any(st == 0 and sz > 1 for sz, st in zip(v.shape, v.stride())):
+                    raise CallError(f"'{name}' is accumulated in place (cc.accumulate) but the tensor passed is a "
+                                    "broadcast view (a stride of 0): pass one that owns its elements "
+                                    "(.contiguous())") from None
                 flat[name] = v.reshape(M, -1)
                 copy_back.append((name, v, flat[name]))
         else:
@@ -125,19 +129,16 @@ def _map_reference_dtype(X: Any, precision: str) -> Any:
 
 def _reference_call(program: Any, opts: Options) -> tuple[Program, MapReferenceCall]:
     """The typed program and its call checks, lowered as compile_map lowers it (so that what a map
-    kernel refuses is refused); once per (program, options), like a compiled kernel."""
-    try:
-        hash(program)
-    except TypeError:
-        return _lower_reference_call(program, opts)
-    return _cached_reference_call(program, opts)
-
-
-def _lower_reference_call(program: Any, opts: Options) -> tuple[Program, MapReferenceCall]:
+    kernel refuses is refused). Traced on every call, as cc.reference traces: a program reads its
+    globals and closures when traced (a cache by the program object ran on stale values); the
+    lowering is cached by the typed program itself."""
     ir = typed_ir(program, opts)
-    return ir, MapReferenceCall(lower_map(ir, opts.dtype), keywords=_MAP_REFERENCE_OPTIONS)
+    return ir, _checked_call(ir, opts.dtype)
 
 
-# programs may be made on the fly (a lambda per call): a bounded cache
-_cached_reference_call = functools.lru_cache(maxsize=256)(_lower_reference_call)
+@functools.lru_cache(maxsize=256)
+def _checked_call(ir: Program, dtype: Any) -> MapReferenceCall:
+    return MapReferenceCall(lower_map(ir, dtype), keywords=_MAP_REFERENCE_OPTIONS)
+
+
 _MAP_REFERENCE_OPTIONS = ("dtype", "precision", "input_dtypes", "output_dtypes", "constants", "partial_reductions")

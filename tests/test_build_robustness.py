@@ -105,6 +105,27 @@ def test_an_old_cache_with_its_tuning_json_is_still_adopted(fake_nvcc):
     assert build(SRC, "k").origin == "cache" and TuningStore().get("shape") == REC
 
 
+def test_an_old_cache_whose_tuning_json_was_cut_short_is_still_adopted(fake_nvcc):
+    """Beside entries only the cache makes, an unreadable tuning.json is the cache's own (a crash cut
+    it short): adopted and replaced, not a refusal until the user deletes it by hand."""
+    build(SRC, "k")
+    (fake_nvcc["cache"] / MARKER).unlink()
+    (fake_nvcc["cache"] / "tuning.json").write_text('{"H100|abc": {"config": ')
+    assert build(SRC, "k").origin == "cache"
+
+
+@pytest.mark.parametrize("text", ["my notes: do not delete\nline2\n", ""])
+def test_a_folder_holding_only_a_users_cachedir_tag_is_not_adopted(fake_nvcc, tmp_path, text):
+    """A CACHEDIR.TAG that is not ours, alone in a folder, may be a user's file of that name (or
+    another tool's signature-only tag): the folder is refused and the file left as it was."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / MARKER).write_text(text)
+    with pytest.raises(cc.ConfigError, match=r"proj is not a coda-cutlass cache.*CACHEDIR\.TAG"):
+        build(SRC, "k", cache_dir=proj)
+    assert (proj / MARKER).read_text() == text and sorted(os.listdir(proj)) == [MARKER]
+
+
 def test_tuning_put_says_when_it_replaces_a_file_it_cannot_read(fake_nvcc):
     root = fake_nvcc["cache"]
     assert KernelCache(root).claim() is None

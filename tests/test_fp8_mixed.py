@@ -18,6 +18,7 @@ from fp8_helpers import RecordingRunner
 BF16, F16 = torch.bfloat16, torch.float16
 E5M2 = torch.float8_e5m2
 E5_GRADS = Fp8Recipe("e5m2-grads", scaling="tensor", gradient=E5M2, history=32, margin=1)
+BW_E5_WEIGHTS = Fp8Recipe("blockwise-e5m2-weights", weight=E5M2)
 
 
 def _block(fp8, seed=0, **kw):
@@ -93,7 +94,10 @@ def test_fp16_parameters_computing_in_bf16_run_in_fp8():
 
 MIXES = [(None, "tensorwise"), ("tensorwise", None), ("tensorwise", "blockwise"), ("blockwise", "tensorwise"),
          (None, E5_GRADS), ("blockwise", E5_GRADS), ("tensorwise", E5_GRADS), (E5_GRADS, "tensorwise"),
-         ("blockwise", "blockwise_g16"), ("blockwise_g16", "blockwise"), (None, "blockwise")]
+         ("blockwise", "blockwise_g16"), ("blockwise_g16", "blockwise"), (None, "blockwise"),
+         # blockwise recipes whose weights differ in format hand h over in bf16 (a block's down GEMM ran
+         # with the next recipe's weight format: on the GPU, a kernel for e4m3 given e5m2 codes)
+         ("blockwise", BW_E5_WEIGHTS), (BW_E5_WEIGHTS, "blockwise_g16")]
 
 
 def _name(r):

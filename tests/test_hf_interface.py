@@ -320,3 +320,20 @@ def test_a_loss_keyword_coda_does_not_honour_is_refused(monkeypatch):
     tokens = torch.randint(0, 48, (2, 8))
     with pytest.raises(ValueError, match="z_loss=.*not supported by coda models"):
         model(input_ids=tokens, labels=tokens, z_loss=1e-4)
+
+
+def test_from_hf_takes_one_fp8_recipe_per_layer():
+    """As LlamaModel(fp8=[...]): a list gives each decoder layer its recipe (it was refused as "fp8 must
+    be None, an Fp8Recipe or one of ...")."""
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=1, num_key_value_heads=1, head_dim=128)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg)
+    m = cnn.from_hf(hf, fp8=["tensorwise", None], compute_dtype=torch.bfloat16)
+    assert [None if b.fp8 is None else b.fp8.name for b in m.coda.blocks] == ["tensorwise", None]
+    tok = torch.randint(0, 256, (1, 128))
+    loss = m(input_ids=tok, labels=tok).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    with pytest.raises(ConfigError, match="2 layers, 3 recipes"):
+        cnn.from_hf(hf, fp8=["tensorwise"] * 3)

@@ -400,3 +400,35 @@ def test_map_reference_writes_out_tensors_and_lowers_each_program_once(monkeypat
     assert len(lowered) == 1
     with pytest.raises(cc.CallError, match=r"out\['h'\]: shape \(8, 32\) is a \(8, 32\) matrix, expected \(8, 16\)"):
         cc.map_reference(twice, X, y=y, out={"h": D.reshape(8, 32)})
+
+
+def test_map_reference_reads_a_programs_globals_at_each_call():
+    """A program is traced at each call, as cc.reference traces it: a cache by the program object
+    ran on the global's old value (factor 2 where 3 was set)."""
+    global _FACTOR
+    X = torch.randn(8, 16).to(BF)
+    _FACTOR = 2.0
+    a = cc.map_reference(_scaled_by_factor, X)["D"]
+    _FACTOR = 3.0
+    b = cc.map_reference(_scaled_by_factor, X)["D"]
+    assert torch.equal(a, (X.float() * 2).to(BF)) and torch.equal(b, (X.float() * 3).to(BF))
+
+
+_FACTOR = 1.0
+
+
+@cc.epilogue
+def _scaled_by_factor(acc):
+    return {"D": acc * _FACTOR}
+
+
+def test_map_reference_refuses_a_broadcast_view_accumulated_into_as_a_3d_tensor():
+    @cc.epilogue
+    def addacc(acc):
+        return {"Y": cc.accumulate(acc)}
+
+    X = torch.randn(2, 3, 16).to(BF)
+    base = torch.zeros(2, 1, 16).to(BF)
+    with pytest.raises(cc.CallError, match="broadcast view"):
+        cc.map_reference(addacc, X, Y=base.expand(2, 3, 16))
+    assert not base.any()

@@ -688,3 +688,18 @@ def test_an_empty_batch_gives_empty_logits_and_a_zero_loss(fp8):
         assert loss.item() == 0.0 and both.shape == (*shape, 256)
         loss.backward()
         assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("fp8", [None, "tensorwise"])
+def test_double_backward_is_refused_not_silently_partial(fp8):
+    """create_graph=True through coda's blocks and fused loss would miss the second-order terms of
+    every kernel-computed gradient (a hypergradient read 9.74 where 11.09 was right): refused."""
+    torch.manual_seed(0)
+    m = LlamaModel(256, 128, 1, 1, 1, 128, head_dim=128, fp8=fp8, dtype=torch.float32 if fp8 is None else torch.bfloat16)
+    tok = torch.randint(0, 256, (1, 128))
+    k = torch.tensor(2.0, requires_grad=True)
+    for params in ([m.lm_head], list(m.blocks.parameters())):
+        with pytest.raises(RuntimeError, match="create_graph=True"):
+            torch.autograd.grad(m(tok, tok) * k, params, create_graph=True)
+    (g,) = torch.autograd.grad(m(tok, tok) * k, [m.lm_head])      # a first-order grad still works
+    assert torch.isfinite(g).all()

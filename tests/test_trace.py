@@ -466,3 +466,26 @@ def test_the_header_states_the_weight_layout():
     p = cc.epilogue(lambda acc: acc)
     assert "acc[M, N] = A[M, K] @ W^T," in cc.emit(p)
     assert "acc[M, N] = A[M, K] @ W," in cc.emit(p, weight_layout="kn")
+
+
+def test_numpy_scalars_compare_with_traced_values_and_float_block_sizes_are_ints():
+    """np.float32(0) < acc reached __array_ufunc__ as a 0-d ndarray and was refused; a float
+    constant block size (128.0) passed the check and generated `128.0` for an int template
+    argument (nvcc: "expression must have integral or enum type")."""
+    import numpy as np
+
+    @cc.epilogue
+    def cmp(acc):
+        return {"D": cc.where(np.float32(0) < acc, acc, np.float64(0.5) * acc)}
+
+    @cc.epilogue
+    def py(acc):
+        return {"D": cc.where(0.0 < acc, acc, 0.5 * acc)}
+
+    assert cc.emit(cmp, dtype=torch.bfloat16).replace("cmp", "py") == cc.emit(py, dtype=torch.bfloat16)
+
+    @cc.epilogue
+    def blocks(acc, b=128.0):
+        return {"Y": cc.quantize(acc, block=b)}
+
+    assert "128.0" not in cc.emit(blocks, dtype=torch.bfloat16)

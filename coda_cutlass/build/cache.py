@@ -18,8 +18,10 @@ it. In a cache you own, a corrupt or foreign entry is moved aside and rebuilt; a
 claim (a teammate's, say) is read-only for you: such entries are skipped, never moved, deleted or
 chmodded, and builds go to your fallback. Everything is created private (0700 folders, 0600
 files) whatever the umask; a folder the cache created that others can write is repaired (a
-prefix folder kernels/<k[:2]> before its entries are judged, so a `chmod -R g+w` of the folders
-costs no intact entry), and no folder it did not create is ever chmodded. A root whose path holds
+prefix folder kernels/<k[:2]> before its entries are judged, so a group-writable prefix folder
+costs no intact entry; an entry whose own folder or files others could write is rebuilt, since
+they could have rewritten both kernel.so and its recorded SHA), and no folder it did not create is
+ever chmodded. A root whose path holds
 a character nvcc's shell would interpret (run.shell_unsafe) is read, never built in.
 """
 

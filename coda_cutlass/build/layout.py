@@ -130,6 +130,8 @@ def _strays(root: Path, names: list[str], owner: int) -> list[str]:
     """Paths (relative to root) in an unmarked folder that the cache would never have made."""
     strays: list[str] = []
     damaged: list[str] = []     # a damaged marker: named only beside real strays (else it is rewritten)
+    evidence: list[str] = []    # what only the cache makes: entries, failed builds, locks, a tuning cache
+    unread_tuning = False       # tuning.json that is not a tuning cache: an old cache's, cut short by a crash?
 
     def odd(rel: str, is_dir: bool) -> str | None:
         """None if ``rel`` is a folder (a file) of the root's owner, else how it differs."""
@@ -170,22 +172,36 @@ def _strays(root: Path, names: list[str], owner: int) -> list[str]:
                 damaged.append(f"{MARKER} (damaged: not the marker of coda-cutlass)")
             continue
         ours = check(name, is_dir or _ROOT_FILES.fullmatch(name) is not None, is_dir)
-        if ours and name == "tuning.json" and not is_tuning_cache(root / name):
-            strays.append("tuning.json (not a tuning cache of coda-cutlass)")     # a user's file of that name
+        if ours and name == "tuning.json":
+            if is_tuning_cache(root / name):
+                evidence.append(name)
+            else:
+                unread_tuning = True
         if not ours or not is_dir:
             continue
         if name == "kernels":
             for prefix in children("kernels"):
                 if check(f"kernels/{prefix}", re.fullmatch("[0-9a-f]{2}", prefix) is not None, True):
                     for k in children(f"kernels/{prefix}"):
-                        check(f"kernels/{prefix}/{k}", is_key(k) and k.startswith(prefix), True)
+                        if check(f"kernels/{prefix}/{k}", is_key(k) and k.startswith(prefix), True):
+                            evidence.append(k)
         elif name == "failed":
             for k in children("failed"):
-                check(f"failed/{k}", is_key(k), True)
+                if check(f"failed/{k}", is_key(k), True):
+                    evidence.append(k)
         elif name == "locks":
             for n in children("locks"):
-                check(f"locks/{n}", _LOCK.fullmatch(n) is not None, False)
+                if check(f"locks/{n}", _LOCK.fullmatch(n) is not None, False):
+                    evidence.append(n)
         else:
             for n in children("tmp"):
                 check(f"tmp/{n}", tmp_key(n) is not None, tmp_key(n) != "")
+    # A tuning.json the store cannot read, or a damaged marker, is the cache's own (cut short by a
+    # crash: adopted, the file replaced with a warning) only beside what only the cache makes; alone
+    # (with empty folders at most) it may be a user's file of that name, which is never overwritten.
+    if not evidence:
+        if unread_tuning:
+            strays.append("tuning.json (not a tuning cache of coda-cutlass)")
+        strays.extend(d.replace("damaged: ", "damaged or not ours: ") for d in damaged)
+        damaged = []
     return strays + damaged if strays else []

@@ -288,12 +288,16 @@ def quantize(value: Any, dtype: Any = torch.float8_e4m3fn, *, scale: Any = None,
     if (scale is None) == (block is None):
         raise EpilogueError("cc.quantize: give exactly one of scale= (per tensor, a given scale) or block=128 "
                             "(scales computed per 1 x 128 run inside the tile)")
-    if block is not None and (isinstance(block, bool) or block not in QUANT_BLOCKS):
+    if isinstance(block, float) and block.is_integer():     # a float constant (def f(acc, b=128.0))
+        block = int(block)
+    if isinstance(group, float) and group.is_integer():
+        group = int(group)
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block not in QUANT_BLOCKS):
         raise EpilogueError(f"cc.quantize: block must be one of {QUANT_BLOCKS} (the blockwise FP8 GEMMs read "
                             f"1 x 128 scales), got {block!r}")
     if not isinstance(transpose, bool) or not isinstance(pow2, bool):
         raise EpilogueError("cc.quantize: transpose and pow2 are True or False")
-    if isinstance(group, bool) or group not in QUANT_GROUPS:
+    if isinstance(group, bool) or not isinstance(group, int) or group not in QUANT_GROUPS:
         raise EpilogueError(f"cc.quantize: group must be one of {QUANT_GROUPS} (stored rows sharing a run's scale), "
                             f"got {group!r}")
     if group != 1 and (block is None or not transpose):

@@ -251,6 +251,9 @@ class Value:
         """numpy on a traced value: its operators (``np.float32(2) * x`` comes here) work as Python's,
         any other ufunc (``np.exp(x)``) is an error naming the cc.* function to use."""
         methods = _NUMPY_OPERATORS.get(ufunc.__name__)
+        # numpy hands comparisons (and 0-d arrays) over as 0-d ndarrays: their Python value
+        inputs = tuple(x.item() if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0 else x
+                       for x in inputs)
         if methods is not None and method == "__call__" and not kwargs and len(inputs) == ufunc.nin:
             if isinstance(inputs[0], Value):
                 return getattr(inputs[0], methods[0])(*inputs[1:])

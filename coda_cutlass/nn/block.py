@@ -29,7 +29,7 @@ from .functional import BlockDims, BlockWeights, Step, block_backward, block_for
 from .fp8 import support as fp8_support
 from .fp8.recipe import Fp8Recipe, as_recipe
 from .hf.layer import block_from_hf, block_to_hf
-from .checks import check_block_args, check_kernel_runner, check_rope_args, check_stream
+from .checks import check_block_args, check_kernel_runner, check_rope_args, check_stream, refuse_double_backward
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast, runner_for
 from .rope import Rope, column_frequencies
 from .runner import KernelRunner, Runner
@@ -67,6 +67,7 @@ class BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
+        refuse_double_backward("a coda LlamaBlock")
         tensors = ctx.saved_tensors
         saved = unflatten(ctx.layout, iter(tensors[:-ctx.n_weights]))
         with no_autocast(dx2.device):

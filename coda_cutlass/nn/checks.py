@@ -125,3 +125,13 @@ def checked_targets(targets: Any, tokens: torch.Tensor, vocab: int, ignore_index
         raise IndexError(f"target {int(t[i])} (at flat position {i}) is out of bounds: class indices are in "
                          f"[0, {vocab}) or ignore_index ({ignore_index})")
     return t
+
+
+def refuse_double_backward(what: str) -> None:
+    """A backward with create_graph=True runs with autograd on: coda's gradients come from kernels (and
+    the fused LM head's from its forward), which autograd cannot differentiate, so second-order
+    terms would be silently missing (measured: a hypergradient 9.74 where 11.09 was right)."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what}: a backward with create_graph=True (double backward: gradient penalties, "
+                           "Hessian-vector products, hypergradients) is not supported: the gradients come from "
+                           "kernels autograd cannot differentiate, so second-order terms would be missing")

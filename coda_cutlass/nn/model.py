@@ -20,7 +20,7 @@ from torch import nn
 from . import masks
 from ..errors import ConfigError
 from .block import LlamaBlock
-from .checks import check_model_args, check_vocab_for_kernels, checked_targets
+from .checks import check_model_args, check_vocab_for_kernels, checked_targets, refuse_double_backward
 from .checkpointing import check_stack
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
 from .fp8.recipe import Fp8Recipe, as_recipe
@@ -45,14 +45,16 @@ def ce_chunk_rows(chunk_bytes: int, row_bytes: int) -> int:
     return rows - rows % CHUNK_ROW_MULTIPLE if rows >= CHUNK_ROW_MULTIPLE else rows
 
 
-def _scale_in_fp32_(dloss: torch.Tensor, grads: list[torch.Tensor]) -> None:
-    """grads *= dloss, each product in fp32 with dloss as given, rounded once to the gradient's dtype.
+def _scaled_by_dloss(dloss: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """grads * dloss, each product in fp32 with dloss as given, rounded once to the gradient's dtype.
     ``g.mul_(dloss)`` would round dloss to g's dtype first (a 0-dim operand takes the tensor's dtype):
     1/3 -> 0.333984 in bf16 (0.2% on every gradient), fp16's loss scale 65536 (GradScaler's default)
-    -> inf. GradScaler's own unscale op multiplies by an fp32 device scalar in fp32, one launch for
-    all three tensors, with no host sync."""
+    -> inf. In place by GradScaler's own unscale op (an fp32 device scalar read as fp32, one launch
+    for all three tensors, no host sync)."""
+    s = dloss.to(torch.float32).reshape(())
     found_inf = torch.zeros((), dtype=torch.float32, device=dloss.device)     # the op's non-finite flag, unused
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, dloss.detach().to(torch.float32).reshape(()))
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, s.detach())
+    return grads
 
 
 def per_layer_recipes(fp8: Any, n_layers: int) -> list[Fp8Recipe | None]:
@@ -97,13 +99,13 @@ class LMHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dloss: torch.Tensor):  # type: ignore[override]
+        refuse_double_backward("the LM head's loss")
         if ctx.fused:
             if getattr(ctx, "handed_out", False):
                 raise RuntimeError("the fused LM head's gradients were handed out by an earlier backward; set "
                                    "model.fused_lm_head = False to run the backward more than once")
             ctx.handed_out = True
-            dx, dw, dg = ctx.saved_tensors
-            _scale_in_fp32_(dloss, [dx, dw, dg])
+            dx, dw, dg = _scaled_by_dloss(dloss, list(ctx.saved_tensors))
             return dx, None, None, dw, dg, None, None, None, None, None, None
         x, h, r, w_lm, g, target, lse, valid, count = ctx.saved_tensors
         scale = valid.to(torch.float32) * (dloss.to(torch.float32) / count)

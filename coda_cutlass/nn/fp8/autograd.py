@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..checks import refuse_double_backward
 from ..precision import no_autocast
 from .paths import Path
 from .weights import PinnedWeights
@@ -78,6 +79,7 @@ class Fp8BlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dx2: torch.Tensor, *unused: Any):  # type: ignore[override]
+        refuse_double_backward("an FP8 block")
         if ctx.saved is None:
             raise RuntimeError("Trying to backward through an FP8 block a second time: FP8 blocks (nn.fp8) free "
                                "their saved FP8 activations in their backward, so retain_graph=True and double "

@@ -3,6 +3,7 @@ check of what the FP8 path covers, and a block's call."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -37,7 +38,11 @@ def hands_fp8(recipe: Fp8Recipe | None, nxt: Fp8Recipe | None) -> bool | Fp8Reci
     if recipe is None or nxt is None or recipe.scaling != nxt.scaling:
         return False
     if recipe.scaling == "block":
-        return True if nxt == recipe else nxt
+        if nxt == recipe:
+            return True
+        # this block's down GEMM runs with the next recipe's options (its h2 in that recipe's groups):
+        # only where the two differ in nothing else (its weight's format, above all)
+        return nxt if dataclasses.replace(nxt, name=recipe.name, wgrad_group=recipe.wgrad_group) == recipe else False
     return recipe.activation == nxt.activation
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from ...errors import ConfigError
 from ..block import LlamaBlock
-from ..model import LlamaModel
+from ..model import LlamaModel, per_layer_recipes
 from .checkpoint import from_hf_keys, hf_layer_keys, layer_paths, looks_like_hf, to_hf_keys
 from .family import Family
 from .fields import UnsupportedConfig, head_dim
@@ -49,8 +49,9 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
                      ) -> tuple[LlamaModel, Family, bool]:
     """A coda LlamaModel with the weights and settings of a transformers causal LM; (model, family,
     tied). With ``free``, each transformers layer's weights are released once copied (in place).
-    ``fp8``: every decoder layer's linears in FP8 with this recipe (nn.fp8); a layer the FP8 block
-    does not cover is refused by name before any weight is touched."""
+    ``fp8``: every decoder layer's linears in FP8 with this recipe (nn.fp8), or a list with one recipe
+    (or None) per layer; a layer the FP8 block does not cover is refused by name before any weight
+    is touched."""
     if isinstance(hf_model, CodaCausalLM):
         raise ValueError(f"this {type(hf_model).__name__} is already a coda model (from_hf or patch_hf made it): use "
                          "it as it is; model.to_hf() gives a transformers model of its weights")
@@ -79,8 +80,9 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
     model = LlamaModel(config.vocab_size, config.hidden_size, 0, heads, getattr(config, "num_key_value_heads", heads),
                        config.intermediate_size, head_dim=head_dim(config), eps=float(config.rms_norm_eps),
                        attention=attention, compute_dtype=compute_dtype, device="meta", dtype=dtype)
+    recipes = per_layer_recipes(fp8, config.num_hidden_layers)    # one recipe for all, or one per layer
     model.blocks = nn.ModuleList(LlamaBlock(**family.block_options(config, i), attention=attention,
-                                            compute_dtype=compute_dtype, fp8=fp8, device="meta", dtype=dtype)
+                                            compute_dtype=compute_dtype, fp8=recipes[i], device="meta", dtype=dtype)
                                  for i in range(config.num_hidden_layers))
     model.to_empty(device=device)
     # the embedding module's own padding_idx (its row gets no gradient), not config.pad_token_id: recipes
@@ -436,7 +438,8 @@ def from_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[s
     """A coda model with the weights of a transformers causal LM (Llama, Mistral, Phi-3); the
     transformers model is left unchanged. Fields that change the math and are not implemented are
     refused by name (``ignore_fields``: fields you know are inert). ``fp8``: a recipe name
-    ("tensorwise", "blockwise") or an nn.fp8.Fp8Recipe for the decoder layers' GEMMs."""
+    ("tensorwise", "blockwise") or an nn.fp8.Fp8Recipe for the decoder layers' GEMMs, or a list with
+    one per layer."""
     coda, family, tied = build_coda_model(hf_model, attention=attention, ignore_fields=ignore_fields,
                                           compute_dtype=compute_dtype, fp8=fp8)
     model = coda_class()(copy.deepcopy(hf_model.config), coda, family, tied, type(hf_model))
