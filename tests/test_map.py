@@ -379,12 +379,12 @@ def test_map_reference_takes_fp32_copies_at_fp32_precision_and_strided_views():
         cc.map_reference(scale_rows, X.float(), rstd=rstd, g=g, s=s, d=d)
 
 
-def test_map_reference_writes_out_tensors_and_lowers_each_program_once(monkeypatch):
+def test_map_reference_writes_out_tensors_and_lowers_each_typed_program_once(monkeypatch):
     import coda_cutlass.maps as maps
     lowered = []
     real = maps.lower_map
     monkeypatch.setattr(maps, "lower_map", lambda *a: lowered.append(a) or real(*a))
-    maps._cached_reference_call.cache_clear()
+    maps._checked_call.cache_clear()
 
     @cc.epilogue
     def twice(acc, y: cc.Tile):
