@@ -88,7 +88,10 @@ def interleave(even: Any, odd: Any) -> Any:
 
 def pair_map(fn: Any, x: Any, *args: Any) -> Any:
     """Pairwise 2 -> 2: ``out_2i, out_2i+1 = fn(x_2i, x_2i+1, *args)``; ``fn`` is traced like the
-    rest of the program (e.g. a rotation for RoPE) and must return two values."""
+    rest of the program (e.g. a rotation for RoPE) and must return two values. A per-column
+    ``args`` value (a ``cc.PerCol``, ``cc.col_index()``) is read at each output's own column: at 2i
+    in ``out_2i``'s expression and at 2i+1 in ``out_2i+1``'s (``cc.rotate_pairs`` reads its angle at
+    the pair's column 2i)."""
     even, odd = pairs(x)
     result = fn(even, odd, *args)
     if not isinstance(result, tuple) or len(result) != 2:
