@@ -7,6 +7,11 @@
 #   tests   tests/gpu/test_nn_gpu.py;  train  examples/train_llama.py;  bench  bench/block.py $BENCH_ARGS
 #   suite   tests/gpu/test_kernels.py without the tests that build every candidate configuration
 #   sustained  small bench/pairwise.py and bench/run.py runs (shuffled and sustained figures side by side)
+#   fp8tests  the GPU tests of the FP8 blocks, the nn modules and the Hugging Face models
+#   fp8block  bench/block.py, 8B widths, M = 8192: the FP8 recipes with bf16 torch.compile and torchao peers
+#   fp8model  bench/model.py's FP8 rows (1B and 8B widths) beside Liger and coda bf16
+#   probe     bench/probes/epilogue_outputs.py: the FP8 epilogue variants of docs/RESULTS.md (24th session)
+# A 30-minute device session: fp8tests, fp8block, fp8model in three calls (each under 10 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?OUTDIR}; shift
@@ -37,6 +42,21 @@ for dt in (torch.bfloat16, torch.float16):
                  --out "$out/pairwise"
                run run 90 python3 bench/run.py --m 8192 --epilogues norm_stats --shapes out-proj gate/up --no-tune \
                  --rounds 3 --out "$out/run" ;;
+    fp8tests) run fp8tests ${TESTS_LIMIT:-560} python3 -m pytest -q -p no:logging tests/gpu/test_fp8_block_gpu.py \
+                tests/gpu/test_nn_gpu.py tests/gpu/test_nn_modules_gpu.py tests/gpu/test_hf_gpu.py ;;
+    fp8block) run fp8block ${BENCH_LIMIT:-560} python3 bench/block.py --widths 8b --tokens 8192 \
+                --fp8 tensorwise blockwise_g16 --skip coda coda-identity eager liger --no-max-autotune \
+                --energy-seconds 0 --rounds 4 --out "$out/fp8block" ;;
+    fp8model) run fp8model ${MODEL_LIMIT:-560} python3 bench/model.py --configs 1b,8b \
+                --variants liger,coda,coda-fp8-tensorwise,coda-fp8-blockwise_g16 --out "$out/fp8model" ;;
+    probe) run probe ${PROBE_LIMIT:-560} python3 bench/probes/epilogue_outputs.py "$out/probe" \
+             --sites down_dgrad gate_up o down --only "tensor coop identity" "tensor coop swiglu_backward_t" \
+             "tensor identity" "tensor swiglu_backward_t" "tensor e64x16 identity" "tensor e64x16 swiglu_backward_t" \
+             "tensor 64x128 identity" "tensor 64x128 swiglu_backward_t" "tensor 128x64 identity" \
+             "tensor 128x64 swiglu_backward_t" "tensor swiglu_backward_t_one_amax" \
+             "tensor coop swiglu_backward_t_one_amax" "tensor swiglu_backward_t (column checks)" \
+             "tensor coop swiglu_backward_t (column checks)" "tensor swiglu_t" "tensor swiglu_t (column checks)" \
+             "tensor residual_norm_stats_t" "tensor residual_norm_stats_t (column checks)" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
