@@ -30,7 +30,7 @@ from .lower.map import PARTIALS_TILE, lower_map
 from .pipeline import Options, typed_ir
 from .render.map import render_map_kernel
 from .runtime.map_call import MapReferenceCall
-from .runtime.map_kernel import CompiledMap
+from .runtime.map_kernel import CompiledMap, logical_shape
 
 
 def _map_options(dtype: Any, input_dtypes: Mapping[str, Any] | None, output_dtypes: Mapping[str, Any] | None,
@@ -113,6 +113,19 @@ def map_reference(program: Any, X: torch.Tensor, /, *, dtype: Any = None, precis
         t.copy_(res[name].reshape(t.shape))
         res[name] = t
     return res
+
+
+def interpret_map(program: Any, X: torch.Tensor, dtype: torch.dtype, precision: str, partial_reductions: bool,
+                  operands: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The interpreter on a map call the library itself makes (nn's ReferenceRunner: its arguments
+    are its own), without cc.map_reference's program and call checks. Those checks (the map
+    lowering among them) moved torch.compile's graph breaks in a compiled training step on the CPU
+    so that an in-place write of the interpreter was replayed onto a tensor saved for the backward."""
+    M, N = logical_shape("X", X)
+    flat = {k: (v.reshape(M, -1) if isinstance(v, torch.Tensor) and v.dim() > 2 else v) for k, v in operands.items()}
+    return interpret(typed_ir(program, _map_options(dtype, None, None, None)), None, None, flat,  # type: ignore[arg-type]
+                     precision=precision, acc=X.reshape(M, N),
+                     partial_tile=PARTIALS_TILE if partial_reductions else None)
 
 
 def _map_reference_dtype(X: Any, precision: str) -> Any:

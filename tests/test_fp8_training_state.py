@@ -508,3 +508,18 @@ def test_recipe_options_that_would_be_ignored_or_misread_are_refused(kwargs, mat
     with pytest.raises(ConfigError, match=match):
         Fp8Recipe("mine", **kwargs)
     assert Fp8Recipe("mine", scaling="tensor").history == 16 and RECIPES["tensorwise"].margin == 0
+
+
+def test_a_fresh_blocks_scale_state_has_the_structure_of_a_trained_ones():
+    """A distributed checkpoint (torch.distributed.checkpoint) loads into the state dict's structure
+    as it stands: a block before its first step reported {"history": None} and the load failed with
+    "expected BytesStorageMetadata but found TensorStorageMetadata"."""
+    fresh, trained = _block("tensorwise"), _block("tensorwise")
+    xs, dy = _inputs(1)
+    trained(xs[0]).backward(dy)
+    a, b = (m.get_extra_state()["fp8_scales"] for m in (fresh, trained))
+    assert set(a) - {"pending"} == set(b) - {"pending"}
+    for k in ("history", "amax"):
+        assert isinstance(a[k], torch.Tensor) and a[k].shape == b[k].shape, k
+    fresh.set_extra_state(fresh.get_extra_state())      # still a block that calibrates on its first step
+    assert not any(v["calibrated"] for v in fresh.fp8_stats().values())

@@ -703,3 +703,26 @@ def test_double_backward_is_refused_not_silently_partial(fp8):
             torch.autograd.grad(m(tok, tok) * k, params, create_graph=True)
     (g,) = torch.autograd.grad(m(tok, tok) * k, [m.lm_head])      # a first-order grad still works
     assert torch.isfinite(g).all()
+
+
+def test_a_compiled_training_step_gives_the_eager_step():
+    """torch.compile of a whole step (forward, loss, backward) on the interpreter's path: the map
+    calls' program checks (cc.map_reference's) once moved its graph breaks so that an in-place write
+    was replayed onto a tensor saved for the backward ("modified by an inplace operation")."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(LlamaModel(256, 128, 1, 1, 1, 256, head_dim=128, dtype=torch.bfloat16))
+    eager, compiled = models
+
+    def step(m, t):
+        loss = m(t, t)
+        loss.backward()
+        return loss
+
+    run = torch.compile(lambda t: step(compiled, t), backend="aot_eager")
+    for s in range(2):
+        t = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(s))
+        assert torch.equal(step(eager, t), run(t))
+        for (n, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            assert torch.equal(a.grad, b.grad), n

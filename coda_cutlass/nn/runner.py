@@ -18,7 +18,7 @@ from ..build.cache import absolute
 from ..config import DEFAULT, KernelConfig
 from ..interpret import interpret
 from ..lower.plan import default_config
-from ..maps import compile_map, map_reference
+from ..maps import compile_map, interpret_map
 from ..pipeline import Options, lower_program, typed_ir
 from ..timing import elapsed_us, medians_us, timed_call
 from ..tuning.store import m_bucket
@@ -121,8 +121,7 @@ class ReferenceRunner(Runner):
         return _into(res, out)
 
     def map(self, site, program, X, *, partial=False, out=None, **operands):
-        res = map_reference(program, X, dtype=self.dtype, precision=self._precision(X), partial_reductions=partial,
-                            **operands)
+        res = interpret_map(program, X, self.dtype, self._precision(X), partial, operands)
         return _into(res, out)
 
 

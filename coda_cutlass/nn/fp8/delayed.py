@@ -165,8 +165,10 @@ class DelayedScales:
     def state(self) -> dict[str, Any]:
         """The histories as plain data (tensors on the CPU), for a checkpoint: ``load_state`` takes
         it back, so a resumed run continues with the same scales instead of calibrating again."""
-        if self._history is None:
-            return {"names": list(self.names), "history": None}
+        if self._history is None:     # before the first step: the same entries, empty (a distributed
+            n = len(self.names)         # checkpoint loads into the state dict's structure as it is)
+            return {"names": list(self.names), "history": torch.zeros(n, self.recipe.history), "slot": 0,
+                    "amax": torch.zeros(n), "filled": [False] * n, "steps": 0, "pending": {}}
         return {"names": list(self.names), "history": self._history.cpu().clone(), "slot": self._slot,
                 "amax": self._amax.cpu().clone(), "filled": list(self._filled), "steps": self.steps,
                 "pending": {self.names[i]: float(amax_of(a)) for i, a in self._pending.items()}}
