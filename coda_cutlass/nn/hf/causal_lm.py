@@ -116,11 +116,16 @@ def build_coda_model(hf_model: Any, *, attention: str = "sdpa", ignore_fields: I
     return model, family, tied
 
 
+def _is_peft(obj: Any) -> bool:
+    """Whether ``obj`` is a PEFT object (a wrapper or adapter layer of the peft package)."""
+    return type(obj).__module__.split(".")[0] == "peft"
+
+
 def _check_not_peft(hf_model: Any) -> None:
     """A PEFT wrapper (PeftModel, LoraModel) around the transformers model: named, with the way to
     convert what it computes."""
     cls = type(hf_model)
-    if cls.__module__.split(".")[0] == "peft":
+    if _is_peft(hf_model):
         raise UnsupportedConfig(f"{cls.__name__} is a PEFT wrapper ({cls.__module__}.{cls.__qualname__}): from_hf "
                                 "and patch_hf take the transformers model with the adapters merged into its weights, "
                                 "model = peft_model.merge_and_unload(); adapters on a coda model are not supported "
@@ -326,8 +331,8 @@ def _check_coda_modules(coda: Any) -> None:
     if isinstance(coda, LlamaModel):
         parts += [(f"coda.blocks.{i}", b, "LlamaBlock") for i, b in enumerate(coda.blocks)]
     for where, module, what in parts:
-        cls = type(module)
-        if cls.__module__.split(".")[0] == "peft":
+        if _is_peft(module):
+            cls = type(module)
             raise TypeError(f"{where} is a {cls.__module__}.{cls.__qualname__}, not a coda {what}: PEFT adapters "
                             "on a coda model (target_parameters) are not supported yet; apply them to the "
                             "transformers model, merge them (model = peft_model.merge_and_unload()) and convert "
