@@ -9,6 +9,8 @@ import json
 import os
 import resource
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -188,33 +190,41 @@ def test_a_short_lock_timeout_is_printed_with_its_digits(fake_nvcc, monkeypatch,
 
 
 # ---------------------------------------------------------------- 6: a full disk
-@pytest.fixture
-def file_size_limit():
-    """RLIMIT_FSIZE as a stand-in for a full disk (Python ignores SIGXFSZ: writes fail with EFBIG)."""
-    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+def under_file_size_limit(code: str, limit: int = 4096) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a child Python whose RLIMIT_FSIZE stands in for a full disk (Python ignores
+    SIGXFSZ: writes fail with EFBIG). A child, because the limit covers every file the process
+    writes: in this process it also failed pytest's own output when that is redirected to a log
+    file longer than the limit (CI's), which stopped the whole run."""
+    def limit_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          preexec_fn=limit_files, cwd=Path(__file__).resolve().parent, timeout=120)
 
-    def limit(n: int) -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (n, old[1]))
-    yield limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, old)
 
-
-def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path, file_size_limit):
+def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path):
     path = tmp_path / "big.bin"
-    file_size_limit(4096)
-    with pytest.raises(OSError) as e:
-        write_file(path, b"x" * 100_000)
-    assert str(path) in str(e.value) and not path.exists()
+    child = under_file_size_limit(
+        "from pathlib import Path\n"
+        "from coda_cutlass.build.files import write_file\n"
+        "try:\n"
+        f"    write_file(Path({str(path)!r}), b'x' * 100_000)\n"
+        "except OSError as e:\n"
+        "    print('OSError:', e)\n")
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.startswith("OSError:") and str(path) in child.stdout
+    assert not path.exists()
 
 
-def test_export_to_a_full_disk_leaves_no_temp_file(fake_nvcc, tmp_path, file_size_limit):
+def test_export_to_a_full_disk_leaves_no_temp_file(fake_nvcc, tmp_path):
     build(SRC + "//" + "x" * 100_000 + "\n", "k")
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    file_size_limit(4096)
-    assert main(["cache", "--export", str(out)]) == 2
-    file_size_limit(resource.RLIM_INFINITY)
+    child = under_file_size_limit(
+        "import sys\n"
+        "from coda_cutlass.cli import main\n"
+        f"sys.exit(main(['cache', '--export', {str(out)!r}]))\n")
+    assert child.returncode == 2, child.stderr
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
