@@ -170,13 +170,13 @@ class CodaFp8:
             with torch.no_grad():
                 self.block.run(self.step, wl.x, self.h, self.r, wl.g_next, next_fp8=True)
 
-    def weight_quant_ms(self, reps: int = 5, torch_copies: bool = False) -> float:
+    def weight_quant_ms(self, reps: int = 5, map_kernel: bool = False) -> float:
         """One remake of the block's four FP8 weight copies (what each optimizer step adds), as the
-        block makes them (per tensor: the runner's map kernel), or with ``torch_copies`` by the
-        compiled torch copies (no runner)."""
+        block makes them (compiled torch), or with ``map_kernel`` (per tensor only) by the runner's
+        ``quantize_tensor`` map kernel, the alternative docs/RESULTS.md measures against it."""
         cache = self.block.fp8_weights()
         b = self.block
-        run = None if torch_copies else self.runner
+        run = self.runner if map_kernel else None
         times = []
         for _ in range(reps + 1):
             cache.clear()

@@ -617,6 +617,24 @@ def test_fused_lm_head_scales_its_gradients_by_dloss_in_fp32(dtype, dloss):
         assert torch.equal(scaled, (one.float() * dloss).to(dtype)), name
 
 
+@pytest.mark.parametrize("chunk", [7, 1 << 26])
+def test_dloss_scaling_is_one_fp32_product_per_element_in_chunks_and_strided(monkeypatch, chunk):
+    """The scaling by dloss itself: 16-bit gradients through fp32 chunks (any chunk size, a strided
+    gradient too), fp32 ones in place; no op without a CUDA bf16 kernel (GradScaler's unscale op,
+    used before, has none: the H200 raised NotImplementedError in every FP8 model's backward)."""
+    from coda_cutlass.nn import model as model_mod
+    monkeypatch.setattr(model_mod, "DLOSS_CHUNK", chunk)
+    torch.manual_seed(2)
+    dloss = torch.tensor(1 / 3, dtype=torch.bfloat16)      # as given: 0.333984, the product in fp32
+    grads = [torch.randn(5, 9, dtype=torch.bfloat16), torch.randn(9, 5, dtype=torch.bfloat16).t(),
+             torch.randn(4, 3, dtype=torch.float16), torch.randn(6, dtype=torch.float32)]
+    want = [(g.float() * dloss.float()).to(g.dtype) for g in grads]
+    out = model_mod._scaled_by_dloss(dloss, grads)
+    assert all(o is g for o, g in zip(out, grads))
+    for g, w in zip(grads, want):
+        assert torch.equal(g, w)
+
+
 def test_in_sequence_tuning_of_fp8_sites_builds_fp8_candidates(monkeypatch):
     """An FP8 site (a tensorwise block's) is tuned with the FP8 candidate space, its candidates built
     with its operand format, scaling and accumulation, and handed to the runner under its FP8 key

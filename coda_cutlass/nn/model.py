@@ -45,15 +45,25 @@ def ce_chunk_rows(chunk_bytes: int, row_bytes: int) -> int:
     return rows - rows % CHUNK_ROW_MULTIPLE if rows >= CHUNK_ROW_MULTIPLE else rows
 
 
+# Elements per fp32 temporary when scaling a 16-bit gradient by dloss (256 MiB).
+DLOSS_CHUNK = 1 << 26
+
+
 def _scaled_by_dloss(dloss: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """grads * dloss, each product in fp32 with dloss as given, rounded once to the gradient's dtype.
-    ``g.mul_(dloss)`` would round dloss to g's dtype first (a 0-dim operand takes the tensor's dtype):
-    1/3 -> 0.333984 in bf16 (0.2% on every gradient), fp16's loss scale 65536 (GradScaler's default)
-    -> inf. In place by GradScaler's own unscale op (an fp32 device scalar read as fp32, one launch
-    for all three tensors, no host sync)."""
-    s = dloss.to(torch.float32).reshape(())
-    found_inf = torch.zeros((), dtype=torch.float32, device=dloss.device)     # the op's non-finite flag, unused
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, s.detach())
+    """grads * dloss in place, each product in fp32 with dloss as given, rounded once to the gradient's
+    dtype. ``g.mul_(dloss)`` would round dloss to g's dtype first (a 0-dim operand takes the tensor's
+    dtype): 1/3 -> 0.333984 in bf16 (0.2% on every gradient), fp16's loss scale 65536 (GradScaler's
+    default) -> inf. 16-bit gradients go through fp32 chunks (GradScaler's unscale op, which would do
+    this in one launch, has no bf16 kernel on CUDA); no host sync."""
+    s = dloss.detach().to(torch.float32).reshape(())
+    for g in grads:
+        if g.dtype == torch.float32:
+            g.mul_(s)
+        elif not g.is_contiguous():
+            g.copy_(g.float().mul_(s))
+        else:
+            for c in g.view(-1).split(DLOSS_CHUNK):
+                c.copy_(c.float().mul_(s))
     return grads
 
 
