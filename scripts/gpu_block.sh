@@ -11,6 +11,7 @@
 #   fp8block  bench/block.py, 8B widths, M = 8192: the FP8 recipes with bf16 torch.compile and torchao peers
 #   fp8model  bench/model.py's FP8 rows (1B and 8B widths) beside Liger and coda bf16
 #   probe     bench/probes/epilogue_outputs.py: the FP8 epilogue variants of docs/RESULTS.md (24th session)
+#   stepprofile  bench/probes/model_step_profile.py: 1B whole-model steps, wall against kernel time (26th session)
 # A 30-minute device session: fp8tests, fp8block, fp8model in three calls (each under 10 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +58,8 @@ for dt in (torch.bfloat16, torch.float16):
              "tensor coop swiglu_backward_t_one_amax" "tensor swiglu_backward_t (column checks)" \
              "tensor coop swiglu_backward_t (column checks)" "tensor swiglu_t" "tensor swiglu_t (column checks)" \
              "tensor residual_norm_stats_t" "tensor residual_norm_stats_t (column checks)" ;;
+    stepprofile) run stepprofile ${PROFILE_LIMIT:-300} python3 bench/probes/model_step_profile.py --config 1b \
+                   --out "$out/stepprofile.json" ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

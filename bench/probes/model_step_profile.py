@@ -1,0 +1,88 @@
+"""Probe: where a whole-model training step's time goes (bench/model.py's step: from_hf model,
+forward with the loss, backward, fused AdamW), per variant: wall time per step against the GPU's
+kernel time (a step whose wall time exceeds its kernel time is bound by the host), kernel launches
+per step, and the share of the step in the FP8 weight copies (their kernels and their host time).
+
+    python bench/probes/model_step_profile.py --config 1b --variants coda,coda-fp8-tensorwise,coda-fp8-blockwise_g16
+
+Question it answers (twenty-sixth session): at Llama-3.2-1B widths "tensorwise" stepped in 137 ms
+against 126 for coda bf16, though its GEMMs are FP8; is the host the limit, and how much of the step
+is the weight copies made again after every optimizer step?"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import model as bench_model  # noqa: E402  (bench/model.py)
+
+from coda_cutlass.nn.fp8 import weights as fp8_weights  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="1b", choices=[*bench_model.CONFIGS, "quick"])
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the probe itself (the interpreter)")
+    ap.add_argument("--variants", default="coda,coda-fp8-tensorwise,coda-fp8-blockwise_g16")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None, help="a JSON file for the figures")
+    args = ap.parse_args()
+    args.compile_mode, args.ce_chunk_mib = None, None
+    names = [n for n in args.variants.split(",") if n]
+    fields = dict(bench_model.QUICK if args.config == "quick" else bench_model.CONFIGS[args.config])
+    variants = bench_model.build_variants(fields, names, args)
+    tokens = torch.randint(0, fields["vocab_size"], (args.batch, args.seq), device=args.device)
+    sync = torch.cuda.synchronize if args.device != "cpu" else (lambda: None)
+
+    get = fp8_weights.Fp8Weights.get             # the weight copies, marked in the profile
+
+    def marked_get(self, *a, **k):
+        with record_function("fp8_weight_copies"):
+            return get(self, *a, **k)
+    fp8_weights.Fp8Weights.get = marked_get
+
+    out = {}
+    for name, v in variants.items():
+        for _ in range(3):
+            v.step(tokens)
+        sync()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            v.step(tokens)
+        sync()
+        wall = (time.perf_counter() - t) / args.steps * 1e3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                v.step(tokens)
+            sync()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_ms = sum(e.device_time for e in kernels) / 1e3 / args.steps
+        counts = collections.Counter(e.name[:70] for e in kernels)
+        copies = [e for e in prof.events() if e.name == "fp8_weight_copies"]
+        copies_cpu = sum(e.cpu_time_total for e in copies) / 1e3 / args.steps
+        copies_gpu = sum(e.device_time_total for e in copies) / 1e3 / args.steps
+        out[name] = {"wall_ms": wall, "kernel_ms": gpu_ms, "launches": len(kernels) / args.steps,
+                     "weight_copies_host_ms": copies_cpu, "weight_copies_kernel_ms": copies_gpu,
+                     "top_launches": {k: c / args.steps for k, c in counts.most_common(15)}}
+        print(f"{name}: {wall:.1f} ms wall per step, {gpu_ms:.1f} ms of kernels, {len(kernels) / args.steps:.0f} "
+              f"launches; weight copies {copies_cpu:.1f} ms host / {copies_gpu:.1f} ms kernels", flush=True)
+        for k, c in counts.most_common(15):
+            print(f"    {c / args.steps:6.0f}  {k}")
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
