@@ -267,3 +267,42 @@ def test_an_old_pickle_with_the_recipe_in_the_instance_dict_loads():
     old.__setstate__(state)
     assert old.fp8 is RECIPES["tensorwise"]
     assert _same(_run_block(old, seed=3), _run_block(copy.deepcopy(b), seed=3))
+
+
+# ---------------------------------------------------------------- each recipe's stored plan
+
+def test_a_block_of_another_recipe_runs_its_own_contexts_plan(monkeypatch):
+    """On the GPU one KernelRunner serves the whole model, prepared with the first block's plan
+    context; a block of another recipe (its FP8 sites have their own stored plans, context
+    ``...:fp8-RECIPE``) ran the first block's plan before: a bf16 plan's choices for FP8 GEMMs, or
+    the default configurations. Now it gets a view of the runner with its own context's plan,
+    sharing the runner's kernels."""
+    import dataclasses
+
+    from coda_cutlass.config import KernelConfig
+    from coda_cutlass.nn import runner as runner_mod
+    from coda_cutlass.nn.plan_store import Choice
+    plans = {"bf16": Choice(KernelConfig(tile_n=64)), "fp8": Choice(KernelConfig(tile_n=256))}
+
+    def fake_find(context, dtype, M, cache_dir=None, device=None):
+        kind = "fp8" if ":fp8-" in context else "bf16"
+        return f"inseq|{context}|M{M}", {"qkv": plans[kind]}
+    monkeypatch.setattr(runner_mod, "find_plan", fake_find)
+    m = _model([None, "tensorwise", None], layers=3)
+    kr = runner_mod.KernelRunner(BF16)
+    first = m.blocks[0]
+    step = dataclasses.replace(first.step(1, 128, runner=runner_mod.ReferenceRunner(BF16)), runner=kr)
+    kr.prepare(first.context(), 128)
+    assert first.local_step(step).runner is kr and kr.plan["qkv"] == plans["bf16"]
+    fp8_step = m.blocks[1].local_step(step)
+    view = fp8_step.runner
+    assert view is not kr and view.plan["qkv"] == plans["fp8"] and view.plan_source.endswith(":fp8-tensorwise|M128")
+    assert view._gemms is kr._gemms and view._maps is kr._maps          # kernels built once, for both
+    assert kr.plan["qkv"] == plans["bf16"]                               # the model's runner unchanged
+    assert m.blocks[2].local_step(fp8_step).runner.plan["qkv"] == plans["bf16"]
+
+
+def test_tuning_a_model_that_mixes_recipes_is_refused_with_what_to_do():
+    m = _model([None, "tensorwise"])
+    with pytest.raises(ConfigError, match=r"mix FP8 recipes .*fp8-tensorwise.*Tune a model of each recipe"):
+        m.tune(_tokens())

@@ -321,8 +321,11 @@ class LlamaBlock(nn.Module):
         if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout() \
                 and step.mlp is self.mlp and step.fp8 is self.fp8:
             return step
+        runner = step.runner
+        if isinstance(runner, KernelRunner) and step.fp8 is not self.fp8:
+            runner = runner.bound(self.context(), step.batch * step.seq)   # this recipe's plan (FP8 sites)
         return dataclasses.replace(step, attention=self.attention, freq=freq, dropout=self._dropout(), mlp=self.mlp,
-                                   fp8=self.fp8)
+                                   fp8=self.fp8, runner=runner)
 
     def gain(self, norm: torch.Tensor) -> torch.Tensor:
         """A norm's effective gain: its weight, plus norm_offset (Gemma's (1 + w))."""

@@ -258,6 +258,12 @@ class LlamaModel(nn.Module):
         sustained, on these tokens (random targets by default); the plan is stored and used from
         then on. With ``forward_only``, tune the blocks' forward-only sites in the forward without
         autograd (inference, evaluation). Options go to coda_cutlass.nn.tuning.tune_in_sequence."""
+        contexts = list(dict.fromkeys(b.context() for b in self.blocks))
+        if len(contexts) > 1:       # one sequence, one plan per site name: its sites would be mixed up
+            raise ConfigError(f"tune: the model's blocks mix FP8 recipes ({', '.join(contexts)}); tuning times "
+                              "one plan per site for one recipe. Tune a model of each recipe at these widths (each "
+                              "plan is stored under its context); a mixed model then runs each block with its "
+                              "recipe's stored plan")
         if targets is None:
             targets = torch.randint(0, self.embed.shape[0], tokens.shape, device=tokens.device)
         first = self.blocks[0]

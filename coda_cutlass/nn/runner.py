@@ -166,6 +166,18 @@ class KernelRunner(Runner):
         self.plan = {**(found[1] if found else {}), **self._explicit}
         self._prepared = key
 
+    def bound(self, context: str, M: int) -> "KernelRunner":
+        """This runner with the plan of another model context and M (a block of another FP8 recipe
+        in a model that mixes them: its sites have their own stored plans): itself when already
+        prepared for it, else a view that shares its kernels and caches and has its own plan."""
+        if self._prepared == (context, m_bucket(M)):
+            return self
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)        # the same cache dicts: kernels are built once
+        view._prepared = None
+        view.prepare(context, M)
+        return view
+
     def adopt(self, context: str, M: int, key: str, plan: dict[str, Choice]) -> None:
         """Use ``plan`` (just tuned and stored under ``key``) for this model context and M bucket from
         now on, also after ``prepare`` has switched to another M and back."""
