@@ -60,6 +60,17 @@ def tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool)
     return _on_device(_tensor_copies, w, dtype)(w.contiguous(), dtype, halves, pow2)
 
 
+def _tensor_scale(w: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    return tensor_scales(w.abs().amax().float(), float(FP8_MAX[as_dtype(dtype)]), 0, pow2)
+
+
+def tensor_scale(w: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """W's one scale (0-dim fp32), as ``tensor_copies`` makes it: one compiled call on a GPU (the eager
+    amax and scale arithmetic were a dozen launches a weight, which made the map kernel's copies
+    host-bound)."""
+    return _on_device(_tensor_scale, w, dtype)(w, dtype, pow2)
+
+
 def _tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     R, C = w.shape
     wb = w.view(R // BLOCK, BLOCK, C // BLOCK, BLOCK).float()

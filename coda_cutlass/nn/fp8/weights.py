@@ -27,11 +27,9 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ...dtypes import FP8_MAX, as_dtype
 from ...quantization import quantize_tiles
 from ..precision import no_autocast
-from .copies import tensor_copies, weight_tiles
-from .delayed import tensor_scales
+from .copies import tensor_copies, tensor_scale, weight_tiles
 from .kernels import programs
 from .recipe import Fp8Recipe
 
@@ -131,21 +129,20 @@ class PinnedWeights:
 def _per_tensor(w: torch.Tensor, recipe: Fp8Recipe, halves: bool, runner: Any) -> Fp8Weight:
     """W's codes with one scale from its current amax, and W^T's. With a runner and W in its dtype,
     by the ``quantize_tensor`` map kernel the blocks quantise their attention outputs with: one read of
-    W, both layouts written, the transpose done in registers (the compiled torch copies took
-    1.6-1.8 ms per Llama-3-8B block and optimizer step, 5x what their bytes need); under ``halves``
-    the kernel reads W's rows as gate rows, then up rows (a strided view), and writes W's codes back
-    through the same view. fp32 master weights are quantised in torch, from fp32."""
+    W, both layouts written, the transpose done in registers; under ``halves`` the kernel reads W's
+    rows as gate rows, then up rows (a strided view), and writes W's codes back through the same
+    view. Else, and for fp32 master weights, the compiled torch copies (what the blocks use:
+    ``tensorwise.weight_copies`` says why)."""
     if runner is None or w.dtype != runner.dtype:
         q, scale, qt = tensor_copies(w, recipe.weight, halves, recipe.pow2)
         return Fp8Weight(q, scale, qt, scale)
     w = w.contiguous()                             # the halves view needs W's rows in one run
-    lo, hi = torch.aminmax(w)                      # one pass, no |W| temporary; NaN propagates
-    amax = torch.maximum(hi.float(), -lo.float())
-    scale = tensor_scales(amax, float(FP8_MAX[as_dtype(recipe.weight)]), 0, recipe.pow2)
+    scale = tensor_scale(w, recipe.weight, recipe.pow2)
     R, C = w.shape
     q = torch.empty(R, C, dtype=recipe.weight, device=w.device)
     x, q_view = (w, q) if not halves else (_as_halves(w), _as_halves(q))
-    out = runner.map("weight.quant", programs(recipe).quantize_weight, x, out={"q": q_view}, s=scale)
+    # partial: the kernel's amax (W's, known already) stays unfinished, no launches for it
+    out = runner.map("weight.quant", programs(recipe).quantize_weight, x, partial=True, out={"q": q_view}, s=scale)
     qt = out["qt"] if out["qt"].is_contiguous() else out["qt"].contiguous()   # rows padded to 16 bytes
     return Fp8Weight(q, scale, qt, scale)
 
