@@ -52,6 +52,37 @@ def test_tensor_scales_are_the_block_scales_rule():
             assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), (dtype, pow2)
 
 
+def test_tensor_scales_without_pow2_divide_by_a_tensor_not_a_host_float():
+    """pow2=False with fmax given as a float (the weights' copies): the scale is amax / fmax divided by a
+    tensor of amax's shape, never by a Python float, which CUDA would turn into a multiplication by
+    the fp32 reciprocal (BinaryDivTrueKernel.cu: one bit off in about half the amaxes for 1 / 448);
+    the values are the kernels' rule (quantization.scales_from_amax), pinned here on the CPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from coda_cutlass.quantization import scales_from_amax
+
+    class Divisions(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.divisors: list[Any] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.div:
+                self.divisors.append(args[1])
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(2)
+    amax = torch.cat([torch.rand(4000, generator=g) * 10.0 ** torch.randint(-20, 20, (4000,), generator=g),
+                      torch.tensor([0.0, 448.0, 449.0, 57344.0, float("inf"), float("nan")])])
+    for dtype, fmax in ((E4M3, 448.0), (E5M2, 57344.0)):
+        with Divisions() as seen:
+            got = tensor_scales(amax, fmax, 0, False)
+        assert seen.divisors and all(isinstance(d, torch.Tensor) and d.shape == amax.shape for d in seen.divisors)
+        want = scales_from_amax(amax, dtype, False)[0]
+        assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), dtype
+        # what a division by the host float computes on a GPU: not these scales
+        assert not torch.equal(amax * torch.tensor(1.0 / fmax), amax / fmax)
+
+
 def test_tensor_scales_are_the_exact_power_of_two_at_every_margin():
     """The division-free power of two is the smallest 2^k >= amax * 2^margin / fmax (exact rational
     arithmetic), at least 2^-126, for amaxes across fp32's range, mantissas at and around fmax's."""
@@ -162,6 +193,39 @@ def test_folding_a_steps_amaxes_makes_no_tensor_from_host_values(monkeypatch):
     assert hist == {"a": 0.0, "g": 0.0, "b": 5.0}
 
 
+def test_the_host_polls_the_amax_copy_on_the_amaxes_devices_stream(monkeypatch):
+    """On a GPU the host learns which tensors have a delayed scale from a pinned, non-blocking copy of
+    the amaxes, which runs on the current stream of the amaxes' device; the event it polls is recorded
+    on that stream, not on the current device's (a block on another GPU than the current one would
+    read the buffer before the copy landed, and an uninitialised value > 0 would skip a tensor's
+    calibration for good). CUDA stood in for: the amaxes report cuda:1, events and streams recorded."""
+    class OnGpu1(torch.Tensor):
+        @property
+        def device(self) -> torch.device:  # type: ignore[override]
+            return torch.device("cuda", 1)
+
+    recorded: list[Any] = []
+
+    class Event:
+        def record(self, stream: Any = None) -> None:
+            recorded.append(stream)
+
+        def query(self) -> bool:
+            return True
+
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    sc = DelayedScales(RECIPES["tensorwise"], {"a": E4M3, "g": E5M2})
+    sc._amax = torch.tensor([3.0, 0.0]).as_subclass(OnGpu1)
+    sc._filled, sc._known = [True, True], [False, False]
+    sc._learn()                                 # the copy starts
+    assert recorded == [("stream of", torch.device("cuda", 1))] and sc._known == [False, False]
+    sc._learn()                                 # it has landed: read, and "g" polled for again
+    assert sc._known == [True, False] and len(recorded) == 2
+
+
 def test_per_tensor_weight_copies_and_the_gate_up_halves():
     w = torch.nn.Parameter(torch.randn(256, 384) * 3)
     cache = Fp8Weights(RECIPES["tensorwise"])
@@ -174,6 +238,34 @@ def test_per_tensor_weight_copies_and_the_gate_up_halves():
     halves = torch.cat([codes[0::2], codes[1::2]]).t().contiguous()
     assert torch.equal(h.wt.view(torch.uint8), halves.view(torch.uint8))
     assert cache.get(w) is a and cache.get(w, halves=True) is h
+
+
+def test_per_tensor_weight_copies_without_pow2_run_eagerly_and_are_the_kernels_rule(monkeypatch):
+    """A "tensorwise" recipe with pow2=False: W's scale is amax / fp8_max (IEEE division, as
+    quantization.scales_from_amax), its codes quantize_tensor's, values pinned on the CPU; on a GPU these
+    copies are not compiled (a compiled division rounds otherwise: copies.py), the pow2 ones are."""
+    import dataclasses
+    from coda_cutlass.nn.fp8 import copies
+    from coda_cutlass.quantization import quantize_tensor, scales_from_amax
+    g = torch.Generator().manual_seed(4)
+    w = torch.nn.Parameter(torch.randn(256, 384, generator=g) * 3)
+    for fmt in (E4M3, E5M2):
+        recipe = dataclasses.replace(RECIPES["tensorwise"], weight=fmt, pow2=False)
+        cache = Fp8Weights(recipe)
+        a, h = cache.get(w), cache.get(w, halves=True)
+        s = scales_from_amax(w.detach().abs().amax().reshape(1), fmt, False)[0].reshape(())
+        assert a.scale.dim() == 0 and torch.equal(a.scale, s) and a.scale_t is a.scale, fmt
+        codes = quantize_tensor(w.detach(), fmt, s)
+        assert torch.equal(a.w.view(torch.uint8), codes.view(torch.uint8)), fmt
+        assert torch.equal(a.wt.view(torch.uint8), codes.t().contiguous().view(torch.uint8)), fmt
+        halves = torch.cat([codes[0::2], codes[1::2]]).t().contiguous()
+        assert torch.equal(h.wt.view(torch.uint8), halves.view(torch.uint8)), fmt
+    compiled = object()
+    monkeypatch.setattr(copies, "on_device", lambda fn, t, key, what: compiled)
+    for fn in (copies._tensor_copies, copies._tensor_scale):
+        assert copies._on_device(fn, w, E4M3, False) is fn
+        assert copies._on_device(fn, w, E4M3, True) is compiled
+    assert copies._on_device(copies._tiles, w, E4M3) is compiled
 
 
 @pytest.mark.parametrize("halves", [False, True])

@@ -10,7 +10,10 @@ format whose largest value is 1.75 * 2^E, the smallest power of two s with s * f
 2^(e - E) when m <= 1.75 and 2^(e - E + 1) otherwise; s is at least 2^-126. That is exactly what
 the kernels' IEEE division and rounding up give, and it leaves nothing for a compiler to reorder.
 On a GPU both run compiled by torch.compile (shapes dynamic: one graph serves every operand);
-elsewhere eagerly.
+elsewhere eagerly. Per-tensor copies without power-of-two scales (``pow2=False``) run eagerly on a
+GPU too, as the delayed scales' fold does: their scale is a division and their codes a reciprocal,
+which a compiled graph rounds differently (Triton divides fp32 with ``div.full.f32``, not IEEE
+division), so the GPU's copies would not be the CPU's.
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ def _pow2_scales(amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, 
             torch.where(finite, torch.where(zero, one, inv), nan))
 
 
-def _on_device(fn: Callable[..., Any], t: torch.Tensor, dtype: torch.dtype) -> Callable[..., Any]:
-    """``fn`` compiled once per function and FP8 format on a GPU (compiled.py); ``fn`` elsewhere."""
+def _on_device(fn: Callable[..., Any], t: torch.Tensor, dtype: torch.dtype, pow2: bool = True) -> Callable[..., Any]:
+    """``fn`` compiled once per function and FP8 format on a GPU (compiled.py); ``fn`` elsewhere, and
+    without ``pow2`` everywhere (a division: the module docstring)."""
+    if not pow2:
+        return fn
     return on_device(fn, t, dtype, f"FP8 copies: {fn.__name__.lstrip('_')} ({dtype})")
 
 
@@ -57,7 +63,7 @@ def _tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool
 def tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool) -> tuple[torch.Tensor, ...]:
     """A weight W (R, C) with one scale: (codes, the 0-dim scale, W^T's codes); ``halves``: W^T's
     columns are W's even rows, then its odd rows (nn/fp8/weights.py). Compiled on a GPU."""
-    return _on_device(_tensor_copies, w, dtype)(w.contiguous(), dtype, halves, pow2)
+    return _on_device(_tensor_copies, w, dtype, pow2)(w.contiguous(), dtype, halves, pow2)
 
 
 def _tensor_scale(w: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
@@ -68,7 +74,7 @@ def tensor_scale(w: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tenso
     """W's one scale (0-dim fp32), as ``tensor_copies`` makes it: one compiled call on a GPU (the eager
     amax and scale arithmetic were a dozen launches a weight, which made the map kernel's copies
     host-bound)."""
-    return _on_device(_tensor_scale, w, dtype)(w, dtype, pow2)
+    return _on_device(_tensor_scale, w, dtype, pow2)(w, dtype, pow2)
 
 
 def _tiles(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:

@@ -87,16 +87,22 @@ def tensor_scales(amax: torch.Tensor, fmax: torch.Tensor | float, margin: int, p
     1 <= a, f < 2, it is 2^(e - E + margin), doubled when a > f), so a compiled graph
     (compiled.py) cannot round it differently from the eager one. ``fmax`` (over 2^margin, where the
     margin is folded into it) an FP8 format's largest value (>= 2^8) and a margin <= 8 (the recipes'
-    bound) keep the power of two at most 2^128 (inf), which only an amax near fp32's largest gives."""
+    bound) keep the power of two at most 2^128 (inf), which only an amax near fp32's largest gives.
+    Without ``pow2`` the division is by a tensor of amax's shape and device, never by a Python float:
+    CUDA divides a tensor by a host scalar as a multiplication by its fp32 reciprocal
+    (BinaryDivTrueKernel.cu, "may lose one bit of precision"; 1 / 448 is inexact), the CPU divides, so
+    the GPU's scales would differ from the CPU's (and from quantization.scales_from_amax) in the last
+    bit."""
     amax = amax.float()
+    f = fmax if isinstance(fmax, torch.Tensor) else torch.full_like(amax, fmax)
     if pow2:
-        f = (fmax if isinstance(fmax, torch.Tensor) else torch.full_like(amax, fmax)).float().view(torch.int32)
+        f = f.float().view(torch.int32)
         a = amax.view(torch.int32)
         up = ((a & 0x7FFFFF) > (f & 0x7FFFFF)).to(torch.int32)
         e = (((a >> 23) & 0xFF) - ((f >> 23) & 0xFF) + margin + up).clamp(min=-126)
         v = ((e + 127) << 23).view(torch.float32)
     else:
-        v = amax * float(2 ** margin) / fmax
+        v = amax * float(2 ** margin) / f
     ok = torch.isfinite(amax)
     return torch.where(ok, torch.where(amax == 0, torch.ones_like(v), v), torch.full_like(v, float("nan")))
 
@@ -260,8 +266,10 @@ class DelayedScales:
                 return
         buf = torch.empty(self._amax.shape, dtype=torch.float32, pin_memory=True)
         buf.copy_(self._amax, non_blocking=True)
+        # the copy runs on the amaxes' device's current stream: the event goes there too, not on the
+        # current device's (a block on another GPU than the current one would read the buffer early)
         landed = torch.cuda.Event()
-        landed.record()
+        landed.record(torch.cuda.current_stream(self._amax.device))
         self._probe = (buf, landed)
 
     def scale(self, name: str) -> torch.Tensor:
