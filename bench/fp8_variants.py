@@ -172,19 +172,22 @@ class CodaFp8:
 
     def weight_quant_ms(self, reps: int = 5, map_kernel: bool = False) -> float:
         """One remake of the block's four FP8 weight copies (what each optimizer step adds), as the
-        block makes them (compiled torch), or with ``map_kernel`` (per tensor only) by the runner's
-        ``quantize_tensor`` map kernel, the alternative docs/RESULTS.md measures against it."""
+        block makes them (compiled torch, the four in one call), or with ``map_kernel`` (per tensor
+        only) by the runner's ``quantize_tensor`` map kernel, the alternative docs/RESULTS.md measures
+        against it."""
         cache = self.block.fp8_weights()
         b = self.block
-        run = self.runner if map_kernel else None
         times = []
         for _ in range(reps + 1):
             cache.clear()
             torch.cuda.synchronize()
             t = time.perf_counter()
-            for w in (b.qkv, b.o, b.down):
-                cache.get(w, runner=run)
-            cache.get(b.gate_up, halves=b.fp8.scaling == "tensor", runner=run)
+            pairs = [(b.qkv, False), (b.o, False), (b.down, False), (b.gate_up, b.fp8.scaling == "tensor")]
+            if map_kernel:
+                for w, halves in pairs:
+                    cache.get(w, halves=halves, runner=self.runner)
+            else:                               # as the blocks make them: together (Fp8Weights.get_all)
+                cache.get_all(pairs)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t) * 1e3)
         return sorted(times[1:])[reps // 2]

@@ -206,3 +206,38 @@ def test_blockwise_blocks_report_their_operands_scales_when_asked():
     tok = torch.randint(0, 512, (1, 128))
     m(tok, tok).backward()
     assert set(m.fp8_stats()) == {0} and m.fp8_stats()[0]["dz"]["nonfinite_runs"] == 0
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_a_blocks_weight_copies_made_together_are_the_copies_made_one_by_one(monkeypatch, recipe):
+    """Fp8Weights.get_all (a block's four weights after an optimizer step: one compiled call on a GPU
+    instead of four) makes bit for bit the copies get makes, remakes only the stale ones, and a
+    PinnedWeights keeps what its forward used."""
+    from coda_cutlass.nn.fp8 import weights as W
+    torch.manual_seed(0)
+    ws = [torch.randn(384, 256, dtype=torch.bfloat16) / 7, torch.randn(256, 256, dtype=torch.bfloat16),
+          torch.randn(512, 256, dtype=torch.bfloat16) * 3]
+    pairs = [(ws[0], False), (ws[1], False), (ws[2], recipe == "tensorwise")]
+    one = W.Fp8Weights(RECIPES[recipe])
+    expected = [one.get(w, halves=h) for w, h in pairs]
+    calls = []
+    batch = W.tensor_copies_all if recipe == "tensorwise" else W.weight_tiles_all
+    name = batch.__name__
+    monkeypatch.setattr(W, name, lambda ws_, *a: calls.append(len(ws_)) or batch(ws_, *a))
+    together = W.Fp8Weights(RECIPES[recipe])
+    got = together.get_all(pairs)
+    assert calls == [3]
+    for e, g in zip(expected, got):
+        for f in ("w", "scale", "wt", "scale_t"):
+            a, b = getattr(e, f), getattr(g, f)
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                                                      b.view(torch.uint8) if b.element_size() == 1 else b), f
+    assert together.get_all(pairs)[1] is got[1] and calls == [3]          # fresh: nothing remade
+    with torch.no_grad():
+        ws[1].mul_(2)                                                      # one weight changed
+    pinned = W.PinnedWeights(together)
+    again = pinned.get_all(pairs)
+    assert again[0] is got[0] and again[1] is not got[1] and calls == [3]  # one stale weight: one by one
+    W.weights_changed()
+    assert pinned.get_all(pairs)[0] is again[0]                            # the forward's copies stay
+    assert together.get_all(pairs)[0] is not got[0] and calls == [3, 3]

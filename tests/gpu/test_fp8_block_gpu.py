@@ -197,3 +197,21 @@ def test_per_tensor_weight_copies_by_the_map_kernel_are_the_torch_copies(halves)
         assert torch.equal(got.scale, want.scale), fmt
         for a, b in ((got.w, want.w), (got.wt, want.wt)):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), fmt
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_a_blocks_weight_copies_compiled_together_are_the_copies_compiled_one_by_one(recipe):
+    """Fp8Weights.get_all: a block's weights in one compiled graph (tensor_copies_all /
+    weight_tiles_all), bit for bit the one-weight graphs' copies, the gate/up halves included."""
+    from coda_cutlass.nn.fp8 import RECIPES as ALL
+    from coda_cutlass.nn.fp8.weights import Fp8Weights
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ws = [torch.nn.Parameter((torch.randn(r, 768, device="cuda", generator=g) * s).to(BF16))
+          for r, s in ((1536, 0.01), (768, 1.0), (2048, 30.0))]
+    pairs = [(ws[0], False), (ws[1], False), (ws[2], recipe == "tensorwise")]
+    single = [Fp8Weights(ALL[recipe]).get(w, halves=h) for w, h in pairs]
+    together = Fp8Weights(ALL[recipe]).get_all(pairs)
+    for a, b in zip(single, together):
+        for f in ("w", "wt"):
+            assert torch.equal(getattr(a, f).view(torch.uint8), getattr(b, f).view(torch.uint8)), f
+        assert torch.equal(a.scale, b.scale) and torch.equal(a.scale_t, b.scale_t)

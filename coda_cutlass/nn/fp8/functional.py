@@ -125,7 +125,7 @@ def block_forward_fp8(step: Any, x: torch.Tensor, h: Fp8Operand, r: torch.Tensor
     the end. ``stats``: a BlockScaleStats that records each quantised operand's scales."""
     d = step.dims
     check_tokens(x.shape[0])
-    wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
+    wqkv, wo, wgu, wd = wq.get_all([(t, False) for t in (w.qkv, w.o, w.gate_up, w.down)])
     group = step.fp8.wgrad_group            # activations' transposed copies: the weight gradients' W
     qkv = _gemm(step, "qkv", h.q, h.s, wqkv.w, wqkv.scale, r=r, pos=step.pos, freq=step.freq)["D"]    # F4
     o, attn_ctx = step.attention.forward(qkv, step.batch, step.seq, d, step.dropout, step.mask)
@@ -160,7 +160,7 @@ def block_backward_fp8(step: Any, saved: tuple, w: Any, wq: Fp8Weights, dx2: tor
     """(dx, its FP8 copies for the previous block, the weight gradients by name)."""
     d, run = step.dims, step.runner
     x, h, r, qkv, oq, x1, h1, r1, z, y, attn_ctx = saved
-    wqkv, wo, wgu, wd = (wq.get(t) for t in (w.qkv, w.o, w.gate_up, w.down))
+    wqkv, wo, wgu, wd = wq.get_all([(t, False) for t in (w.qkv, w.o, w.gate_up, w.down)])
     if dx2q is None:                  # a gradient no coda epilogue quantised (the LM head's, a user's)
         dx2q = quantize_operand(step, "dx2.quant", dx2)
     # ---- MLP: SwiGLU backward in the down-proj dX GEMM, MLP norm backward in the gate/up dX GEMM

@@ -90,13 +90,11 @@ def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Te
 
 
 def weight_copies(step: Any, w: Any, wq: Fp8Weights) -> tuple[Fp8Weight, ...]:
-    """(qkv, o, down, gate/up) FP8 copies, remade by the compiled torch copies. Not by the step's map
-    kernel: on the H200 (8B block) its kernels took 0.66 ms of device time against torch's 1.09, but
-    its eager scale arithmetic and per-call host work made a remake 3.4 ms of wall time against 1.16
-    (host-bound; a 1B model stepped 38% slower), docs/RESULTS.md, twenty-sixth session."""
-    run = None
-    return (wq.get(w.qkv, runner=run), wq.get(w.o, runner=run), wq.get(w.down, runner=run),
-            wq.get(w.gate_up, halves=True, runner=run))
+    """(qkv, o, down, gate/up) FP8 copies, remade together by the compiled torch copies. Not by the
+    step's map kernel: on the H200 (8B block) its kernels took 0.66 ms of device time against torch's
+    1.09, but its eager scale arithmetic and per-call host work made a remake 3.4 ms of wall time
+    against 1.16 (host-bound; a 1B model stepped 38% slower), docs/RESULTS.md, twenty-sixth session."""
+    return tuple(wq.get_all([(w.qkv, False), (w.o, False), (w.down, False), (w.gate_up, True)]))
 
 
 def block_forward(step: Any, x: torch.Tensor, h: TensorOperand, r: torch.Tensor, w: Any, wq: Fp8Weights,

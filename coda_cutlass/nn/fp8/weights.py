@@ -29,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...quantization import quantize_tiles
 from ..precision import no_autocast
-from .copies import tensor_copies, tensor_scale, weight_tiles
+from .copies import tensor_copies, tensor_copies_all, tensor_scale, weight_tiles, weight_tiles_all
 from .kernels import programs
 from .recipe import Fp8Recipe
 
@@ -89,7 +89,7 @@ class Fp8Weights:
     def get(self, w: torch.Tensor, *, halves: bool = False, runner: Any = None) -> Fp8Weight:
         """W's FP8 copies, made again when W may have changed; per tensor by ``runner``'s map kernel
         (``_per_tensor``) when one is given."""
-        stamp = (_generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
+        stamp = _stamp(w)
         key = (id(w), halves)
         hit = self._cache.get(key)
         if hit is not None and hit[0] == stamp:
@@ -104,6 +104,35 @@ class Fp8Weights:
                 entry = Fp8Weight(q, s, q.t().contiguous(), s.t().contiguous())
         self._cache[key] = (stamp, entry)
         return entry
+
+    def get_all(self, ws: list[tuple[torch.Tensor, bool]]) -> list[Fp8Weight]:
+        """(W, halves) pairs' copies, as ``get`` makes them one by one; the stale ones together, in one
+        compiled call on a GPU (a block's four weights after every optimizer step: one host call
+        instead of four). Weights the batched copies do not take (blockwise shapes off the 128 grid,
+        scales not powers of two) go one by one."""
+        stale = [(w, h) for w, h in ws if not self._fresh(w, h)]
+        if len(stale) > 1 and self._batchable([w for w, _ in stale]):
+            with torch.no_grad(), no_autocast(stale[0][0].device):
+                plain = [w.detach() for w, _ in stale]
+                if self.recipe.scaling == "tensor":
+                    made = [Fp8Weight(q, s, qt, s) for q, s, qt in
+                            tensor_copies_all(plain, self.recipe.weight, tuple(h for _, h in stale), self.recipe.pow2)]
+                else:
+                    made = [Fp8Weight(*c) for c in weight_tiles_all(plain, self.recipe.weight)]
+            for (w, h), entry in zip(stale, made):
+                self._cache[(id(w), h)] = (_stamp(w), entry)
+        return [self.get(w, halves=h) for w, h in ws]
+
+    def _fresh(self, w: torch.Tensor, halves: bool) -> bool:
+        hit = self._cache.get((id(w), halves))
+        return hit is not None and hit[0] == _stamp(w)
+
+    def _batchable(self, ws: list[torch.Tensor]) -> bool:
+        if len({w.device for w in ws}) != 1:
+            return False
+        if self.recipe.scaling == "tensor":
+            return True
+        return self.recipe.pow2 and all(w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0 for w in ws)
 
     def clear(self) -> None:
         self._cache.clear()
@@ -124,6 +153,18 @@ class PinnedWeights:
         if hit is None:
             hit = self.used[key] = self.source.get(w, halves=halves, runner=runner)
         return hit
+
+    def get_all(self, ws: list[tuple[torch.Tensor, bool]]) -> list[Fp8Weight]:
+        missing = [(w, h) for w, h in ws if (id(w), h) not in self.used]
+        if missing:
+            for (w, h), entry in zip(missing, self.source.get_all(missing)):
+                self.used[(id(w), h)] = entry
+        return [self.used[(id(w), h)] for w, h in ws]
+
+
+def _stamp(w: torch.Tensor) -> tuple:
+    """What says W may have changed since its copies were made (the module docstring)."""
+    return (_generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
 
 
 def _per_tensor(w: torch.Tensor, recipe: Fp8Recipe, halves: bool, runner: Any) -> Fp8Weight:
