@@ -163,7 +163,9 @@ def main() -> int:
     unknown = [r for r in args.fp8 if r not in RECIPES]
     if unknown:
         ap.error(f"unknown FP8 recipe(s) {unknown}; known: {', '.join(sorted(RECIPES))}")
-    if not args.gpu_tests and not (args.widths and (args.bf16 or args.fp8)):
+    if bool(args.widths) != bool(args.bf16 or args.fp8):
+        ap.error("--widths and --bf16 / --fp8 RECIPE ... go together (the models' kernels at those widths)")
+    if not args.gpu_tests and not args.widths:
         ap.error("nothing to build: give --widths with --bf16 and / or --fp8 RECIPE ..., or --gpu-tests")
     recipes: list[str | None] = ([None] if args.bf16 else []) + list(args.fp8)
     items: list[tuple[Any, dict]] = []

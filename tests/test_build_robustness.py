@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -194,11 +193,14 @@ def under_file_size_limit(code: str, limit: int = 4096) -> subprocess.CompletedP
     """Run ``code`` in a child Python whose RLIMIT_FSIZE stands in for a full disk (Python ignores
     SIGXFSZ: writes fail with EFBIG). A child, because the limit covers every file the process
     writes: in this process it also failed pytest's own output when that is redirected to a log
-    file longer than the limit (CI's), which stopped the whole run."""
-    def limit_files() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          preexec_fn=limit_files, cwd=Path(__file__).resolve().parent, timeout=120)
+    file longer than the limit (CI's), which stopped the whole run. The child imports this
+    checkout's coda_cutlass and sets the limit itself (its output goes to pipes, which it spares)."""
+    root = Path(__file__).resolve().parent.parent
+    head = ("import resource\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", head + code], capture_output=True, text=True, env=env,
+                          cwd=root, timeout=120)
 
 
 def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path):
@@ -225,6 +227,7 @@ def test_export_to_a_full_disk_leaves_no_temp_file(fake_nvcc, tmp_path):
         "from coda_cutlass.cli import main\n"
         f"sys.exit(main(['cache', '--export', {str(out)!r}]))\n")
     assert child.returncode == 2, child.stderr
+    assert "File too large" in child.stderr, child.stderr                 # the disk, not the arguments
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 

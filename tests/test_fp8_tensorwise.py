@@ -270,9 +270,10 @@ def test_per_tensor_weight_copies_without_pow2_run_eagerly_and_are_the_kernels_r
 
 @pytest.mark.parametrize("halves", [False, True])
 def test_weight_copies_by_the_runners_map_kernel_equal_the_torch_copies(halves):
-    """A bf16 weight's per-tensor copies come from the runner's ``quantize_tensor`` map kernel (the
-    gate/up halves through strided views), bit for bit the torch copies; fp32 master weights stay in
-    torch, quantised from fp32."""
+    """Given a runner, a bf16 weight's per-tensor copies come from its ``quantize_tensor`` map kernel
+    (the gate/up halves through strided views; the alternative the block benchmark times, the blocks
+    use the torch copies), bit for bit the torch copies; fp32 master weights stay in torch, quantised
+    from fp32."""
     g = torch.Generator().manual_seed(3)
     w = torch.nn.Parameter((torch.randn(256, 384, generator=g) * 3).to(BF16))
     run = RecordingRunner()

@@ -216,14 +216,25 @@ def test_transformers_activation_checkpointing_switch_checkpoints_the_coda_block
     assert model.is_activation_checkpointing
 
 
-def test_activation_checkpointing_of_fp8_blocks_is_refused_by_name():
+def test_activation_checkpointing_of_fp8_blocks_through_transformers_switch_is_exact():
+    """transformers' switch on a from_hf model with FP8 blocks (refused before) checkpoints them;
+    a training step gives the unwrapped model's loss and gradients bit for bit."""
     dims = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "head_dim": 128, "vocab_size": 256}
+            "head_dim": 128, "vocab_size": 256, "num_hidden_layers": 2}
     hf = hf_model(**dims).to(torch.bfloat16)
-    model = cnn.from_hf(hf, fp8="tensorwise")
-    with pytest.raises(ConfigError, match="activation checkpointing of FP8 blocks"):
-        model.activation_checkpointing_enable()
-    assert not model.is_activation_checkpointing
+    models = [cnn.from_hf(copy.deepcopy(hf), fp8="tensorwise") for _ in range(2)]
+    models[1].gradient_checkpointing_enable()
+    assert models[1].is_activation_checkpointing
+    tokens = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for m in models:
+        out = m(input_ids=tokens, labels=tokens)
+        out.loss.backward()
+        losses.append(out.loss.detach())
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert torch.equal(losses[0], losses[1])
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
 
 
 def test_fused_lm_head_under_torch_compile_gives_the_eager_gradients():
@@ -337,3 +348,25 @@ def test_from_hf_takes_one_fp8_recipe_per_layer():
     assert torch.isfinite(loss)
     with pytest.raises(ConfigError, match="2 layers, 3 recipes"):
         cnn.from_hf(hf, fp8=["tensorwise"] * 3)
+
+
+@pytest.mark.parametrize("how", ["from_hf", "patch_hf"])
+def test_the_fp8_recipe_is_read_and_assigned_on_the_hf_model(how):
+    """model.fp8 = ... on a from_hf / patch_hf model set a plain attribute before, silently changing
+    no block; it is LlamaModel's property now (checked, per layer), with fp8_stats and
+    track_fp8_stats beside it."""
+    dims = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 128, "vocab_size": 256, "num_hidden_layers": 3}
+    hf = hf_model(**dims).to(torch.bfloat16)
+    model = cnn.from_hf(hf, fp8=[None, "tensorwise", None]) if how == "from_hf" else \
+        cnn.patch_hf(hf, fp8=[None, "tensorwise", None])
+    assert [None if r is None else r.name for r in model.fp8] == [None, "tensorwise", None]
+    model.fp8 = "blockwise"
+    assert [b.fp8.name for b in model.coda.blocks] == ["blockwise"] * 3 and model.fp8.name == "blockwise"
+    with pytest.raises(ConfigError, match="one recipe per layer"):
+        model.fp8 = [None, "tensorwise"]
+    assert model.fp8.name == "blockwise"
+    model.track_fp8_stats()
+    tokens = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    assert sorted(model.fp8_stats()) == [0, 1, 2]

@@ -624,6 +624,10 @@ def test_dloss_scaling_is_one_fp32_product_per_element_in_chunks_and_strided(mon
     used before, has none: the H200 raised NotImplementedError in every FP8 model's backward)."""
     from coda_cutlass.nn import model as model_mod
     monkeypatch.setattr(model_mod, "DLOSS_CHUNK", chunk)
+
+    def no_bf16_kernel_on_cuda(*args, **kwargs):
+        raise NotImplementedError("_amp_foreach_non_finite_check_and_unscale_cuda not implemented for 'BFloat16'")
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", no_bf16_kernel_on_cuda)
     torch.manual_seed(2)
     dloss = torch.tensor(1 / 3, dtype=torch.bfloat16)      # as given: 0.333984, the product in fp32
     grads = [torch.randn(5, 9, dtype=torch.bfloat16), torch.randn(9, 5, dtype=torch.bfloat16).t(),

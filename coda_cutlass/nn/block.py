@@ -318,12 +318,12 @@ class LlamaBlock(nn.Module):
         (layers of one model may differ in all three). The stash of gradients' FP8 copies stays the
         step's (one dict, shared)."""
         freq = self.column_freq(step.length or step.seq)
-        if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout() \
-                and step.mlp is self.mlp and step.fp8 is self.fp8:
-            return step
         runner = step.runner
-        if isinstance(runner, KernelRunner) and step.fp8 is not self.fp8:
-            runner = runner.bound(self.context(), step.batch * step.seq)   # this recipe's plan (FP8 sites)
+        if isinstance(runner, KernelRunner):     # this block's context's plan (another FP8 recipe: its own)
+            runner = runner.bound(self.context(), step.batch * step.seq)
+        if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout() \
+                and step.mlp is self.mlp and step.fp8 is self.fp8 and runner is step.runner:
+            return step
         return dataclasses.replace(step, attention=self.attention, freq=freq, dropout=self._dropout(), mlp=self.mlp,
                                    fp8=self.fp8, runner=runner)
 
@@ -351,7 +351,12 @@ class LlamaBlock(nn.Module):
         (nn.fp8.support.hands_fp8), else in bf16."""
         check_stack_call(self, step, r)
         if self.fp8 is not None:             # nn.fp8: h is the FP8 operand of the QKV GEMM
-            return fp8_support.run(self, step, x, h, r, g_next, next_fp8)
+            def run_fp8(step: Step, x: torch.Tensor, h: Any, r: torch.Tensor, g_next: torch.Tensor | None,
+                        train: bool = False) -> Any:
+                return fp8_support.run(self, step, x, h, r, g_next, next_fp8)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                return recompute_in_backward(run_fp8, step, x, h, r, g_next)
+            return run_fp8(step, x, h, r, g_next)
         if self.activation_checkpointing and torch.is_grad_enabled():
             return recompute_in_backward(self._run, step, x, h, r, g_next)
         return self._run(step, x, h, r, g_next)

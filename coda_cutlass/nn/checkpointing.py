@@ -33,7 +33,8 @@ def recompute_in_backward(run: Callable[..., Any], step: Any, x: torch.Tensor, h
     # h, r and the next norm's gain get no gradient through the block (its Function returns none,
     # and detaches g_next): as inputs of the checkpoint they must not require one either, or the
     # next block's gain (a Parameter) would see a second, empty gradient (DDP refuses that)
-    h, r = h.detach(), r.detach()
+    h = h.detach() if isinstance(h, torch.Tensor) else h      # an FP8 block's h: its FP8 operand
+    r = r.detach()
     g_next = None if g_next is None else g_next.detach()
     return checkpoint(_pass, run, step, x, h, r, g_next, use_reentrant=True, preserve_rng_state=True)
 
@@ -42,6 +43,13 @@ def _pass(run: Callable[..., Any], step: Any, x: torch.Tensor, h: torch.Tensor, 
           g_next: torch.Tensor | None) -> Any:
     # without autograd (the first pass) the training kernels run and nothing is kept; with it (the
     # recompute) the block's Function runs
+    if torch.is_grad_enabled() and x.is_leaf and x.requires_grad and getattr(step, "stash", None) is not None:
+        # an FP8 block's backward leaves its input gradient's FP8 copy in the step's stash for the
+        # previous block, keyed by that tensor; the checkpoint hands on a copy of it (x.grad,
+        # accumulated under grad mode), which the entry follows (else the previous block would
+        # quantise the gradient again, on its own scale)
+        from .fp8.autograd import stash_follow
+        x.register_post_accumulate_grad_hook(lambda leaf: stash_follow(step, leaf.grad))
     return run(step, x, h, r, g_next, train=True)
 
 

@@ -260,10 +260,10 @@ class LlamaModel(nn.Module):
         autograd (inference, evaluation). Options go to coda_cutlass.nn.tuning.tune_in_sequence."""
         contexts = list(dict.fromkeys(b.context() for b in self.blocks))
         if len(contexts) > 1:       # one sequence, one plan per site name: its sites would be mixed up
-            raise ConfigError(f"tune: the model's blocks mix FP8 recipes ({', '.join(contexts)}); tuning times "
-                              "one plan per site for one recipe. Tune a model of each recipe at these widths (each "
-                              "plan is stored under its context); a mixed model then runs each block with its "
-                              "recipe's stored plan")
+            raise ConfigError(f"tune: the model's blocks are of different kinds (FP8 recipes or block variants: "
+                              f"{', '.join(contexts)}); tuning times one plan per site name for one kind. Tune a "
+                              "model of each kind at these widths (each plan is stored under its context); a mixed "
+                              "model then runs each block with its own kind's stored plan")
         if targets is None:
             targets = torch.randint(0, self.embed.shape[0], tokens.shape, device=tokens.device)
         first = self.blocks[0]

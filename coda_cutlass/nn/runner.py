@@ -169,14 +169,10 @@ class KernelRunner(Runner):
     def bound(self, context: str, M: int) -> "KernelRunner":
         """This runner with the plan of another model context and M (a block of another FP8 recipe
         in a model that mixes them: its sites have their own stored plans): itself when already
-        prepared for it, else a view that shares its kernels and caches and has its own plan."""
+        prepared for it, else a view (``PlanView``) that reads everything but its plan from this one."""
         if self._prepared == (context, m_bucket(M)):
             return self
-        view = object.__new__(type(self))
-        view.__dict__.update(self.__dict__)        # the same cache dicts: kernels are built once
-        view._prepared = None
-        view.prepare(context, M)
-        return view
+        return PlanView(self, context, M)
 
     def adopt(self, context: str, M: int, key: str, plan: dict[str, Choice]) -> None:
         """Use ``plan`` (just tuned and stored under ``key``) for this model context and M bucket from
@@ -230,6 +226,30 @@ class KernelRunner(Runner):
             k = self._maps[key] = compile_map(program, self.dtype, partial_reductions=partial,
                                               cache_dir=self.cache_dir, verbose=self.verbose)
         return self.timed(site, lambda: k(X, out=out, **operands))
+
+
+class PlanView(KernelRunner):
+    """A KernelRunner seen with another context's plan: its own ``plan`` (and ``plan_source``); every
+    other attribute (kernels, caches, stored plans, the recorder, the dtype) is the base runner's,
+    read when used, so a recorder set on the base later, or kernels it builds, are the view's too."""
+
+    def __init__(self, base: KernelRunner, context: str, M: int):     # no KernelRunner.__init__: the base's state
+        self.__dict__["_base"] = base
+        self.plan, self.plan_source, self._prepared = {}, None, None
+        self.prepare(context, M)
+
+    def __getattr__(self, name: str) -> Any:           # what the view does not hold itself
+        base = self.__dict__.get("_base")
+        if base is None:                                # mid-unpickling: nothing to read yet
+            raise AttributeError(name)
+        return getattr(base, name)
+
+    @property
+    def recorder(self) -> Recorder | None:            # type: ignore[override]
+        return self._base.recorder
+
+    def bound(self, context: str, M: int) -> KernelRunner:
+        return self if self._prepared == (context, m_bucket(M)) else self._base.bound(context, M)
 
 
 def default_runner(device: torch.device, dtype: torch.dtype) -> Runner:

@@ -36,6 +36,18 @@ def stash_put(step: Any, t: torch.Tensor, q: Any) -> None:
     step.stash[id(t)] = (_stamp(t), q)
 
 
+def stash_follow(step: Any, t: torch.Tensor) -> None:
+    """The stash's entry now belongs to ``t``, a copy of the gradient it was put for (the same shape,
+    strides, dtype and device): a checkpointed block's input gradient, which the reentrant
+    checkpoint accumulates into its input's ``.grad`` under grad mode, and so copies
+    (nn.checkpointing); called right after that accumulation, before any other block's backward."""
+    if len(step.stash) == 1:
+        (stamp, q), = step.stash.values()
+        if stamp[1:] == _stamp(t)[1:]:
+            step.stash.clear()
+            step.stash[id(t)] = (_stamp(t), q)
+
+
 def stash_take(step: Any, t: torch.Tensor) -> Any:
     hit = step.stash.pop(id(t), None)
     return hit[1] if hit is not None and hit[0] == _stamp(t) else None

@@ -87,7 +87,7 @@ def _tensor_map_sites(P: TensorwisePrograms) -> dict[str, tuple[Any, bool]]:
         "norm0": (E.norm_stats, True),                      # the first block quantises its h itself ("h.quant")
         "o.quant": (P.quantize_activation, False),          # o, and h entering the first block ("h.quant")
         "dx2.quant": (P.quantize_gradient, False),          # a gradient no coda epilogue quantised
-        "weight.quant": (P.quantize_weight, False),         # the weights' copies, once per optimizer step
+        "weight.quant": (P.quantize_weight, True),          # the map-kernel weight copies (weights._per_tensor; the blocks use torch)
         "rope.dgrad": (P.rope_backward_t, True),
     }
 

@@ -104,8 +104,6 @@ def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next:
     inference) runs on the current scales and records nothing, as does an empty batch; only training
     forwards move the delayed scales on. Autocast is off inside (the kernels' fp32 finishing steps
     and the weights' copies run as written)."""
-    if block.activation_checkpointing:
-        raise ConfigError("activation checkpointing of FP8 blocks is not implemented yet")
     check_compute_dtype(block.fp8, x.dtype)
     check_tokens(x.shape[0])
     step = block.local_step(step)       # this block's recipe (a model's blocks may mix them)

@@ -87,8 +87,9 @@ class Fp8Weights:
         _watch_optimizer_steps()
 
     def get(self, w: torch.Tensor, *, halves: bool = False, runner: Any = None) -> Fp8Weight:
-        """W's FP8 copies, made again when W may have changed; per tensor by ``runner``'s map kernel
-        (``_per_tensor``) when one is given."""
+        """W's FP8 copies, made again when W may have changed (compiled torch; the blocks take a
+        block's four together, ``get_all``); per tensor by ``runner``'s map kernel (``_per_tensor``)
+        when one is given."""
         stamp = _stamp(w)
         key = (id(w), halves)
         hit = self._cache.get(key)

@@ -288,6 +288,25 @@ class CodaCausalLM:
         """Tune the kernels inside the training step on these tokens (LlamaModel.tune)."""
         return self.coda.tune(tokens, **options)
 
+    # ------------------------------------------------------------------ FP8 (LlamaModel's)
+    @property
+    def fp8(self) -> Any:
+        """The blocks' FP8 recipe(s), read and assigned as LlamaModel.fp8 (an assignment here set a plain
+        attribute before and changed no block)."""
+        return self.coda.fp8
+
+    @fp8.setter
+    def fp8(self, value: Any) -> None:
+        self.coda.fp8 = value
+
+    def fp8_stats(self) -> dict[int, dict[str, Any]]:
+        """LlamaModel.fp8_stats: per FP8 block, its scale statistics (host values: for logging)."""
+        return self.coda.fp8_stats()
+
+    def track_fp8_stats(self, on: bool = True) -> None:
+        """LlamaModel.track_fp8_stats."""
+        self.coda.track_fp8_stats(on)
+
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """As transformers counts them; the embedding is a Parameter here (no nn.Embedding to find)."""
         skip = {id(self.coda.embed)} if exclude_embeddings else set()
@@ -307,10 +326,6 @@ class CodaCausalLM:
         if every_n_layers < 1:
             raise ValueError(f"every_n_layers must be at least 1, got {every_n_layers}")
         blocks = self.coda.blocks
-        fp8 = [i for i, b in enumerate(blocks) if b.fp8 is not None]
-        if fp8:
-            raise ConfigError(f"activation checkpointing of FP8 blocks is not implemented yet (blocks {fp8} run in "
-                              "FP8)")
         for i, b in enumerate(blocks):
             b.activation_checkpointing = i % every_n_layers == 0
 
