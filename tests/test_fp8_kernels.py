@@ -82,7 +82,9 @@ def test_every_listed_fp8_kernel_has_a_configuration_that_plans(name):
         o = gemm_options(BF16, "nk", (opts["dtype"], opts["scaling"], opts["fast_accum"]))
         graph = lower_program(program, o).graph
         plan(graph, default_config(graph), "nk")          # raises if nothing fits
-    assert len(map_items(recipe)) == len({program for program, _ in map_sites(recipe).values()})
+    # one kernel per program and partials flag (o.quant and weight.quant share quantize_tensor, not its flag)
+    items = {(program, opts["partial_reductions"]) for program, opts in map_items(recipe)}
+    assert len(items) == len(map_items(recipe)) and items == set(map_sites(recipe).values())
 
 
 def test_the_weight_copies_are_bit_for_bit_the_tile_quantisation():

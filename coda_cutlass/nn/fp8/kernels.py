@@ -121,5 +121,5 @@ def prebuild_items(recipe: Fp8Recipe) -> list[tuple[Any, dict]]:
 
 def map_items(recipe: Fp8Recipe, dtype: torch.dtype = torch.bfloat16) -> list[tuple[Any, dict]]:
     """(program, options) of every distinct map kernel of ``recipe``, for ``cc.compile_map``."""
-    sites = map_sites(recipe).values()      # one kernel per program (several sites share one)
-    return [(p, {"dtype": dtype, "partial_reductions": partial}) for p, partial in dict(sites).items()]
+    sites = map_sites(recipe).values()      # one kernel per program and partials flag (sites share them)
+    return [(p, {"dtype": dtype, "partial_reductions": partial}) for p, partial in dict.fromkeys(sites)]
