@@ -315,7 +315,8 @@ def test_tuning_a_model_that_mixes_recipes_is_refused_with_what_to_do():
 # ---------------------------------------------------------------- activation checkpointing in a model
 
 @pytest.mark.parametrize("mix", [["tensorwise", "tensorwise"], ["blockwise", "blockwise_g16"],
-                                 [None, "tensorwise", None]], ids=lambda m: "-".join(str(r) for r in m))
+                                 [None, "tensorwise", None], ["tensorwise", None, "tensorwise"]],
+                         ids=lambda m: "-".join(str(r) for r in m))
 def test_checkpointed_fp8_blocks_in_a_model_train_as_unwrapped_ones(mix):
     """checkpoint_blocks / transformers' gradient-checkpointing switch on a model with FP8 blocks
     (refused before: "not implemented yet"): each block keeps its inputs (for an FP8 block its h as

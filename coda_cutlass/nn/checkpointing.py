@@ -48,8 +48,10 @@ def _pass(run: Callable[..., Any], step: Any, x: torch.Tensor, h: torch.Tensor, 
         # previous block, keyed by that tensor; the checkpoint hands on a copy of it (x.grad,
         # accumulated under grad mode), which the entry follows (else the previous block would
         # quantise the gradient again, on its own scale)
-        from .fp8.autograd import stash_follow
-        x.register_post_accumulate_grad_hook(lambda leaf: stash_follow(step, leaf.grad))
+        from .fp8.autograd import gradient_stamp, stash_follow
+        arrived: dict[str, tuple] = {}
+        x.register_hook(lambda g: arrived.__setitem__("stamp", gradient_stamp(g)))    # before accumulation
+        x.register_post_accumulate_grad_hook(lambda leaf: stash_follow(step, arrived.get("stamp"), leaf.grad))
     return run(step, x, h, r, g_next, train=True)
 
 

@@ -36,16 +36,21 @@ def stash_put(step: Any, t: torch.Tensor, q: Any) -> None:
     step.stash[id(t)] = (_stamp(t), q)
 
 
-def stash_follow(step: Any, t: torch.Tensor) -> None:
-    """The stash's entry now belongs to ``t``, a copy of the gradient it was put for (the same shape,
-    strides, dtype and device): a checkpointed block's input gradient, which the reentrant
-    checkpoint accumulates into its input's ``.grad`` under grad mode, and so copies
-    (nn.checkpointing); called right after that accumulation, before any other block's backward."""
-    if len(step.stash) == 1:
+def stash_follow(step: Any, put_for: tuple | None, t: torch.Tensor) -> None:
+    """The stash's entry, if it was put for the gradient stamped ``put_for``, now belongs to ``t``, a
+    copy of that gradient: a checkpointed FP8 block's input gradient, which the reentrant checkpoint
+    accumulates into its input's ``.grad`` under grad mode, and so copies (nn.checkpointing). An
+    entry put for another tensor (a later block's, passed over by a bf16 block) is left alone."""
+    if put_for is not None and len(step.stash) == 1:
         (stamp, q), = step.stash.values()
-        if stamp[1:] == _stamp(t)[1:]:
+        if stamp == put_for and stamp[1:] == _stamp(t)[1:]:
             step.stash.clear()
             step.stash[id(t)] = (_stamp(t), q)
+
+
+def gradient_stamp(t: torch.Tensor) -> tuple:
+    """What the stash keys an entry's gradient by (stash_follow)."""
+    return _stamp(t)
 
 
 def stash_take(step: Any, t: torch.Tensor) -> Any:
