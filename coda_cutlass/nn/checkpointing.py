@@ -22,6 +22,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .fp8.autograd import gradient_stamp, stash_follow
+
 
 def recompute_in_backward(run: Callable[..., Any], step: Any, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
                           g_next: torch.Tensor | None) -> Any:
@@ -48,7 +50,6 @@ def _pass(run: Callable[..., Any], step: Any, x: torch.Tensor, h: torch.Tensor, 
         # previous block, keyed by that tensor; the checkpoint hands on a copy of it (x.grad,
         # accumulated under grad mode), which the entry follows (else the previous block would
         # quantise the gradient again, on its own scale)
-        from .fp8.autograd import gradient_stamp, stash_follow
         arrived: dict[str, tuple] = {}
         x.register_hook(lambda g: arrived.__setitem__("stamp", gradient_stamp(g)))    # before accumulation
         x.register_post_accumulate_grad_hook(lambda leaf: stash_follow(step, arrived.get("stamp"), leaf.grad))
