@@ -116,7 +116,8 @@ _FSDP_SCRIPT = textwrap.dedent("""
         m = LlamaModel(256, 128, 2, 1, 1, 128, head_dim=128, fp8=sys.argv[1], dtype=torch.float32,
                        compute_dtype=torch.bfloat16)
         if sharded:
-            shard_model(m, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+            shard_model(m, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32),
+                        activation_checkpointing=sys.argv[2] == "checkpointed")
         opt = torch.optim.AdamW(m.parameters(), lr=3e-2)
         losses = []
         for t in batches:
@@ -127,16 +128,18 @@ _FSDP_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_fsdp2_regathered_weights_are_quantised_again_after_each_optimizer_step():
+@pytest.mark.parametrize("how", ["plain", "checkpointed"])
+def test_fsdp2_regathered_weights_are_quantised_again_after_each_optimizer_step(how):
     """FSDP2 gathers the unsharded parameters again into storage that may sit at the same address,
-    keeping their version counters: the sharded model (world size 1) computes what the plain one does."""
+    keeping their version counters: the sharded model (world size 1) computes what the plain one does,
+    also with activation checkpointing of its FP8 blocks (recomputed after FSDP's re-gather)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT, "tensorwise"], env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT, "tensorwise", how], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["True"] == out["False"], out
