@@ -314,12 +314,13 @@ class LlamaBlock(nn.Module):
         return self.attention_dropout if self.training else 0.0
 
     def local_step(self, step: Step) -> Step:
-        """A stack's step with this block's own attention settings, RoPE frequencies and FP8 recipe
-        (layers of one model may differ in all three). The stash of gradients' FP8 copies stays the
-        step's (one dict, shared)."""
+        """A stack's step with this block's own attention settings, RoPE frequencies, FP8 recipe and,
+        on a GPU, its context's kernel plan (layers of one model may differ in all of them: a
+        ``PlanView`` of the model's runner). The stash of gradients' FP8 copies stays the step's (one
+        dict, shared)."""
         freq = self.column_freq(step.length or step.seq)
         runner = step.runner
-        if isinstance(runner, KernelRunner):     # this block's context's plan (another FP8 recipe: its own)
+        if isinstance(runner, KernelRunner):     # itself where this block's context is the runner's
             runner = runner.bound(self.context(), step.batch * step.seq)
         if step.attention is self.attention and step.freq is freq and step.dropout == self._dropout() \
                 and step.mlp is self.mlp and step.fp8 is self.fp8 and runner is step.runner:
