@@ -24,7 +24,8 @@ INPUT_NAMES = ("input x", "input rstd", "weight qkv", "weight o", "weight gate_u
                "attention norm gain", "MLP norm gain")
 
 
-def _stamp(t: torch.Tensor) -> tuple:
+def gradient_stamp(t: torch.Tensor) -> tuple:
+    """What the stash keys an entry's gradient by (its storage, shape, strides, dtype, device)."""
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
@@ -33,7 +34,7 @@ def stash_put(step: Any, t: torch.Tensor, q: Any) -> None:
     # stash holds one entry: clearing it drops the first block's, which nothing takes (a step reused
     # across iterations, as a benchmark does, would otherwise keep every iteration's copies).
     step.stash.clear()
-    step.stash[id(t)] = (_stamp(t), q)
+    step.stash[id(t)] = (gradient_stamp(t), q)
 
 
 def stash_follow(step: Any, put_for: tuple | None, t: torch.Tensor) -> None:
@@ -43,19 +44,14 @@ def stash_follow(step: Any, put_for: tuple | None, t: torch.Tensor) -> None:
     entry put for another tensor (a later block's, passed over by a bf16 block) is left alone."""
     if put_for is not None and len(step.stash) == 1:
         (stamp, q), = step.stash.values()
-        if stamp == put_for and stamp[1:] == _stamp(t)[1:]:
+        if stamp == put_for and stamp[1:] == gradient_stamp(t)[1:]:
             step.stash.clear()
-            step.stash[id(t)] = (_stamp(t), q)
-
-
-def gradient_stamp(t: torch.Tensor) -> tuple:
-    """What the stash keys an entry's gradient by (stash_follow)."""
-    return _stamp(t)
+            step.stash[id(t)] = (gradient_stamp(t), q)
 
 
 def stash_take(step: Any, t: torch.Tensor) -> Any:
     hit = step.stash.pop(id(t), None)
-    return hit[1] if hit is not None and hit[0] == _stamp(t) else None
+    return hit[1] if hit is not None and hit[0] == gradient_stamp(t) else None
 
 
 def _versions(tensors: tuple) -> tuple[int, ...]:

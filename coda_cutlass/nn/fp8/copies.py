@@ -53,8 +53,12 @@ def _on_device(fn: Callable[..., Any], t: torch.Tensor, dtype: torch.dtype, pow2
     return on_device(fn, t, dtype, f"FP8 copies: {fn.__name__.lstrip('_')} ({dtype})")
 
 
+def _tensor_scale(w: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    return tensor_scales(w.abs().amax().float(), float(FP8_MAX[as_dtype(dtype)]), 0, pow2)
+
+
 def _tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool) -> tuple[torch.Tensor, ...]:
-    scale = tensor_scales(w.abs().amax().float(), float(FP8_MAX[as_dtype(dtype)]), 0, pow2)
+    scale = _tensor_scale(w, dtype, pow2)
     q = round_to(w.float() * (1.0 / scale), as_dtype(dtype))
     src = torch.cat([q[0::2], q[1::2]]) if halves else q
     return q, scale, src.t().contiguous()
@@ -64,10 +68,6 @@ def tensor_copies(w: torch.Tensor, dtype: torch.dtype, halves: bool, pow2: bool)
     """A weight W (R, C) with one scale: (codes, the 0-dim scale, W^T's codes); ``halves``: W^T's
     columns are W's even rows, then its odd rows (nn/fp8/weights.py). Compiled on a GPU."""
     return _on_device(_tensor_copies, w, dtype, pow2)(w.contiguous(), dtype, halves, pow2)
-
-
-def _tensor_scale(w: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
-    return tensor_scales(w.abs().amax().float(), float(FP8_MAX[as_dtype(dtype)]), 0, pow2)
 
 
 def tensor_scale(w: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:

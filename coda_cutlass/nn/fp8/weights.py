@@ -90,11 +90,9 @@ class Fp8Weights:
         """W's FP8 copies, made again when W may have changed (compiled torch; the blocks take a
         block's four together, ``get_all``); per tensor by ``runner``'s map kernel (``_per_tensor``)
         when one is given."""
-        stamp = _stamp(w)
-        key = (id(w), halves)
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] == stamp:
-            return hit[1]
+        hit = self._cached(w, halves)
+        if hit is not None:
+            return hit
         with torch.no_grad(), no_autocast(w.device):
             if self.recipe.scaling == "tensor":
                 entry = _per_tensor(w.detach(), self.recipe, halves, runner)
@@ -103,7 +101,7 @@ class Fp8Weights:
             else:
                 q, s = quantize_tiles(w.detach(), self.recipe.weight, 128, self.recipe.pow2)
                 entry = Fp8Weight(q, s, q.t().contiguous(), s.t().contiguous())
-        self._cache[key] = (stamp, entry)
+        self._cache[(id(w), halves)] = (_stamp(w), entry)
         return entry
 
     def get_all(self, ws: list[tuple[torch.Tensor, bool]]) -> list[Fp8Weight]:
@@ -111,7 +109,7 @@ class Fp8Weights:
         compiled call on a GPU (a block's four weights after every optimizer step: one host call
         instead of four). Weights the batched copies do not take (blockwise shapes off the 128 grid,
         scales not powers of two) go one by one."""
-        stale = [(w, h) for w, h in ws if not self._fresh(w, h)]
+        stale = [(w, h) for w, h in ws if self._cached(w, h) is None]
         if len(stale) > 1 and self._batchable([w for w, _ in stale]):
             with torch.no_grad(), no_autocast(stale[0][0].device):
                 plain = [w.detach() for w, _ in stale]
@@ -124,9 +122,10 @@ class Fp8Weights:
                 self._cache[(id(w), h)] = (_stamp(w), entry)
         return [self.get(w, halves=h) for w, h in ws]
 
-    def _fresh(self, w: torch.Tensor, halves: bool) -> bool:
+    def _cached(self, w: torch.Tensor, halves: bool) -> Fp8Weight | None:
+        """W's copies if made since W last (possibly) changed."""
         hit = self._cache.get((id(w), halves))
-        return hit is not None and hit[0] == _stamp(w)
+        return hit[1] if hit is not None and hit[0] == _stamp(w) else None
 
     def _batchable(self, ws: list[torch.Tensor]) -> bool:
         if len({w.device for w in ws}) != 1:
