@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -38,6 +41,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None, help="a JSON file for the figures")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N",
+                    help="also the N Python functions with the most host time per step (cProfile)")
     args = ap.parse_args()
     args.compile_mode, args.ce_chunk_mib = None, None
     names = [n for n in args.variants.split(",") if n]
@@ -80,8 +85,27 @@ def main() -> None:
               f"launches; weight copies {copies_cpu:.1f} ms host / {copies_gpu:.1f} ms kernels", flush=True)
         for k, c in counts.most_common(15):
             print(f"    {c / args.steps:6.0f}  {k}")
+        if args.host_profile:
+            out[name]["host_profile"] = host_profile(v, tokens, args.steps, args.host_profile, sync)
+            print(out[name]["host_profile"], flush=True)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
+
+
+def host_profile(v, tokens: torch.Tensor, steps: int, top: int, sync) -> str:
+    """cProfile's table of the functions with the most host time of their own (tottime), then
+    those with the most in total (cumtime), over ``steps`` steps."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        v.step(tokens)
+    sync()
+    prof.disable()
+    text = io.StringIO()
+    st = pstats.Stats(prof, stream=text)
+    st.sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
 
 
 if __name__ == "__main__":
