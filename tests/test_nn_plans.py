@@ -144,3 +144,43 @@ def test_plan_prebuild_lists_every_launch_with_the_shipped_plans_configuration()
         assert got and all(o["dtype"] == rec.dtype for _, o in got)
         assert any(k[0].endswith(".infer") for k in rec.gemms)      # the forward without autograd too
         assert all(dtype == rec.dtype for _, _, dtype in rec.maps)
+
+
+def test_a_gpu_without_plans_takes_those_tuned_on_another_gpu_of_its_architecture(tmp_path, monkeypatch, capsys):
+    """An H100 has no shipped plans: it takes the H200's (same sm90) for the same widths and dtype,
+    its exact M bucket before the nearest, its own GPU's plans (any bucket) before another's, the same
+    CUDA before another; never another architecture's, another dtype's or another model's; and the
+    runner says once which GPU's plan it uses."""
+    from coda_cutlass.nn import runner as runner_mod
+    h100, h200 = "NVIDIA H100 80GB HBM3|sm90|cuda13.0", "NVIDIA H200|sm90|cuda13.0"
+    a, b, c, d = (Choice(KernelConfig(tile_n=n), "m", s) for n, s in ((128, 1), (256, 2), (64, 4), (128, 8)))
+
+    def rec(choice):
+        return {"sites": {"o": choice.to_json()}}
+    shipped = {plan_key("llama:w", torch.bfloat16, 8192, h200): rec(a),
+               plan_key("llama:w", torch.bfloat16, 16384, h200): rec(b),
+               plan_key("llama:w", torch.bfloat16, 8192, "NVIDIA H200|sm90|cuda12.8"): rec(d),
+               plan_key("llama:w", torch.bfloat16, 8192, "NVIDIA B200|sm100|cuda13.0"): rec(c),
+               plan_key("llama:x", torch.bfloat16, 8192, "NVIDIA B200|sm100|cuda13.0"): rec(c)}
+    monkeypatch.setattr(plan_store, "shipped_plans", lambda: shipped)
+
+    def found(context, M, device=h100, dtype=torch.bfloat16, **kw):
+        f = find_plan(context, dtype, M, tmp_path, device=device, **kw)
+        return None if f is None else (plan_store.tuned_on(f[0]), f[1]["o"])
+    assert found("llama:w", 8192) == (h200, a)                 # the same CUDA's H200 plan, exact bucket
+    assert found("llama:w", 16384) == (h200, b)
+    assert found("llama:w", 4096) == (h200, a)                 # nearest bucket
+    assert found("llama:w", 8192, device="NVIDIA H100 80GB HBM3|sm90|cuda12.8") == ("NVIDIA H200|sm90|cuda12.8", d)
+    assert found("llama:w", 8192, nearest=False) is None       # exact key only
+    assert found("llama:x", 8192) is None                      # only another architecture's
+    assert found("llama:w", 8192, dtype=torch.float16) is None
+    assert found("llama:w", 8192, device="gpu-x") is None      # a tag of unknown architecture: its own plans only
+    store_plan("llama:w", torch.bfloat16, 32768, rec(c), tmp_path, device=h100)
+    assert found("llama:w", 8192) == (h100, c)                 # its own GPU's plan, even of a farther bucket
+    monkeypatch.setattr(runner_mod, "_BORROWED", set())
+    for _ in range(2):
+        r = KernelRunner(torch.bfloat16, cache_dir=tmp_path, verbose=True)
+        r.prepare("llama:w", 16384, device="NVIDIA H100 80GB HBM3|sm90|cuda12.8")
+        assert r.plan["o"] == d and "NVIDIA H200|sm90|cuda12.8" in r.plan_source
+    err = capsys.readouterr().err
+    assert err.count("using the one tuned on NVIDIA H200|sm90|cuda12.8") == 1, err

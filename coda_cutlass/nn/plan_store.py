@@ -88,30 +88,60 @@ def find_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None, d
     shipped plans. With ``nearest``, when neither has this M bucket, the plan of the nearest bucket
     (in powers of two; the larger on a tie) tuned for the same GPU, dtype and model widths: the
     configurations that win in a block's sequence change little between neighbouring M, while the
-    default configuration can be 1.1-1.4x cuBLAS in the sequence at 70B widths."""
+    default configuration can be 1.1-1.4x cuBLAS in the sequence at 70B widths. When this GPU has
+    no plan for the widths at all, the plan tuned on another GPU of the same architecture (its
+    exact M bucket, else the nearest; this CUDA version first): e.g. an H100 takes the shipped H200
+    plans (the same sm90 tiles and SM count; on the H100 the H200 plan's down dX choice ran 1311 us
+    against the default's 1466, docs/RESULTS.md, twenty-seventh session). The returned key names
+    the GPU it was tuned on (``KernelRunner.plan_source``)."""
     key = plan_key(context, dtype, M, device)
     local = TuningStore(cache_dir).load()
     records = {**shipped_plans(), **local}
     plan = _parse(key, records.get(key))
     if plan is not None or not nearest:
         return (key, plan) if plan is not None else None
-    prefix = key[:key.rindex("|M") + 2]
+    gpu, arch, cuda, rest = _split(key)
     want = m_bucket(M).bit_length()
     found = []
     for k, rec in records.items():
-        if not isinstance(k, str) or not k.startswith(prefix) or k == key:
+        if not isinstance(k, str) or k == key or not k.startswith("inseq|"):
             continue
-        if not _BUCKET.fullmatch(k[len(prefix):]):
+        other_gpu, other_arch, other_cuda, other_rest = _split(k)
+        same_gpu = (other_gpu, other_arch, other_cuda) == (gpu, arch, cuda)
+        if not (same_gpu or (arch and other_arch == arch)):     # an unknown architecture matches only itself
+            continue
+        stem, _, bucket_text = other_rest.rpartition("|M")
+        if stem != rest.rpartition("|M")[0]:
+            continue
+        if not _BUCKET.fullmatch(bucket_text):
             warnings.warn(f"coda-cutlass: ignoring the in-sequence plan {_short(k)}: its M bucket is not a "
                           "number of tokens", RuntimeWarning, stacklevel=3)
             continue
         if (other := _parse(k, rec)) is not None:
-            bucket = int(k[len(prefix):])
-            found.append((abs(bucket.bit_length() - want), -bucket, k, other))
+            bucket = int(bucket_text)
+            found.append((not same_gpu, other_cuda != cuda, abs(bucket.bit_length() - want), -bucket, k, other))
     if not found:
         return None
-    _, _, k, other = min(found, key=lambda t: t[:2])
+    *_, k, other = min(found, key=lambda t: t[:5])
     return k, other
+
+
+def _split(key: str) -> tuple[str, str, str, str]:
+    """A plan key's GPU name, architecture ("sm90") and CUDA parts, and the rest (dtype, context, M
+    bucket). A device tag not of ``device_tag``'s form (name|smXY|cudaV) is all name: its
+    architecture is unknown ("")."""
+    body = key.removeprefix("inseq|")
+    parts = body.split("|")
+    if len(parts) >= 6 and parts[1].startswith("sm") and parts[2].startswith("cuda"):
+        return parts[0], parts[1], parts[2], "|".join(parts[3:])
+    device, _, rest = body.partition("|")
+    return device, "", "", rest
+
+
+def tuned_on(key: str) -> str:
+    """The GPU part of a plan key ("NVIDIA H200|sm90|cuda13.0")."""
+    gpu, arch, cuda, _ = _split(key)
+    return "|".join(p for p in (gpu, arch, cuda) if p)
 
 
 def load_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None,

@@ -15,6 +15,7 @@ import torch
 
 from ..api import compile_epilogue
 from ..build.cache import absolute
+from ..build.progress import say
 from ..config import DEFAULT, KernelConfig
 from ..interpret import interpret
 from ..lower.plan import default_config
@@ -23,11 +24,13 @@ from ..pipeline import Options, lower_program, typed_ir
 from ..timing import elapsed_us, medians_us, timed_call
 from ..tuning.store import m_bucket
 from .kernels import PLAN_FALLBACK
-from .plan_store import Choice, find_plan
+from .plan_store import Choice, find_plan, plan_key, tuned_on
 
 # An FP8 GEMM's (operand dtype or (A, W) dtypes, scaling[, fast accumulation]); None: a 16-bit GEMM
 # in the runner's dtype.
 Fp8Options = tuple[Any, str] | tuple[Any, str, bool] | None
+
+_BORROWED: set[tuple[str, str]] = set()    # (this GPU's plan key, the other GPU's) already announced
 
 
 def fp8_parts(fp8: tuple) -> tuple[Any, str, bool]:
@@ -154,13 +157,19 @@ class KernelRunner(Runner):
 
     def prepare(self, context: str, M: int, device: str | None = None) -> None:
         """Use the in-sequence tuned plan stored for this model context and M bucket, or the nearest
-        M bucket's (``plan_store.find_plan``), if there is one (a plan passed to the constructor or
-        tuned in this process takes precedence). ``plan_source`` names the stored plan in use."""
+        M bucket's, or one tuned on another GPU of the same architecture (``plan_store.find_plan``;
+        said once), if there is one (a plan passed to the constructor or tuned in this process takes
+        precedence). ``plan_source`` names the stored plan in use (its key names the GPU)."""
         key = (context, m_bucket(M))
         if key == self._prepared:
             return
         if key not in self._stored:
-            self._stored[key] = find_plan(context, self.dtype, M, self.cache_dir, device)
+            self._stored[key] = found = find_plan(context, self.dtype, M, self.cache_dir, device)
+            own = plan_key(context, self.dtype, M, device)
+            if found is not None and tuned_on(found[0]) != tuned_on(own) and (own, found[0]) not in _BORROWED:
+                _BORROWED.add((own, found[0]))
+                say(f"no in-sequence plan tuned on this GPU ({tuned_on(own)}) for {context}: using the one tuned "
+                    f"on {tuned_on(found[0])} (model.tune() / block.tune() tunes one for this GPU)", self.verbose)
         found = self._stored[key]
         self.plan_source = None if found is None else found[0]
         self.plan = {**(found[1] if found else {}), **self._explicit}
