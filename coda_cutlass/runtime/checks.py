@@ -219,10 +219,14 @@ def check_scalar(name: str, v: Any) -> float:
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range [first, last + 1) a tensor's elements span."""
+    p = t.data_ptr()
     if t.numel() == 0:
-        return (t.data_ptr(), t.data_ptr())
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+        return (p, p)
+    last = 0
+    for size, stride in zip(t.shape, t.stride()):
+        last += (size - 1) * stride
+    return (p, p + (last + 1) * t.element_size())
 
 
 def _column_blocks_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -243,11 +247,10 @@ def _column_blocks_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
 def check_no_overlap(written: dict[str, torch.Tensor], read: dict[str, torch.Tensor]) -> None:
     """An accumulated (read-then-written) tensor must not share memory with any other argument:
     tiles are read and written asynchronously by different CTAs."""
-    items = list(written.items())
-    for i, (wn, wt) in enumerate(items):
-        w0, w1 = _extent(wt)
-        others = [(n, t) for n, t in read.items() if n != wn] + items[i + 1:]
-        for on, ot in others:
-            o0, o1 = _extent(ot)
+    # each tensor's extent once (this runs on every launch with an output given: host time)
+    items = [(n, t, _extent(t)) for n, t in written.items()]
+    reads = [(n, t, _extent(t)) for n, t in read.items()]
+    for i, (wn, wt, (w0, w1)) in enumerate(items):
+        for on, ot, (o0, o1) in [r for r in reads if r[0] != wn] + items[i + 1:]:
             if w0 < o1 and o0 < w1 and not _column_blocks_apart(wt, ot):
                 raise CallError(f"{wn}: is updated in place and overlaps the memory of {on}; pass a separate tensor")
