@@ -165,15 +165,22 @@ class KernelRunner(Runner):
             return
         if key not in self._stored:
             self._stored[key] = found = find_plan(context, self.dtype, M, self.cache_dir, device)
-            own = plan_key(context, self.dtype, M, device)
-            if found is not None and tuned_on(found[0]) != tuned_on(own) and (own, found[0]) not in _BORROWED:
-                _BORROWED.add((own, found[0]))
-                say(f"no in-sequence plan tuned on this GPU ({tuned_on(own)}) for {context}: using the one tuned "
-                    f"on {tuned_on(found[0])} (model.tune() / block.tune() tunes one for this GPU)", self.verbose)
+            if found is not None:
+                self._say_if_borrowed(context, M, device, found[0])
         found = self._stored[key]
         self.plan_source = None if found is None else found[0]
         self.plan = {**(found[1] if found else {}), **self._explicit}
         self._prepared = key
+
+    def _say_if_borrowed(self, context: str, M: int, device: str | None, key: str) -> None:
+        """Say once per plan when it was tuned on another GPU than this one (find_plan's fallback)."""
+        if device is None and not torch.cuda.is_available():
+            return                                  # no GPU to name (a test's stand-in plan)
+        own = plan_key(context, self.dtype, M, device)
+        if tuned_on(key) != tuned_on(own) and (own, key) not in _BORROWED:
+            _BORROWED.add((own, key))
+            say(f"no in-sequence plan tuned on this GPU ({tuned_on(own)}) for {context}: using the one tuned on "
+                f"{tuned_on(key)} (model.tune() / block.tune() tunes one for this GPU)", self.verbose)
 
     def bound(self, context: str, M: int) -> "KernelRunner":
         """This runner with the plan of another model context and M (a block of another FP8 recipe
