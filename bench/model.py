@@ -4,6 +4,7 @@ in one process, at Llama-3.2-1B, Llama-3.2-3B and Llama-3-8B widths.
 
     python bench/model.py --out bench/results_model                 # 1b, 3b (full depth), 8b (4 layers)
     python bench/model.py --out /tmp/smoke --quick                  # tiny widths: every variant runs once
+    python bench/model.py --out DIR --configs 1b --variants coda,coda-compile   # coda under torch.compile too
 
 A step: forward with the loss (labels = the tokens), backward, fused AdamW (bf16 parameters and
 states), zero_grad. Every variant starts from the same weights (transformers' initialisation,
@@ -64,7 +65,10 @@ VARIANTS = ("eager", "compile", "liger", "coda")
 # opt-in (--variants ...,coda-fp8-tensorwise): from_hf(..., fp8=RECIPE); each holds its own weights,
 # gradients, optimizer states and FP8 weight copies, so at 3B widths not every variant fits beside the rest
 FP8_VARIANTS = ("coda-fp8-tensorwise", "coda-fp8-blockwise", "coda-fp8-blockwise_g16")
-ALL_VARIANTS = VARIANTS + FP8_VARIANTS
+# opt-in: the coda model under torch.compile (--compile-mode; "reduce-overhead" adds CUDA graphs):
+# whether compiling the glue between coda's kernels lifts a host-bound step (1B widths, 27th session)
+CODA_COMPILE = "coda-compile"
+ALL_VARIANTS = VARIANTS + FP8_VARIANTS + (CODA_COMPILE,)
 
 
 def fail(msg: str) -> None:
@@ -190,6 +194,11 @@ def build_variants(fields: dict[str, Any], names: list[str], args: argparse.Name
         model = cnn.from_hf(base)
         chunk_lm_head(model, args)
         out["coda"] = Variant("coda", model, model, list(model.parameters()), adamw(list(model.parameters())))
+    if CODA_COMPILE in names:
+        model = cnn.from_hf(base)
+        chunk_lm_head(model, args)
+        out[CODA_COMPILE] = Variant(CODA_COMPILE, model, torch.compile(model, mode=args.compile_mode),
+                                    list(model.parameters()), adamw(list(model.parameters())))
     for name in (n for n in names if n in FP8_VARIANTS):
         model = cnn.from_hf(base, fp8=name.removeprefix("coda-fp8-"))
         chunk_lm_head(model, args)
@@ -207,7 +216,8 @@ def run_config(label: str, fields: dict[str, Any], args: argparse.Namespace, nam
     tokens = torch.randint(0, fields["vocab_size"], (args.batch, args.seq), device="cuda", generator=g)
     first_loss = {}
     for v in variants.values():               # the same weights: no optimizer step has run yet
-        print(f"[{label}] first step of {v.name}{' (compiling)' if v.name == 'compile' else ''}", flush=True)
+        compiling = v.name in ("compile", CODA_COMPILE)
+        print(f"[{label}] first step of {v.name}{' (compiling)' if compiling else ''}", flush=True)
         with v.patch():
             loss = v.call(input_ids=tokens, labels=tokens).loss
         loss.backward()
@@ -251,7 +261,7 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     if "coda" not in v:
         return {}
     return {f"{c}/{n}": v[c]["tokens_per_s"] / v[n]["tokens_per_s"]
-            for c in ("coda", *FP8_VARIANTS) if c in v for n in v if n != c and not n.startswith("coda")}
+            for c in ("coda", CODA_COMPILE, *FP8_VARIANTS) if c in v for n in v if n != c and not n.startswith("coda")}
 
 
 def markdown(results: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
