@@ -44,7 +44,7 @@ def _tensor_gemm_sites(P: TensorwisePrograms) -> dict[str, tuple[Any, tuple[str,
     return {
         "qkv": (E.rope, ("activation", "weight"), "tensor", False),
         "o": (P.residual_norm_stats_t, ("activation", "weight"), "tensor", True),
-        "gate_up": (P.swiglu_t, ("activation", "weight"), "tensor", False),
+        "gate_up": (P.swiglu_t, ("activation", "weight"), "tensor", True),
         "down": (P.residual_norm_stats_t, ("activation", "weight"), "tensor", True),
         "down.to_bf16": (E.residual_norm_stats, ("activation", "weight"), "tensor", True),
         "down.last": (E.residual_add, ("activation", "weight"), "tensor", False),
@@ -85,8 +85,8 @@ G16_MAP_SITES: dict[str, tuple[Any, bool]] = {
 def _tensor_map_sites(P: TensorwisePrograms) -> dict[str, tuple[Any, bool]]:
     return {
         "norm0": (E.norm_stats, True),                      # the first block quantises its h itself ("h.quant")
-        "o.quant": (P.quantize_activation, False),          # o, and h entering the first block ("h.quant")
-        "dx2.quant": (P.quantize_gradient, False),          # a gradient no coda epilogue quantised
+        "o.quant": (P.quantize_activation, True),           # o, and h entering the first block ("h.quant")
+        "dx2.quant": (P.quantize_gradient, True),           # a gradient no coda epilogue quantised
         "weight.quant": (P.quantize_weight, True),          # the map-kernel weight copies (weights._per_tensor; the blocks use torch)
         "rope.dgrad": (P.rope_backward_t, True),
     }

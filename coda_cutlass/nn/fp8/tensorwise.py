@@ -85,7 +85,7 @@ def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Te
     """A tensor no GEMM produced, by a map kernel, with its transposed copy (in its kind's format)."""
     P = programs(step.fp8)
     program = P.quantize_gradient if name in GRADIENTS else P.quantize_activation
-    out, s = sc.quantize(name, lambda s: _with_amax(step.runner.map(site, program, x, s=s)), x.device)
+    out, s = sc.quantize(name, lambda s: _with_amax(step.runner.map(site, program, x, partial=True, s=s)), x.device)
     return TensorOperand(out["q"], s, out["qt"])
 
 
@@ -111,7 +111,7 @@ def block_forward(step: Any, x: torch.Tensor, h: TensorOperand, r: torch.Tensor,
     f1, s1 = quant("h1", lambda s: _with_amax(_fwd(step, "o", P.residual_norm_stats_t, oq, wo, partial=True,
                                                          resid=x, g=w.mlp_norm, s=s)))
     x1, h1, r1 = f1["D"], TensorOperand(f1["h"], s1, f1["ht"]), rstd(f1["sumsq"], d.dim, d.eps)
-    f2, sy = quant("y", lambda s: _with_amax(_fwd(step, "gate_up", P.swiglu_t, h1, wgu, r=r1, s=s)))
+    f2, sy = quant("y", lambda s: _with_amax(_fwd(step, "gate_up", P.swiglu_t, h1, wgu, partial=True, r=r1, s=s)))
     z, y = f2["z"], TensorOperand(f2["y"], sy, f2["yt"])
     if g_next is None:
         x2 = _fwd(step, "down.last", E.residual_add, y, wd, resid=x1)["D"]
