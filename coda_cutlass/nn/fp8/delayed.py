@@ -238,9 +238,9 @@ class DelayedScales:
         if not self._pending:
             return
         idx = sorted(self._pending)
-        # every tensor's amax parts go to the device fold as they are (no index tensor from host
-        # values, whose copy would wait for the stream once per block and step: a 16-layer
-        # "tensorwise" model was host-bound on it; no launch per tensor to finish its amax)
+        # every tensor's amax parts go to the device fold as their maxima, from one launch for all
+        # (no index tensor from host values, whose copy would wait for the stream once per block and
+        # step: a 16-layer "tensorwise" model was host-bound on it; no launch per tensor)
         parts = _maxes([p for i in idx for p in self._pending[i]])
         owners = tuple(i for i in idx for _ in self._pending[i])
         # pow2=False folds eagerly: a compiled division could round differently
