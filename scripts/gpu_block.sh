@@ -13,6 +13,8 @@
 #   probe     bench/probes/epilogue_outputs.py: the FP8 epilogue variants of docs/RESULTS.md (24th session)
 #   stepprofile  bench/probes/model_step_profile.py: 1B whole-model steps, wall against kernel time (26th session)
 #   modelcompile  bench/model.py at 1B widths: coda, coda under torch.compile ($COMPILE_MODE), Liger, HF + compile
+#   attention  bench/probes/attention_layouts.py at 8B and 1B widths: does coda's attention call (views of the QKV
+#              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends
 #   hostprofile  the same for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
 # A 30-minute device session: fp8tests, fp8block, fp8model in three calls (each under 10 minutes).
@@ -66,6 +68,8 @@ for dt in (torch.bfloat16, torch.float16):
     modelcompile) run modelcompile ${MODEL_LIMIT:-560} python3 bench/model.py --configs 1b \
                     --variants liger,compile,coda,coda-compile ${COMPILE_MODE:+--compile-mode $COMPILE_MODE} \
                     --out "$out/modelcompile" ;;
+    attention) run attention ${PROBE_LIMIT:-240} bash -c "python3 bench/probes/attention_layouts.py --width 8b \
+                 --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json" ;;
     hostprofile) run hostprofile ${PROFILE_LIMIT:-300} python3 bench/probes/model_step_profile.py --config 1b \
                    --variants coda,coda-fp8-tensorwise --steps 4 --host-profile 45 --out "$out/hostprofile.json" ;;
     *) echo "unknown stage $s"; exit 2 ;;
