@@ -175,6 +175,37 @@ def test_a_launch_reports_its_amax_as_parts_the_fold_finishes():
     assert math.isnan(st["g"]["amax_history"][0]) and st["g"]["scale"] == 1.0 and not st["g"]["calibrated"]
 
 
+def test_the_fold_takes_every_parts_maximum_from_one_multi_tensor_call(monkeypatch):
+    """begin_step hands the fold each part's maximum from one torch._foreach_max call (one launch on
+    a GPU for a block's partials of every shape: its compiled graph ran ~14 reductions a block and
+    step before), and the histories and scales are those of folding the parts themselves, inf, NaN,
+    zero, strided partials and 0-dim amaxes included."""
+    from coda_cutlass.nn.fp8 import delayed
+
+    def step(sc):
+        cpu = torch.device("cpu")
+        sc.begin_step(cpu)
+        padded = torch.tensor([[1.0, 2.0, 7.0], [0.5, 3.0, 9.0]])[:, :2]          # a partials view
+        sc.quantize("a", lambda s: ({}, (padded, torch.tensor(2.5))), cpu)
+        sc.quantize("g", lambda s: ({}, [torch.tensor([[1.0], [float("inf")]])]), cpu)
+        sc.quantize("b", lambda s: ({}, torch.zeros(3, 2)), cpu)
+        sc.quantize("c", lambda s: ({}, torch.tensor([float("nan"), 1.0])), cpu)
+        sc.begin_step(cpu)
+        return sc._history.clone(), sc._amax.clone(), sc._scales.clone()
+
+    formats = {"a": E4M3, "g": E5M2, "b": E4M3, "c": E4M3}
+    calls = []
+    real = torch._foreach_max
+    monkeypatch.setattr(torch, "_foreach_max", lambda ts: calls.append(len(ts)) or real(ts))
+    got = step(DelayedScales(RECIPES["tensorwise"], formats))
+    assert calls == [5]                                  # every part of the step, in one call
+    monkeypatch.setattr(delayed, "_maxes", lambda parts: parts)
+    want = step(DelayedScales(RECIPES["tensorwise"], formats))
+    for g, w in zip(got, want):
+        assert torch.equal(g.nan_to_num(-1.0), w.nan_to_num(-1.0)) and torch.equal(g.isnan(), w.isnan())
+    assert got[0][0, 0] == 3.0 and got[0][1, 0] == float("inf") and got[0][3, 0].isnan()
+
+
 def test_folding_a_steps_amaxes_makes_no_tensor_from_host_values(monkeypatch):
     """begin_step stacks the step's amaxes on the device: building a tensor from host values there
     (an index tensor) is, on a GPU, a copy that waits for the stream, once per block and step, which
