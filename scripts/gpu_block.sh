@@ -12,7 +12,8 @@
 #   fp8model  bench/model.py's FP8 rows (1B and 8B widths) beside Liger and coda bf16
 #   probe     bench/probes/epilogue_outputs.py: the FP8 epilogue variants of docs/RESULTS.md (24th session)
 #   stepprofile  bench/probes/model_step_profile.py: 1B whole-model steps, wall against kernel time (26th session)
-#   modelcompile  bench/model.py at 1B widths: coda, coda under torch.compile ($COMPILE_MODE), Liger, HF + compile
+#   modelcompile  bench/model.py ($MODEL_CONFIGS, default 1b): coda, coda under torch.compile ($COMPILE_MODE), Liger,
+#                 HF + compile ($MODEL_VARIANTS; at 3B widths four model copies need an H200's memory)
 #   attention  bench/probes/attention_layouts.py at 8B and 1B widths: does coda's attention call (views of the QKV
 #              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends
 #   hostprofile  the same for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
@@ -65,8 +66,8 @@ for dt in (torch.bfloat16, torch.float16):
              "tensor residual_norm_stats_t" "tensor residual_norm_stats_t (column checks)" ;;
     stepprofile) run stepprofile ${PROFILE_LIMIT:-300} python3 bench/probes/model_step_profile.py --config 1b \
                    --out "$out/stepprofile.json" ;;
-    modelcompile) run modelcompile ${MODEL_LIMIT:-560} python3 bench/model.py --configs 1b \
-                    --variants liger,compile,coda,coda-compile ${COMPILE_MODE:+--compile-mode $COMPILE_MODE} \
+    modelcompile) run modelcompile ${MODEL_LIMIT:-560} python3 bench/model.py --configs ${MODEL_CONFIGS:-1b} \
+                    --variants ${MODEL_VARIANTS:-liger,compile,coda,coda-compile} ${COMPILE_MODE:+--compile-mode $COMPILE_MODE} \
                     --out "$out/modelcompile" ;;
     attention) run attention ${PROBE_LIMIT:-240} bash -c "python3 bench/probes/attention_layouts.py --width 8b \
                  --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json" ;;
