@@ -16,9 +16,10 @@
 #                 HF + compile ($MODEL_VARIANTS; at 3B widths four model copies need an H200's memory)
 #   attention  bench/probes/attention_layouts.py at 8B and 1B widths: does coda's attention call (views of the QKV
 #              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends
-#   hostprofile  the same for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
+#   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
-# A 30-minute device session: fp8tests, fp8block, fp8model in three calls (each under 10 minutes).
+# A 30-minute device session (27th session's plan): fp8tests; attention hostprofile modelcompile; fp8block;
+# fp8model: four calls, each under 10 minutes, back to back (a machine left idle 30 s is given back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?OUTDIR}; shift
