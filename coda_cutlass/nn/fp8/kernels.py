@@ -53,7 +53,7 @@ def _tensor_gemm_sites(P: TensorwisePrograms) -> dict[str, tuple[Any, tuple[str,
         "o.dgrad": (E.identity, ("gradient", "weight"), "tensor", False),
         "qkv.dgrad": (P.norm_backward_t, ("gradient", "weight"), "tensor", True),
         "down.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
-        "gate_up.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),    # twice: gate and up rows
+        "gate_up.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
         "o.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
         "qkv.wgrad": (E.identity, ("gradient", "activation"), "tensor", False),
     }

@@ -137,10 +137,12 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
     if not isinstance(dx2q, TensorOperand):      # a gradient no coda epilogue quantised (the LM head's, a user's)
         dx2q = quantize_map(step, sc, "dx2", "dx2.quant", dx2)
     M, f = dx2.shape[0], d.ffn_dim
-    # ---- MLP: dz as its gate and up halves (one M x 2f buffer; W_gu^T's columns in the same order)
+    # ---- MLP: dz as its gate and up halves (one M x 2f buffer; W_gu^T's columns in the same order);
+    # its transposed copy with the gate and up rows interleaved, as W_gu's rows are, so that one
+    # weight-gradient GEMM makes dW_gu in the parameter's order (two half GEMMs before)
     dz8 = torch.empty(M, 2 * f, dtype=step.fp8.gradient, device=dx2.device)
     dzt8 = torch.empty(2 * f, M, dtype=step.fp8.gradient, device=dx2.device)
-    halves = {"dg": dz8[:, :f], "du": dz8[:, f:], "dgt": dzt8[:f], "dut": dzt8[f:]}
+    halves = {"dg": dz8[:, :f], "du": dz8[:, f:], "dgt": dzt8[0::2], "dut": dzt8[1::2]}
 
     def down_dgrad(s: torch.Tensor) -> tuple[dict, tuple[torch.Tensor, ...]]:
         out = _dgrad(step, "down.dgrad", P.swiglu_backward_t, dx2q, wd, partial=True, out=halves, z=z, r=r1, s=s)
@@ -154,10 +156,7 @@ def block_backward(step: Any, saved: tuple, w: Any, wq: Fp8Weights, sc: DelayedS
                                                               partial=True, x=x1, r=r1, c=c1, g=w.mlp_norm,
                                                               dres=dx2, s=s)))
     dx1, dx1q = b6["dx"], TensorOperand(b6["dx8"], sdx1, b6["dx8t"])
-    d_gate_up = torch.empty(2 * f, d.dim, dtype=dx2.dtype, device=dx2.device)   # rows gate, up interleaved
-    for part, rows in (("gate", slice(0, f)), ("up", slice(f, 2 * f))):
-        g_half = TensorOperand(dz8[:, rows], sdz, dzt8[rows])
-        _wgrad(step, "gate_up.wgrad", g_half, h1, out={"D": d_gate_up[0 if part == "gate" else 1::2]})
+    d_gate_up = _wgrad(step, "gate_up.wgrad", dzq, h1)["D"]           # rows gate, up interleaved
     # ---- attention: out-proj dX and dW, attention backward in bf16, the RoPE backward map kernels
     d_attn = _dgrad(step, "o.dgrad", E.identity, dx1q, wo)["D"]
     d_o = _wgrad(step, "o.wgrad", dx1q, oq)["D"]
