@@ -50,7 +50,7 @@ for dt in (torch.bfloat16, torch.float16):
                  --out "$out/pairwise"
                run run 90 python3 bench/run.py --m 8192 --epilogues norm_stats --shapes out-proj gate/up --no-tune \
                  --rounds 3 --out "$out/run" ;;
-    fp8tests) run fp8tests ${TESTS_LIMIT:-560} python3 -m pytest -q -p no:logging tests/gpu/test_fp8_block_gpu.py \
+    fp8tests) run fp8tests ${TESTS_LIMIT:-560} python3 -m pytest -q -p no:logging --durations=15 tests/gpu/test_fp8_block_gpu.py \
                 tests/gpu/test_nn_gpu.py tests/gpu/test_nn_modules_gpu.py tests/gpu/test_hf_gpu.py ;;
     fp8block) run fp8block ${BENCH_LIMIT:-560} python3 bench/block.py --widths 8b --tokens 8192 \
                 --fp8 tensorwise blockwise_g16 --skip coda coda-identity eager liger --no-max-autotune \
