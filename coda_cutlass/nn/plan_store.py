@@ -101,6 +101,7 @@ def find_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None, d
     if plan is not None or not nearest:
         return (key, plan) if plan is not None else None
     gpu, arch, cuda, rest = _split(key)
+    want_stem = rest.rpartition("|M")[0]          # dtype and model context
     want = m_bucket(M).bit_length()
     found = []
     for k, rec in records.items():
@@ -111,7 +112,7 @@ def find_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None, d
         if not (same_gpu or (arch and other_arch == arch)):     # an unknown architecture matches only itself
             continue
         stem, _, bucket_text = other_rest.rpartition("|M")
-        if stem != rest.rpartition("|M")[0]:
+        if stem != want_stem:
             continue
         if not _BUCKET.fullmatch(bucket_text):
             warnings.warn(f"coda-cutlass: ignoring the in-sequence plan {_short(k)}: its M bucket is not a "

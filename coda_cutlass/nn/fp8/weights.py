@@ -109,18 +109,22 @@ class Fp8Weights:
         compiled call on a GPU (a block's four weights after every optimizer step: one host call
         instead of four). Weights the batched copies do not take (blockwise shapes off the 128 grid,
         scales not powers of two) go one by one."""
-        stale = [(w, h) for w, h in ws if self._cached(w, h) is None]
-        if len(stale) > 1 and self._batchable([w for w, _ in stale]):
-            with torch.no_grad(), no_autocast(stale[0][0].device):
-                plain = [w.detach() for w, _ in stale]
+        out = [self._cached(w, h) for w, h in ws]          # one freshness lookup a weight
+        stale = [i for i, hit in enumerate(out) if hit is None]
+        if len(stale) > 1 and self._batchable([ws[i][0] for i in stale]):
+            with torch.no_grad(), no_autocast(ws[stale[0]][0].device):
+                plain = [ws[i][0].detach() for i in stale]
                 if self.recipe.scaling == "tensor":
                     made = [Fp8Weight(q, s, qt, s) for q, s, qt in
-                            tensor_copies_all(plain, self.recipe.weight, tuple(h for _, h in stale), self.recipe.pow2)]
+                            tensor_copies_all(plain, self.recipe.weight, tuple(ws[i][1] for i in stale),
+                                              self.recipe.pow2)]
                 else:
                     made = [Fp8Weight(*c) for c in weight_tiles_all(plain, self.recipe.weight)]
-            for (w, h), entry in zip(stale, made):
+            for i, entry in zip(stale, made):
+                w, h = ws[i]
                 self._cache[(id(w), h)] = (_stamp(w), entry)
-        return [self.get(w, halves=h) for w, h in ws]
+                out[i] = entry
+        return [hit if hit is not None else self.get(w, halves=h) for hit, (w, h) in zip(out, ws)]
 
     def _cached(self, w: torch.Tensor, halves: bool) -> Fp8Weight | None:
         """W's copies if made since W last (possibly) changed."""
