@@ -54,7 +54,7 @@ def test_node_kinds_map_to_cutlass_names():
     assert "Sm90ColBroadcast<0, TileShape, cutlass::bfloat16_t, ElementCompute, StridePerRow>" in src
     assert "Sm90RowBroadcast<0, TileShape, cutlass::bfloat16_t, ElementCompute, StridePerCol>" in src
     assert "Sm90ScalarBroadcast<ElementCompute, StrideScalar>" in src
-    assert re.search(r"Sm90ColReduction<\s*cutlass::plus", src)   # row_sum
+    assert "coda::ColumnCheckedRowReduction<cutlass::plus, TileShape, StridePerRow, RoundStyle>" in src   # row_sum
     assert re.search(r"Sm90RowReduction<\s*cutlass::maximum", src)  # col_max
     assert "/*FinalReduction=*/false" in src
     assert "Sm90AuxStore<" in src
@@ -203,8 +203,9 @@ def test_total_max_and_min_are_per_tile_row_partials():
     def p(acc):
         return {"amax": cc.total_max(abs(acc)), "tmin": cc.total_min(acc)}
     src = cc.emit(p)
-    assert re.search(r"Sm90ColReduction<\s*cutlass::maximum", src)
-    assert re.search(r"Sm90ColReduction<\s*cutlass::minimum", src)
+    assert "coda::ColumnCheckedRowReduction<cutlass::maximum_with_nan_propagation, TileShape" in src
+    assert "coda::ColumnCheckedRowReduction<cutlass::minimum_with_nan_propagation, TileShape" in src
+    assert '#include "coda/row_reduction.hpp"' in src
     assert "amax: fp32 partials of total_max" in src and "tmin: fp32 partials of total_min" in src
     assert "fp32 partials of total_max, [ceil(N / 256), M]" in cc.emit_map(p)
 

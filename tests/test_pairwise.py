@@ -216,8 +216,10 @@ def lowered(program, **opts):
 
 
 def test_extra_headers_only_when_used():
-    plain = lowered(E.residual_norm_stats).source
+    plain = lowered(E.residual_add).source
     assert set(included_headers(plain)) == BASE_HEADERS
+    stats = lowered(E.residual_norm_stats).source       # a row sum
+    assert set(included_headers(stats)) == BASE_HEADERS | {"coda/row_reduction.hpp"}
     swiglu = lowered(E.swiglu).source
     assert {"coda/pairwise.hpp", "coda/half_store.hpp"} <= set(included_headers(swiglu))
     lse = lowered(E.lm_head_lse).source
@@ -239,8 +241,9 @@ def test_generated_nodes():
     assert "ElementC = float;" in src         # packed pairs travel as 32-bit words
 
 
-@pytest.mark.parametrize("tile_n,node", [(256, "coda::SegmentRowSum<128, TileShape>"), (128, "Sm90ColReduction"),
-                                         (64, "Sm90ColReduction")])
+@pytest.mark.parametrize("tile_n,node", [(256, "coda::SegmentRowSum<128, TileShape>"),
+                                         (128, "coda::ColumnCheckedRowReduction"),
+                                         (64, "coda::ColumnCheckedRowReduction")])
 def test_segment_sum_lowering_depends_on_tile(tile_n, node):
     cfg = cc.KernelConfig(tile_m=128, tile_n=tile_n, tile_k=64, cluster_m=1, cluster_n=1)
     lo = lowered(E.qk_norm_stats, config=cfg)
@@ -248,6 +251,7 @@ def test_segment_sum_lowering_depends_on_tile(tile_n, node):
     slot = lo.graph.slot("head_sumsq")
     assert (slot.partials.width, lo.plan.segments(slot.index)) == (128, max(1, tile_n // 128))
     assert ("coda/segments.hpp" in included_headers(lo.source)) == (tile_n > 128)
+    assert ("coda/row_reduction.hpp" in included_headers(lo.source)) == (tile_n <= 128)
 
 
 def test_segment_width_must_fit_the_tile():

@@ -93,13 +93,9 @@ class _Reduce(NodeKind):
         return {"slot": ctx.slot(n.attr("name")).index, "fn": n.attr("fn")}
 
 
-class RowReduce(_Reduce):
-    """Per-row partials over each N-tile (row sums/max/min, total sums): FinalReduction=false."""
-    name = "row_reduce"
-    cutlass, stride = "Sm90ColReduction", "StridePerRow"
-
-    def matches(self, n: Node, ctx: LowerContext) -> bool:
-        return n.op == "reduce" and n.attr("axis") in ("row", "all")
+class _TileReduce(_Reduce):
+    """Partials over each tile, as CUTLASS's node: ``cutlass`` along ``stride``, FinalReduction=false."""
+    cutlass, stride = "", ""
 
     def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
         f = REDUCE_FUNCTOR[v.params["fn"]]
@@ -110,7 +106,20 @@ class RowReduce(_Reduce):
         return f"{{p.tensors[{v.params['slot']}], {REDUCE_IDENTITY[v.params['fn']]}, {{}}}}"
 
 
-class ColReduce(RowReduce):
+class RowReduce(_TileReduce):
+    """Per-row partials over each N-tile (row sums/max/min, total sums), bounds-tested on columns
+    only (templates/coda/row_reduction.hpp: rows past M land in the partials' padding)."""
+    name, header = "row_reduce", "coda/row_reduction.hpp"
+
+    def matches(self, n: Node, ctx: LowerContext) -> bool:
+        return n.op == "reduce" and n.attr("axis") in ("row", "all")
+
+    def cpp_type(self, v: VisitorNode, plan: "KernelPlan") -> str:
+        f = REDUCE_FUNCTOR[v.params["fn"]]
+        return f"coda::ColumnCheckedRowReduction<{f}, TileShape, StridePerRow, RoundStyle>"
+
+
+class ColReduce(_TileReduce):
     """Per-column partials over each M-tile."""
     name = "col_reduce"
     cutlass, stride = "Sm90RowReduction", "StridePerCol"
@@ -166,7 +175,7 @@ class SegmentSum(RowReduce):
         return super().arguments(v, plan)
 
     def headers(self, v: VisitorNode, plan: "KernelPlan") -> tuple[str, ...]:
-        return (self.header,) if self._segments(v, plan) > 1 else ()
+        return (self.header if self._segments(v, plan) > 1 else RowReduce.header,)
 
 D_STORE, NO_D, AUX_STORE = DStore(), NoD(), AuxStore()
 # in match order: half-width stores before other stores; log-sum-exp and segments before row sums
