@@ -10,7 +10,8 @@
 #   fp8tests  the GPU tests of the FP8 blocks, the nn modules and the Hugging Face models
 #   fp8block  bench/block.py, 8B widths, M = 8192: the FP8 recipes with bf16 torch.compile and torchao peers
 #   fp8model  bench/model.py's FP8 rows (1B and 8B widths) beside Liger and coda bf16
-#   probe     bench/probes/epilogue_outputs.py: the FP8 epilogue variants of docs/RESULTS.md (24th session)
+#   probe     bench/probes/epilogue_outputs.py: the FP8 epilogue variants of docs/RESULTS.md (24th session); since the
+#             28th session "(full checks)" is CUTLASS's row reduction, the library's before (same bits expected)
 #   stepprofile  bench/probes/model_step_profile.py: 1B whole-model steps, wall against kernel time (26th session)
 #   modelcompile  bench/model.py ($MODEL_CONFIGS, default 1b): coda, coda under torch.compile ($COMPILE_MODE), Liger,
 #                 HF + compile ($MODEL_VARIANTS; at 3B widths four model copies need an H200's memory)
@@ -62,9 +63,9 @@ for dt in (torch.bfloat16, torch.float16):
              "tensor identity" "tensor swiglu_backward_t" "tensor e64x16 identity" "tensor e64x16 swiglu_backward_t" \
              "tensor 64x128 identity" "tensor 64x128 swiglu_backward_t" "tensor 128x64 identity" \
              "tensor 128x64 swiglu_backward_t" "tensor swiglu_backward_t_one_amax" \
-             "tensor coop swiglu_backward_t_one_amax" "tensor swiglu_backward_t (column checks)" \
-             "tensor coop swiglu_backward_t (column checks)" "tensor swiglu_t" "tensor swiglu_t (column checks)" \
-             "tensor residual_norm_stats_t" "tensor residual_norm_stats_t (column checks)" ;;
+             "tensor coop swiglu_backward_t_one_amax" "tensor swiglu_backward_t (full checks)" \
+             "tensor coop swiglu_backward_t (full checks)" "tensor swiglu_t" "tensor swiglu_t (full checks)" "tensor 128x64 swiglu_t" \
+             "tensor residual_norm_stats_t" "tensor residual_norm_stats_t (full checks)" ;;
     stepprofile) run stepprofile ${PROFILE_LIMIT:-300} python3 bench/probes/model_step_profile.py --config 1b \
                    --out "$out/stepprofile.json" ;;
     modelcompile) run modelcompile ${MODEL_LIMIT:-560} python3 bench/model.py --configs ${MODEL_CONFIGS:-1b} \

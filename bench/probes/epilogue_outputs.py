@@ -10,8 +10,9 @@ difference between two rows of a site is the cost of an output, and:
 - each half-width program twice: with coda::HalfWidthStore's quad exchange (8-byte stores, the
   default) and with every value stored on its own (the source edited to
   `HalfWidthStore<..., false>`);
-- the tensorwise epilogues with their per-row reductions bounds-tested on columns only
-  (headers/column_checked_reduction.hpp pasted into the source, "(column checks)");
+- the tensorwise epilogues with CUTLASS's per-row reductions ("(full checks)": Sm90ColReduction,
+  each value's row and column tested) in place of the library's column-checked node
+  (templates/coda/row_reduction.hpp, the library's since the twenty-eighth session);
 - with ``--baseline DIR``: every kernel whose source includes a coda header found in DIR/coda/ also
   built with that header's text in place of the include (e.g. the previous commit's
   quant_store.hpp: ``git show REV:templates/coda/quant_store.hpp``), timed beside the current one.
@@ -171,7 +172,7 @@ SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, str | None]]]] = {
         ("block", E.identity, None), ("block", z_only, None), ("block", z_y, None), ("block", z_y, "scalar y"),
         ("block", z_yt, None), ("block", E.swiglu_fp8, None), ("block", E.swiglu_fp8, "scalar y"),
         ("tensor", E.identity, None), ("tensor", E.swiglu_t, None), ("tensor", swiglu_t_rows, None),
-        ("tensor", E.swiglu_t, "column checks"),
+        ("tensor", E.swiglu_t, "full checks"), ("tensor 128x64", E.identity, None), ("tensor 128x64", E.swiglu_t, None),
         ("bf16", E.identity, None), ("bf16", E.swiglu, None), ("bf16", E.swiglu, "scalar y")]),
     # the down-proj dX GEMM of "tensorwise" (dz's halves, FP8 with both transposed copies)
     "down_dgrad": (8192, 14336, 4096, [
@@ -182,17 +183,17 @@ SITES: dict[str, tuple[int, int, int, list[tuple[str, Any, str | None]]]] = {
         ("tensor 64x128", E.identity, None), ("tensor 64x128", E.swiglu_backward_t, None),
         ("tensor 128x64", E.identity, None), ("tensor 128x64", E.swiglu_backward_t, None),
         ("tensor", swiglu_backward_t_one_amax, None), ("tensor coop", swiglu_backward_t_one_amax, None),
-        ("tensor", E.swiglu_backward_t, "column checks"), ("tensor coop", E.swiglu_backward_t, "column checks"),
+        ("tensor", E.swiglu_backward_t, "full checks"), ("tensor coop", E.swiglu_backward_t, "full checks"),
         ("block", E.identity, None), ("block", E.swiglu_backward_scaled, None),
         ("block", E.swiglu_backward_fp8, None)]),   # the fused dz epilogue the recipes do not use
     "down": (8192, 4096, 14336, [
         ("block", E.identity, None), ("block", residual_h, None), ("block", E.residual_norm_stats_fp8, None),
         ("tensor", E.identity, None), ("tensor", E.residual_norm_stats_t, None),
-        ("tensor", E.residual_norm_stats_t, "column checks")]),
+        ("tensor", E.residual_norm_stats_t, "full checks")]),
     "o": (8192, 4096, 4096, [
         ("block", E.identity, None), ("block", residual_h, None), ("block", E.residual_norm_stats_fp8, None),
         ("tensor", E.identity, None), ("tensor", E.residual_norm_stats_t, None),
-        ("tensor", residual_norm_stats_t_rows, None), ("tensor", E.residual_norm_stats_t, "column checks")]),
+        ("tensor", residual_norm_stats_t_rows, None), ("tensor", E.residual_norm_stats_t, "full checks")]),
     # the out-proj epilogue taken apart: each output on its own, and a wider epilogue subtile
     "o_parts": (8192, 4096, 4096, [
         ("block", E.identity, None), ("block", residual_d, None), ("block", d_h, None),
@@ -222,24 +223,20 @@ def scalar_half_store(src: str) -> str:
     return out
 
 
-_ROW_REDUCTION = re.compile(r"fusion::Sm90ColReduction<\n\s+(cutlass::[a-z_]+), \1, \1, 0, TileShape, float, "
-                            r"ElementCompute,\n\s+RoundStyle, StridePerRow, 4, /\*EnableNullptr=\*/true, "
-                            r"/\*FinalReduction=\*/false>")
-_HEADERS = Path(__file__).resolve().parent / "headers"
+_ROW_REDUCTION = re.compile(r"coda::ColumnCheckedRowReduction<(cutlass::[a-z_]+), TileShape, StridePerRow, RoundStyle>")
 
 
-def column_checked_reductions(src: str) -> str:
-    """Every per-row partial reduction as headers/column_checked_reduction.hpp's node (bounds
-    tested on columns only, no null-pointer test), the header pasted after the includes."""
-    out, n = _ROW_REDUCTION.subn(r"coda::ColumnCheckedRowReduction<\1, TileShape, StridePerRow, RoundStyle>", src)
-    assert n, "the generated source has no per-row Sm90ColReduction: update the probe"
-    text = (_HEADERS / "column_checked_reduction.hpp").read_text().replace("#pragma once", "")
-    at = out.index("namespace coda_generated {")
-    return out[:at] + "// ---- probe header column_checked_reduction.hpp\n" + text + "\n" + out[at:]
+def full_checked_reductions(src: str) -> str:
+    """Every per-row partial reduction as CUTLASS's own node (row and column tested per value, a
+    null-pointer test per visit): the library's form before the twenty-eighth session."""
+    out, n = _ROW_REDUCTION.subn(r"fusion::Sm90ColReduction<\n      \1, \1, \1, 0, TileShape, float, ElementCompute,\n"
+                                r"      RoundStyle, StridePerRow, 4, /*EnableNullptr=*/true, /*FinalReduction=*/false>", src)
+    assert n, "the generated source has no coda::ColumnCheckedRowReduction: update the probe"
+    return out
 
 
 # source edits a variant may name: the same program's kernel, built from an edited source
-EDITS: dict[str, Callable[[str], str]] = {"scalar y": scalar_half_store, "column checks": column_checked_reductions}
+EDITS: dict[str, Callable[[str], str]] = {"scalar y": scalar_half_store, "full checks": full_checked_reductions}
 
 
 def with_baseline(src: str, baseline: Path) -> str | None:
