@@ -7,6 +7,8 @@
 #   tests   tests/gpu/test_nn_gpu.py;  train  examples/train_llama.py;  bench  bench/block.py $BENCH_ARGS
 #   suite   tests/gpu/test_kernels.py without the tests that build every candidate configuration
 #   sustained  small bench/pairwise.py and bench/run.py runs (shuffled and sustained figures side by side)
+#   rowreduce  tests/gpu/test_kernels.py + test_fp8_gpu.py for the programs with per-row reductions (28th session's
+#              column-checked node: partial tiles included; every kernel prebuilt in .ab4)
 #   fp8tests  the GPU tests of the FP8 blocks, the nn modules and the Hugging Face models
 #   fp8block  bench/block.py, 8B widths, M = 8192: the FP8 recipes with bf16 torch.compile and torchao peers
 #   fp8model  bench/model.py's FP8 rows (1B and 8B widths) beside Liger and coda bf16
@@ -21,6 +23,12 @@
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
 # A 30-minute device session (27th session's plan): fp8tests; attention hostprofile modelcompile; fp8block;
 # fp8model: four calls, each under 10 minutes, back to back (a machine left idle 30 s is given back).
+# the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
+# 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
+ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
+or lse_partials or fp16_bias_relu or every_op or kn_accumulate_no_d or partials_norm_stats or small_tile_config \
+or pair_generic or lm_head_lse_gather or lm_head_logits_i32 or lm_head_lse_partials or swiglu_backward \
+or segment_sum_heads or segment_sum_narrow or segment_sum_wide or norm_stats_tensor or norm_stats_block or swiglu_row"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?OUTDIR}; shift
@@ -51,6 +59,8 @@ for dt in (torch.bfloat16, torch.float16):
                  --out "$out/pairwise"
                run run 90 python3 bench/run.py --m 8192 --epilogues norm_stats --shapes out-proj gate/up --no-tune \
                  --rounds 3 --out "$out/run" ;;
+    rowreduce) run rowreduce ${TESTS_LIMIT:-400} python3 -m pytest -q -p no:logging tests/gpu/test_kernels.py \
+                 tests/gpu/test_fp8_gpu.py -k "(matches_reference or bitwise_deterministic) and ($ROW_REDUCE_CASES)" ;;
     fp8tests) run fp8tests ${TESTS_LIMIT:-560} python3 -m pytest -q -p no:logging --durations=15 tests/gpu/test_fp8_block_gpu.py \
                 tests/gpu/test_nn_gpu.py tests/gpu/test_nn_modules_gpu.py tests/gpu/test_hf_gpu.py ;;
     fp8block) run fp8block ${BENCH_LIMIT:-560} python3 bench/block.py --widths 8b --tokens 8192 \
