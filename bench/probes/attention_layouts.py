@@ -14,6 +14,11 @@ Variants (each: fresh views of the same data, forward, then backward of a fixed 
 - coda: `coda_cutlass.nn.attention.Attention("sdpa")` on the (M, q + 2 kv) buffer, as the block runs it;
 - separate: q, k, v as separate contiguous (B, S, heads, D) tensors, transposed, SDPA + autograd (HF's);
 - coda + copies: coda's views copied to separate contiguous tensors first (copies timed too);
+- (B, H, S, D): q, k, v copied to head-major contiguous tensors, SDPA + autograd, the gradients
+  copied back to (B, S, H, D) (copies timed too): what torch.compile's fused RoPE kernel hands
+  cuDNN in the bf16 block (its attention kernels there: the same cuDNN kernels, ~300 us faster);
+- (B, H, S, D), k and v repeated to every head (transformers' repeat_kv, no GQA in the kernel):
+  torch.compile's and torchao's tables show no cuDNN head reduction (fmha_reduce_head), coda's do;
 - coda, backend B: the coda call under `torch.nn.attention.sdpa_kernel(B)` for cuDNN, flash, efficient.
 Reports the median us per fwd+bwd (shuffled rounds, `coda_cutlass.timing.interleaved`) and the attention
 kernels each ran (profiler names), JSON into --out.
@@ -76,11 +81,23 @@ def variants(B: int, S: int, H: int, KV: int, D: int, device: str) -> dict[str, 
         o = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=True, enable_gqa=H != KV)
         return torch.autograd.grad(o, leaves, d_out.view(B, S, H, D).transpose(1, 2))
 
+    def head_major(repeat: bool) -> Any:
+        q, k, v = (t.transpose(1, 2).contiguous() for t in split())          # (B, heads, S, D)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        k_, v_ = leaves[1:]
+        if repeat and H != KV:
+            k_, v_ = (t.repeat_interleave(H // KV, dim=1) for t in (k_, v_))
+        o = F.scaled_dot_product_attention(leaves[0], k_, v_, is_causal=True, enable_gqa=not repeat and H != KV)
+        grads = torch.autograd.grad(o, leaves, d_out.view(B, S, H, D).transpose(1, 2))
+        return tuple(g.transpose(1, 2).contiguous() for g in grads)          # back to (B, S, heads, D)
+
     parts = split()
     fns: dict[str, Callable[[Any], Any]] = {
         "coda (views of the QKV output)": coda,
         "separate contiguous q, k, v": lambda _: sdpa(*parts),
         "coda + copies to separate tensors": lambda _: sdpa(*split()),
+        "coda + copies to (B, H, S, D)": lambda _: head_major(False),
+        "coda + copies to (B, H, S, D), k and v repeated": lambda _: head_major(True),
     }
     for name, b in _backends().items():
         def forced(_: Any, b: Any = b) -> Any:
