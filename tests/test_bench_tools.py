@@ -149,3 +149,36 @@ def test_block_bench_report_without_the_compile_variant():
     text = block.markdown(data["results"], data["environment"])
     fp8_row = next(l for l in text.splitlines() if l.startswith("| 8b | 8192 | coda-fp8-blockwise | 15.38 |"))
     assert fp8_row.split(" | ")[4:7] == ["-", "-", "1.13"]    # x compile, x torchao tensorwise, x rowwise
+
+
+def test_epilogue_probe_full_checks_edit_puts_cutlass_row_reduction_back():
+    """bench/probes/epilogue_outputs.py's "(full checks)" variants (the next device session's check of
+    the column-checked row reductions) must find the library's node in today's sources."""
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "probes"))
+    import epilogue_outputs as probe
+    from coda_cutlass import epilogues as E
+    from coda_cutlass.nn.runner import gemm_options
+    from coda_cutlass.pipeline import generate, lower_program
+    src = generate(lower_program(E.swiglu_backward_t, gemm_options(
+        torch.bfloat16, "nk", (torch.float8_e4m3fn, "tensor", True)))).source
+    assert src.count("coda::ColumnCheckedRowReduction<") == 3          # amax_g, amax_u, zdz
+    edited = probe.EDITS["full checks"](src)
+    assert "ColumnCheckedRowReduction<" not in edited.split("namespace coda_generated")[1]
+    assert edited.count("fusion::Sm90ColReduction<") == 3
+    assert edited.count("/*EnableNullptr=*/true, /*FinalReduction=*/false>") == 3
+
+
+def test_attention_layout_probe_runs_its_variants_on_the_cpu(capsys):
+    """bench/probes/attention_layouts.py --device cpu: every layout variant computes coda's gradients."""
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "probes"))
+    import attention_layouts as probe
+    fns = probe.variants(1, 32, 4, 2, 16, "cpu")
+    ref = fns["coda (views of the QKV output)"](None)
+    for name in ("separate contiguous q, k, v", "coda + copies to (B, H, S, D)",
+                 "coda + copies to (B, H, S, D), k and v repeated"):
+        got = fns[name](None)
+        assert [tuple(g.shape) for g in got] == [tuple(g.shape) for g in ref], name
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a.float(), b.float(), atol=0.07, rtol=0.02, msg=name)
