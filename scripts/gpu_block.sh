@@ -21,8 +21,9 @@
 #              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
-# A 30-minute device session (27th session's plan): fp8tests; attention hostprofile modelcompile; fp8block;
-# fp8model: four calls, each under 10 minutes, back to back (a machine left idle 30 s is given back).
+# A 30-minute device session (28th session's plan): rowreduce fp8tests (the column-checked row reductions, the
+# 27th session's fold and partials); probe attention (their timing, the attention layouts); fp8block; fp8model;
+# then hostprofile modelcompile: calls each under 10 minutes, back to back (a machine idle 30 s is given back).
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
