@@ -8,7 +8,7 @@ needs whatever its widths (the call paths do not depend on them), and cProfile s
 Left out: the CUDA launch latency (~5 us a launch) and torch.compile'd helpers (eager here; their
 time is reported apart), the optimizer step (one fused launch per group on a GPU).
 
-    python bench/probes/host_work.py --variants coda,coda-fp8-tensorwise --top 30
+    python bench/probes/host_work.py --variants coda,coda-fp8-tensorwise --top 30 --ops 25
 
 Question it answers (twenty-seventh session): at Llama-3.2-1B widths a "tensorwise" step took 137
 ms of wall time on the H100 against 109 ms of kernels (`model_step_profile.py`); how much host work
@@ -17,6 +17,7 @@ does an FP8 block add to a bf16 one, and where?"""
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import io
@@ -24,10 +25,12 @@ import json
 import pstats
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -109,8 +112,10 @@ class HostRunner(nn_runner.Runner):
             return {n: results[n] for n in k.outputs}
 
 
-def _time_compiled() -> dict[str, float]:
-    """Seconds spent in the torch.compile'd helpers (eager on the CPU), by name."""
+def _time_compiled(inside: list[int]) -> dict[str, float]:
+    """Seconds spent in the torch.compile'd helpers (eager on the CPU), by name; ``inside[0]`` counts
+    the helper calls under way (the op count leaves their ops out: one graph each on a GPU),
+    ``inside[1]`` the calls made."""
     spent: dict[str, float] = {}
     original = fp8_compiled.on_device
 
@@ -119,15 +124,47 @@ def _time_compiled() -> dict[str, float]:
 
         def timed(*a, **k):
             t0 = time.perf_counter()
+            inside[0] += 1
+            inside[1] += 1
             try:
                 return f(*a, **k)
             finally:
+                inside[0] -= 1
                 spent[what] = spent.get(what, 0.0) + time.perf_counter() - t0
         return timed
     for mod in list(sys.modules.values()):
         if getattr(mod, "on_device", None) is original and mod.__name__.startswith("coda_cutlass"):
             mod.on_device = on_device
     return spent
+
+
+# aten ops that make no kernel on a GPU (views, metadata); allocations are counted apart
+_NO_KERNEL = frozenset({"view", "_unsafe_view", "t", "transpose", "permute", "expand", "as_strided", "slice",
+                        "select", "unsqueeze", "squeeze", "detach", "alias", "_reshape_alias", "split", "unbind",
+                        "reshape", "split_with_sizes", "chunk", "narrow", "unflatten", "lift_fresh"})
+_ALLOC = frozenset({"empty", "empty_strided", "empty_like", "new_empty"})
+
+
+class _OpCount(TorchDispatchMode):
+    """The aten ops a step dispatches outside the compiled helpers (which are one graph each on a GPU),
+    by op and by the coda source line that issued it: on a GPU each is (about) one kernel launch,
+    allocations aside. The CPU's count of what the GPU's profile calls launches, without the GPU."""
+
+    def __init__(self, inside: list[int]):
+        super().__init__()
+        self.inside = inside
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.where: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _NO_KERNEL and not self.inside[0]:
+            self.ops[name] += 1
+            if name not in _ALLOC:
+                frames = [f for f in traceback.extract_stack() if "coda_cutlass" in f.filename]
+                line = f"{frames[-1].filename.split('coda_cutlass/')[-1]}:{frames[-1].lineno}" if frames else "torch"
+                self.where[f"{name} @ {line}"] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _step(v: Any, tokens: torch.Tensor) -> None:
@@ -144,6 +181,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=0, help="also cProfile's N functions with the most own time")
+    ap.add_argument("--ops", type=int, default=0,
+                    help="also the aten ops of one step outside the compiled helpers (about a launch each on a "
+                         "GPU), with the N most frequent op @ coda source line")
     ap.add_argument("--out", type=Path, default=None, help="a JSON file for the figures")
     args = ap.parse_args()
     fields = dict(bench_model.QUICK, num_hidden_layers=args.layers)
@@ -151,7 +191,8 @@ def main() -> None:
     ns = argparse.Namespace(compile_mode=None, ce_chunk_mib=None, device="cpu", seq=args.tokens)
     variants = bench_model.build_variants(fields, names, ns)
     tokens = torch.randint(0, fields["vocab_size"], (1, args.tokens))
-    spent = _time_compiled()
+    inside = [0, 0]
+    spent = _time_compiled(inside)
     out: dict[str, Any] = {}
     for name, v in variants.items():
         runner = HostRunner()
@@ -170,6 +211,20 @@ def main() -> None:
         print(f"{name}: {wall:.2f} ms per step ({args.layers} layers), {row['kernel_calls']:.0f} kernel calls, "
               f"compiled helpers (eager here) {sum(compiled.values()):.2f} ms -> {row['per_layer_ms']:.3f} ms "
               "a layer without them (the embedding and LM head shared out)", flush=True)
+        if args.ops:
+            counter = _OpCount(inside)
+            calls, runner.calls, inside[1] = runner.calls, 0, 0
+            with counter:
+                _step(v, tokens)
+            allocs = sum(counter.ops[n] for n in _ALLOC)
+            kernels = sum(counter.ops.values()) - allocs
+            row["ops"] = {"coda_kernel_calls": runner.calls, "aten_kernel_ops": kernels, "allocations": allocs,
+                          "compiled_helper_calls": inside[1], "by_line": dict(counter.where.most_common(args.ops))}
+            print(f"  one step: {runner.calls} coda kernel calls, {kernels} other aten ops that launch a kernel on a "
+                  f"GPU, {inside[1]} compiled helper calls (a graph each), {allocs} allocations")
+            for k, n in counter.where.most_common(args.ops):
+                print(f"    {n:5d}  {k}")
+            runner.calls = calls
         if args.top:
             prof = cProfile.Profile()
             prof.enable()
