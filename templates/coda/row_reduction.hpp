@@ -6,7 +6,8 @@
 // output pointer on every visit. Neither is needed here:
 // - rows past M: no stage mixes rows (the register, shuffle and smem stages all reduce along N), and
 //   a row past M stores its partial into the padded rows of the buffer, [ceil(N / TileN),
-//   round_up(M, TileM)], which the runtime never reads (coda_cutlass/partials.py: rows [:M] first);
+//   round_up(M, TileM)], whose values never reach a row < M (coda_cutlass/partials.py: finishing
+//   reduces each row on its own and keeps rows [:M]; partial views are rows [:M]);
 // - columns past N must not be reduced, but a thread's values share few distinct columns, so the
 //   test is one compare per value against N alone (the row half of CUTLASS's test goes);
 // - the runtime passes every reduction a buffer (can_implement refuses a null one).
