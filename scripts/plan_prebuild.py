@@ -5,6 +5,7 @@ finds them all in the cache and compiles nothing while it is timed:
     python scripts/plan_prebuild.py --widths 8b 70b --fp8 tensorwise blockwise --tokens 8192
     python scripts/plan_prebuild.py --widths 1b 3b 8b --bf16 --tokens 8192 --list
     python scripts/plan_prebuild.py --gpu-tests    # the nn and Hugging Face GPU tests' kernels
+    python scripts/plan_prebuild.py --widths 8b --fp8 tensorwise --candidates   # and every tuning candidate
 
 The launch sites are found by running a small model of the same kind (3 layers: a first, a middle
 and a last block, the LM head) through the reference interpreter on the CPU with a runner that
@@ -149,6 +150,20 @@ def items_with(runner: KernelRunner, rec: RecordingRunner) -> list[tuple[Any, di
     return out
 
 
+def candidate_items(rec: RecordingRunner) -> list[tuple[Any, dict]]:
+    """Each recorded GEMM site at every configuration in-sequence tuning tries there
+    (nn/tuning.py: the site's candidate space, tuning/space.py), so a tuning run on the GPU machine
+    builds nothing."""
+    from coda_cutlass.nn.tuning import Site, _fp8_compile_options, _site_candidates
+    out = []
+    for (site, *_), (program, layout, partial, fp8) in rec.gemms.items():
+        for config in _site_candidates(Site(site, program, layout, partial, fp8), rec.dtype, None, ()):
+            opts: dict[str, Any] = {"dtype": rec.dtype, "weight_layout": layout, "config": config,
+                                    "partial_reductions": partial, **_fp8_compile_options(fp8)}
+            out.append((program, opts))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--widths", nargs="+", default=[], choices=list(WIDTHS))
@@ -157,6 +172,9 @@ def main() -> int:
     ap.add_argument("--bf16", action="store_true", help="also the bf16 model's kernels")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per step (the plans' M bucket)")
     ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--candidates", action="store_true",
+                    help="also every tuning candidate of each site of the recipes given (bench/block.py --tune, "
+                         "model.tune() then build nothing on the GPU machine)")
     ap.add_argument("--list", action="store_true", help="list the kernels, build nothing")
     args = ap.parse_args()
     from coda_cutlass.nn.fp8 import RECIPES
@@ -175,6 +193,10 @@ def main() -> int:
         maps.update(rec.maps)
         for width in args.widths:
             items += items_for(width, recipe, args.tokens, rec)
+        if args.candidates:
+            cands = candidate_items(rec)
+            print(f"{recipe or 'bf16'}: {len(cands)} tuning candidates over {len(rec.gemms)} GEMM sites")
+            items += cands
     if args.gpu_tests:
         for rec in nn_test_launches() + hf_test_launches():
             maps.update(rec.maps)
