@@ -41,3 +41,19 @@ def fake_nvcc(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(cache))
     return {"log": log, "cache": cache, "tmp": tmp_path}
+
+
+@pytest.fixture
+def ops_on_cpu(fake_nvcc, monkeypatch):
+    """The kernels' custom ops (registered for CUDA) served on the CPU too, Dynamo's caches fresh
+    (the tests then stand in for the launches: Kernel.run, CompiledMap.run)."""
+    real_impl = torch.library.Library.impl
+
+    def impl(self, name, fn, key="", **kw):
+        real_impl(self, name, fn, key, **kw)
+        if key == "CUDA":
+            real_impl(self, name, fn, "CPU", **kw)
+    monkeypatch.setattr(torch.library.Library, "impl", impl)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -1,8 +1,9 @@
 """torch.compile through the kernels' custom ops, on the CPU (issue 23, item 8): kernels are built
 by the fake nvcc, their registered op implementation also serves the CPU, and ``Kernel.run`` is the
 reference interpreter laid out as the GPU kernel lays out its outputs (partials in a buffer padded
-to the tile, returned as its view). Map kernels stay opaque to Dynamo, as ctypes calls are. What a
-GPU adds (the real kernels) is in tests/gpu/test_nn_modules_gpu.py."""
+to the tile, returned as its view). Map kernels are stand-ins opaque to Dynamo here (their own
+custom ops: tests/test_map_op.py). What a GPU adds (the real kernels) is in
+tests/gpu/test_nn_modules_gpu.py."""
 
 from __future__ import annotations
 
@@ -53,18 +54,8 @@ class OpaqueMap:
 
 
 @pytest.fixture
-def cpu_ops(fake_nvcc, monkeypatch):
-    real_impl = torch.library.Library.impl
-
-    def impl(self, name, fn, key="", **kw):
-        real_impl(self, name, fn, key, **kw)
-        if key == "CUDA":
-            real_impl(self, name, fn, "CPU", **kw)
-    monkeypatch.setattr(torch.library.Library, "impl", impl)
+def cpu_ops(ops_on_cpu, monkeypatch):
     monkeypatch.setattr(Kernel, "run", reference_run)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def test_inductor_takes_the_padded_partials_of_a_kernel(cpu_ops):

@@ -28,6 +28,7 @@ from . import kernel as _kernel
 from .arguments import CallSpec
 from .kernel import ReductionOutputs, current_stream, ensure_gpu, new_buffer
 from .library import LibraryBinding, load
+from .map_op import call_map_op, contiguous_strides, register_map
 
 # The call's own keyword: k(X, out=..., **operands) (a misspelling of it is suggested too).
 MAP_CALL_KEYWORDS = ("out",)
@@ -156,6 +157,10 @@ class CompiledMap(ReductionOutputs):
         self._view_array = ctypes.c_int64 * (5 * len(graph.slots))
         self._scalar_array = ctypes.c_float * max(len(self._scalars), 1)
         self._uses_index = self.spec.uses_index   # row/col indices are fp32 in the kernel: exact below 2^24
+        self._slots = {s.name: s for s in graph.slots}
+        self.scale_outputs = tuple(s.name for s in graph.slots if s.role == "output" and s.layout == "scale")
+        # Registered now, not on first use: torch.compile cannot trace op registration.
+        self._op = register_map(self)
 
     def __repr__(self) -> str:
         args = ", ".join(["X"] + [o.name for o in self.operands] + list(self.inout))
@@ -176,7 +181,15 @@ class CompiledMap(ReductionOutputs):
     def __call__(self, X: torch.Tensor, /, *, out: dict[str, torch.Tensor] | None = None,
                  **operands: Any) -> dict[str, torch.Tensor]:
         """Run the map kernel: ``k(X, name=tensor, ...)`` -> dict of outputs. ``out`` may give
-        preallocated (M, N) tensors (or strided views) for tile outputs."""
+        preallocated (M, N) tensors (or strided views) for tile outputs. Under torch.compile a call
+        without ``out`` is the kernel's custom op (map_op.py); one with ``out`` runs eagerly."""
+        if not out and torch.compiler.is_compiling():
+            return call_map_op(self, X, operands)
+        return self.run(X, operands, out)
+
+    def run(self, X: torch.Tensor, operands: dict[str, Any],
+            out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The eager call path (the custom op's implementation too)."""
         device = X.device if isinstance(X, torch.Tensor) else None
         if device is None or device.index not in _kernel._READY_DEVICES:
             ensure_gpu(device, self.name)
@@ -211,8 +224,7 @@ class CompiledMap(ReductionOutputs):
             raise CallError(f"N = {N} is not a multiple of 8 (the kernel moves 8 columns per thread)")
         if self._uses_index:
             self.spec.check_extent(M, N)
-        if len(operands) != len(self._arg_names) or not all(n in operands for n in self._arg_names):
-            self.spec.check_names(operands, keywords=MAP_CALL_KEYWORDS)
+        self.check_call_names(operands)
         if out:
             checks.check_out_names(self.name, out, self._tile_outputs)
         device = X.device
@@ -236,8 +248,7 @@ class CompiledMap(ReductionOutputs):
             elif s.role == "output" and s.layout == "scale":
                 if out and s.name in out:
                     raise CallError(f"{self.name}: out['{s.name}']: block scales are allocated by the kernel call")
-                rows, runs = scale_shape(s.scale_of, M, N, 128, s.group)   # "t": a run per 128 rows of X's columns
-                ld = -(-rows // 4) * 4                # run-major, 16-byte aligned runs (TensorSlot.storage)
+                rows, runs, ld = self._scale_dims(s.name, M, N)
                 t = new_buffer((runs, ld), torch.float32, device, poison)
                 view = (0, ld, max(rows, 1), 0, 1)
                 results[s.name] = t[:, :rows].t()
@@ -245,7 +256,7 @@ class CompiledMap(ReductionOutputs):
                 cols = N // 2 if s.layout == "half" else N
                 t = out.get(s.name) if out else None
                 if t is None and s.layout == "t":      # rows padded to 16 bytes (transposed_view)
-                    t = new_buffer((N, -(-M // 16) * 16), s.dtype.torch, device, poison)[:, :M]
+                    t = new_buffer((N, _t_ld(M)), s.dtype.torch, device, poison)[:, :M]
                 elif t is None:
                     t = new_buffer((M, cols), s.dtype.torch, device, poison)
                 else:
@@ -276,6 +287,42 @@ class CompiledMap(ReductionOutputs):
             checks.check_no_overlap(written, read)
         return M, N, ptrs, views, scalars, results, partials
 
+    # ------------------------------------------------------------------ the custom op's view of a call
+    def logical_mn(self, X: torch.Tensor) -> tuple[int, int]:
+        return logical_shape("X", X)
+
+    def check_call_names(self, operands: dict[str, Any]) -> None:
+        if len(operands) != len(self._arg_names) or not all(n in operands for n in self._arg_names):
+            self.spec.check_names(operands, keywords=MAP_CALL_KEYWORDS)
+
+    def _scale_dims(self, name: str, M: int, N: int) -> tuple[int, int, int]:
+        """A block-scale output's (rows, runs, ld): run-major, 16-byte aligned runs (TensorSlot.storage)."""
+        s = self._slots[name]
+        rows, runs = scale_shape(s.scale_of, M, N, 128, s.group)   # "t": a run per 128 rows of X's columns
+        return rows, runs, -(-rows // 4) * 4
+
+    def output_layout(self, name: str, M: int, N: int) -> tuple[tuple[int, ...], tuple[int, ...], torch.dtype]:
+        """(shape, strides, dtype) of an output (not an accumulated one) as the custom op returns it,
+        as the eager call makes it: tile outputs (M, N) (half-width (M, N / 2)), transposed ones an
+        (N, M) view of rows padded to 16 bytes, block scales their run-major buffer (``scale_view``
+        gives the (rows, runs) view), reductions finished or as per-tile partials."""
+        if name in self._finish_plan:
+            shape, dtype = self.reduction_result(name, M, N)
+            return tuple(shape), contiguous_strides(tuple(shape)), dtype
+        s = self._slots[name]
+        if s.layout == "scale":
+            _, runs, ld = self._scale_dims(name, M, N)
+            return (runs, ld), (ld, 1), torch.float32
+        if s.layout == "t":
+            return (N, M), (_t_ld(M), 1), s.dtype.torch
+        cols = N // 2 if s.layout == "half" else N
+        return (M, cols), (cols, 1), s.dtype.torch
+
+    def scale_view(self, name: str, buffer: torch.Tensor, M: int, N: int) -> torch.Tensor:
+        """A block-scale output's (rows, runs) view of its run-major buffer (as the eager call returns it)."""
+        rows, _, _ = self._scale_dims(name, M, N)
+        return buffer[:, :rows].t()
+
     def _is_x(self, name: str, t: torch.Tensor, X: torch.Tensor) -> bool:
         return is_x_view(self.graph, name, t, X)
 
@@ -305,6 +352,11 @@ def check_vector_or_tile(name: str, kind: Kind, t: Any, dtype: Any, M: int, N: i
 
 
 _NO_VIEW = (0, 0, 1, 0, 1)      # the view of a slot that is not a tile (vectors, partials)
+
+
+def _t_ld(M: int) -> int:
+    """The row length of a transposed output's buffer: M padded to 16 elements (16-byte rows)."""
+    return -(-M // 16) * 16
 
 
 __all__ = ["CompiledMap", "MapLibrary", "check_vector_or_tile", "is_x_view", "logical_shape", "tile_view",

@@ -86,8 +86,14 @@ def op_name(k: OpKernel) -> str:
 def schema_names(k: OpKernel) -> list[str]:
     """The schema's argument names for the operands and accumulated outputs, in call order: their
     own names when they are ASCII identifiers, else ``arg<i>`` (unique among all of them)."""
-    names = [o.name for o in k.operands] + list(k.gemm_scales) + list(k.inout)
-    taken = {"A", "W", "raster", "swizzle"} | {n for n in names if _schema_ident(n)}
+    return ascii_names([o.name for o in k.operands] + list(k.gemm_scales) + list(k.inout),
+                       {"A", "W", "raster", "swizzle"})
+
+
+def ascii_names(names: list[str], reserved: set[str]) -> list[str]:
+    """Schema argument names: each name itself when it is an ASCII identifier, else ``arg<i>``
+    (unique among all of them and the ``reserved`` ones)."""
+    taken = reserved | {n for n in names if _schema_ident(n)}
     out = []
     for i, n in enumerate(names):
         if not _schema_ident(n):
@@ -122,39 +128,49 @@ def _returned(k: OpKernel) -> list[str]:
     return [n for n in k.outputs if n not in k.inout]
 
 
-def register(k: OpKernel) -> Any:
-    name = op_name(k)
+def define(name: str, schema_text: str, make: Any) -> Any:
+    """The op ``coda_cutlass::<name>`` (defined once per process): ``make()`` -> (impl, fake)."""
     with _LOCK:
         if name in _OPS:
             return _OPS[name]
+        impl, fake = make()
         lib = _library()
-        lib.define(name + schema(k))
-        arg_names = [o.name for o in k.operands] + list(k.gemm_scales) + list(k.inout)
-        returned = _returned(k)
-        transposed = transposed_returns(k)
-
-        def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
-                 swizzle: int | None = None) -> Any:
-            out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
-            # block scales are a view of a run-major buffer: the op returns the buffer (call_op views it)
-            vals = tuple(as_returned(k, n, _scale_buffer(k, n, out[n], A, W) if n in transposed else out[n], A, W,
-                                     n in transposed) for n in returned)
-            if not vals:
-                return None
-            return vals[0] if len(vals) == 1 else vals
-
-        def fake(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
-                 swizzle: int | None = None) -> Any:
-            vals = tuple(_fake_output(k, n, A, W, n in transposed) for n in returned)
-            if not vals:
-                return None
-            return vals[0] if len(vals) == 1 else vals
-
+        lib.define(name + schema_text)
         lib.impl(name, impl, "CUDA")
         torch.library.register_fake(f"coda_cutlass::{name}", fake, lib=lib)
         op = getattr(torch.ops.coda_cutlass, name)
         _OPS[name] = op
         return op
+
+
+def register(k: OpKernel) -> Any:
+    return define(op_name(k), schema(k), lambda: _implementations(k))
+
+
+def _implementations(k: OpKernel) -> tuple[Any, Any]:
+    """The op's implementation (the kernel's eager call) and its fake (shapes and strides only)."""
+    arg_names = [o.name for o in k.operands] + list(k.gemm_scales) + list(k.inout)
+    returned = _returned(k)
+    transposed = transposed_returns(k)
+
+    def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
+             swizzle: int | None = None) -> Any:
+        out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
+        # block scales are a view of a run-major buffer: the op returns the buffer (call_op views it)
+        vals = tuple(as_returned(k, n, _scale_buffer(k, n, out[n], A, W) if n in transposed else out[n], A, W,
+                                 n in transposed) for n in returned)
+        if not vals:
+            return None
+        return vals[0] if len(vals) == 1 else vals
+
+    def fake(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
+             swizzle: int | None = None) -> Any:
+        vals = tuple(_fake_output(k, n, A, W, n in transposed) for n in returned)
+        if not vals:
+            return None
+        return vals[0] if len(vals) == 1 else vals
+
+    return impl, fake
 
 
 def transposed_returns(k: OpKernel) -> frozenset[str]:
@@ -201,6 +217,12 @@ def as_returned(k: OpKernel, name: str, v: torch.Tensor, A: torch.Tensor, W: tor
     them), and not a view (a custom op may not return a view of an internal buffer; partials are
     views). A view keeps its storage and strides as a tensor of its own: no copy."""
     shape, stride, _ = _layout(k, name, A, W, transposed)
+    return owned(v, stride)
+
+
+def owned(v: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``v`` with the fake implementation's ``stride`` and not a view (a custom op may not return a
+    view of an internal buffer): a view keeps its storage and strides as a tensor of its own."""
     if v.numel() and tuple(v.stride()) != stride:
         return v.new_empty_strided(tuple(v.shape), stride).copy_(v)     # not expected: kept correct anyway
     if v._base is not None:

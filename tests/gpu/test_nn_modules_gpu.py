@@ -162,6 +162,21 @@ def test_partials_under_torch_compile_match_the_eager_call():
     assert torch.equal(got[1], want[1])
 
 
+def test_a_map_kernel_under_torch_compile_is_its_custom_op():
+    """quantize_rows_t (FP8 codes, the transposed copy, block scales) traced whole (fullgraph): the
+    op's outputs are the eager call's, bit for bit, with its strides; M not a multiple of 16."""
+    k = cc.compile_map(E.quantize_rows_t, torch.bfloat16)
+    X = torch.randn(200, 512, device="cuda", dtype=torch.bfloat16)
+    want = k(X)
+    got = torch.compile(lambda X: k(X), fullgraph=True)(X)
+    for name in want:
+        assert got[name].shape == want[name].shape and got[name].stride() == want[name].stride(), name
+        a, b = got[name], want[name]
+        if a.element_size() == 1:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), name
+
+
 def test_a_second_backward_under_retain_graph_on_the_gpu():
     block = small_block(device="cuda")
     x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
