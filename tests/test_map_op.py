@@ -116,16 +116,18 @@ def test_compiled_map_call_traces_without_a_graph_break(cpu_map_ops, partial):
     torch.testing.assert_close(ops["acc_t"], eager_ops["acc_t"])        # accumulated in place, as eagerly
 
 
-def test_compiled_block_scales_and_transposed_outputs(cpu_map_ops):
+@pytest.mark.parametrize("M", [200, 0])
+def test_compiled_block_scales_and_transposed_outputs(cpu_map_ops, M):
     """quantize_rows_t: FP8 codes, their transposed copy (a view of 16-byte rows) and block scales
-    (returned as the run-major buffer, viewed after the op) as the eager call gives them."""
+    (returned as the run-major buffer, viewed after the op) as the eager call gives them; no rows too."""
     k = cc.compile_map(E.quantize_rows_t, BF)
-    X = torch.randn(200, 256, generator=torch.Generator().manual_seed(3)).to(BF)
+    X = torch.randn(M, 256, generator=torch.Generator().manual_seed(3)).to(BF)
     want = k(X)
     got = torch.compile(lambda X: k(X), backend="aot_eager", fullgraph=True)(X)
     assert set(got) == set(want)
     for name in want:
-        assert got[name].shape == want[name].shape and got[name].stride() == want[name].stride(), name
+        assert got[name].shape == want[name].shape, name
+        assert got[name].stride() == want[name].stride() or not want[name].numel(), name
         assert torch.equal(got[name].view(torch.uint8) if got[name].element_size() == 1 else got[name],
                            want[name].view(torch.uint8) if want[name].element_size() == 1 else want[name]), name
 

@@ -223,8 +223,8 @@ def as_returned(k: OpKernel, name: str, v: torch.Tensor, A: torch.Tensor, W: tor
 def owned(v: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """``v`` with the fake implementation's ``stride`` and not a view (a custom op may not return a
     view of an internal buffer): a view keeps its storage and strides as a tensor of its own."""
-    if v.numel() and tuple(v.stride()) != stride:
-        return v.new_empty_strided(tuple(v.shape), stride).copy_(v)     # not expected: kept correct anyway
+    if tuple(v.stride()) != stride:      # not expected but for empty outputs: kept correct anyway
+        return v.new_empty_strided(tuple(v.shape), stride).copy_(v)
     if v._base is not None:
         return v.new_empty(0).set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
     return v
