@@ -23,7 +23,9 @@ Variants (each a full block on (M, D) tokens, bf16, causal GQA attention through
   attention: the FP8 floor); an FP8 table gives each against bf16 torch.compile and
   torchao, the non-GEMM non-attention share, and the per-site times. With --tune each FP8 block
   is tuned in its own sequence too (its plan context is the bf16 one plus ":fp8-RECIPE"), and
-  coda-fp8-RECIPE-before runs it with the plan it had before, in the same rounds.
+  coda-fp8-RECIPE-before runs it with the plan it had before, in the same rounds. --attention-inputs
+  heads heads_repeated adds coda-fp8-RECIPE@INPUTS: the same block (and runner) with SDPA handed
+  head-major copies of q, k, v (k and v repeated to every head), nn/attention.py.
 The forward-only figures run under torch.no_grad(), as inference or evaluation does: torch.compile
 then compiles an inference graph, and the coda block runs its forward alone (nothing saved, the
 gate/up GEMM writes only the SwiGLU output).
@@ -112,7 +114,7 @@ class Workload:
     """One block at one width and token count, with every variant's inputs."""
 
     def __init__(self, width: str, M: int, device: torch.device, max_autotune: bool, fp8: list[str] | None = None,
-                 torchao_blockwise: bool = False):
+                 torchao_blockwise: bool = False, attention_inputs: tuple[str, ...] = ()):
         torch.manual_seed(0)
         self.width, self.M = width, M
         self.batch, self.seq = M // SEQ, SEQ
@@ -149,7 +151,8 @@ class Workload:
         self.identity = Skeleton(self, device, identity=True)
         self.plan_before: dict[str, Any] | None = None     # set by --tune: the plan tuning replaced
         # --fp8: the FP8 variants (bench/fp8_variants.py), same weights, tokens and gradient
-        self.fp8_v, self.fp8_params, self.fp8_parts = (fp8_variants(self, fp8, dims, device, torchao_blockwise)
+        self.fp8_v, self.fp8_params, self.fp8_parts = (fp8_variants(self, fp8, dims, device, torchao_blockwise,
+                                                                    attention_inputs)
                                                        if fp8 is not None else ({}, [], {}))
 
     def params(self) -> list[torch.Tensor]:
@@ -371,7 +374,7 @@ def device_breakdown(wl: Workload, names: list[str], iters: int, backward: bool 
 
 def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     t0 = time.monotonic()
-    wl = Workload(width, M, device, args.max_autotune, args.fp8, args.torchao_blockwise)
+    wl = Workload(width, M, device, args.max_autotune, args.fp8, args.torchao_blockwise, tuple(args.attention_inputs))
     names = [n for n in wl.variants() if n not in args.skip]
     print(f"[{width} M={M}] warm-up / compile ...", flush=True)
     for n in names:
@@ -393,8 +396,8 @@ def run_workload(width: str, M: int, args: argparse.Namespace, device: torch.dev
         tuned = tune_in_sequence(wl.runner, lambda: (wl.zero_grad(), wl.coda(True)), **tuning)
     if args.tune:       # the FP8 blocks (--fp8), each in its own sequence
         for name, part in list(wl.fp8_parts.items()):
-            if not hasattr(part, "runner"):
-                continue
+            if not hasattr(part, "runner") or getattr(part, "follows", None) is not None:
+                continue       # the cuBLAS floor; an attention-inputs variant (on its block's runner)
             print(f"[{width} M={M}] in-sequence tuning of {name} ...", flush=True)
             before_fp8 = dict(part.runner.plan)
             tuned_fp8[name] = tune_in_sequence(part.runner, lambda part=part: (wl.zero_grad(), part(True)),
@@ -572,6 +575,9 @@ def main() -> None:
                     help="also time FP8 variants: coda's FP8 block with these recipes (no names: blockwise), "
                          "torchao float8 tensorwise and rowwise + torch.compile (when importable) and the FP8 "
                          "cuBLAS floor (torch._scaled_mm), in the same rounds")
+    ap.add_argument("--attention-inputs", nargs="*", default=[], choices=["heads", "heads_repeated"],
+                    help="with --fp8: also each recipe's block with SDPA handed head-major copies of q, k, v (k and "
+                         "v repeated to every head), variants coda-fp8-RECIPE@INPUTS (nn/attention.py)")
     ap.add_argument("--torchao-blockwise", action="store_true",
                     help="with --fp8: also torchao's blockwise (DeepSeek-V3) prototype as a peer (slow to compile)")
     ap.add_argument("--out", type=Path, default=Path("bench/results_block"))

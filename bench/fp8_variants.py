@@ -144,10 +144,15 @@ def incoming_gradient(step: Any, dy: torch.Tensor, recipe: Any) -> Any:
 class CodaFp8:
     """An FP8 coda block with the bf16 block's weights, as a middle block of a stack."""
 
-    def __init__(self, wl: Any, recipe: str, dims: dict[str, int], device: torch.device):
+    def __init__(self, wl: Any, recipe: str, dims: dict[str, int], device: torch.device,
+                 inputs: str = "views", follows: "CodaFp8 | None" = None):
         self.block = LlamaBlock(**dims, eps=1e-5, fp8=recipe, device=device, dtype=torch.bfloat16)
         self.block.load_state_dict(wl.block.state_dict())
-        self.runner = KernelRunner(torch.bfloat16)
+        self.block.attention.inputs = inputs          # nn/attention.py ATTENTION_INPUTS
+        # a variant of another block (its attention inputs only) runs that block's runner: the same
+        # kernels and plan, tuned or not (--tune tunes the block it follows)
+        self.follows = follows
+        self.runner = follows.runner if follows is not None else KernelRunner(torch.bfloat16)
         self.block.runner = self.runner
         self.wl = wl
         self.step = self.block.step(wl.batch, wl.seq)
@@ -209,16 +214,22 @@ class PlanBefore:
 
 
 def fp8_variants(wl: Any, recipes: list[str], dims: dict[str, int], device: torch.device,
-                 torchao_blockwise: bool = False
+                 torchao_blockwise: bool = False, attention_inputs: tuple[str, ...] = ()
                  ) -> tuple[dict[str, Callable[[bool], None]], list[torch.Tensor], dict[str, Any]]:
-    """(variants by name, their parameters for zero_grad, the coda FP8 blocks by variant name)."""
+    """(variants by name, their parameters for zero_grad, the coda FP8 blocks by variant name).
+    ``attention_inputs``: also each recipe's block with SDPA handed those inputs ("heads",
+    "heads_repeated"), as variants ``coda-fp8-RECIPE@INPUTS`` on the recipe block's runner."""
     v: dict[str, Callable[[bool], None]] = {}
     params: list[torch.Tensor] = []
     coda: dict[str, CodaFp8] = {}
     for r in recipes:
-        c = coda[f"coda-fp8-{r}"] = CodaFp8(wl, r, dims, device)
+        base = c = coda[f"coda-fp8-{r}"] = CodaFp8(wl, r, dims, device)
         v[f"coda-fp8-{r}"] = c
         params += list(c.block.parameters())
+        for inputs in attention_inputs:
+            c = coda[f"coda-fp8-{r}@{inputs}"] = CodaFp8(wl, r, dims, device, inputs=inputs, follows=base)
+            v[f"coda-fp8-{r}@{inputs}"] = c
+            params += list(c.block.parameters())
     skel = Fp8Skeleton(wl, device)
     v["cublas-fp8"] = skel.run
     coda["cublas-fp8"] = skel          # type: ignore[assignment]   (timed per site like the others)

@@ -69,6 +69,21 @@ FP8_VARIANTS = ("coda-fp8-tensorwise", "coda-fp8-blockwise", "coda-fp8-blockwise
 # whether compiling the glue between coda's kernels lifts a host-bound step (1B widths, 27th session)
 CODA_COMPILE = "coda-compile"
 ALL_VARIANTS = VARIANTS + FP8_VARIANTS + (CODA_COMPILE,)
+# opt-in: a coda variant with its blocks' SDPA handed other inputs (nn/attention.py ATTENTION_INPUTS),
+# e.g. coda@heads, coda-fp8-tensorwise@heads_repeated (twenty-eighth session: the attention lead)
+ATTENTION_SUFFIXES = ("heads", "heads_repeated")
+
+
+def attention_variant(name: str) -> tuple[str, str] | None:
+    """(base variant, attention inputs) of a ``BASE@INPUTS`` name, None for any other name."""
+    base, _, inputs = name.partition("@")
+    return (base, inputs) if inputs in ATTENTION_SUFFIXES and base in ("coda", *FP8_VARIANTS) else None
+
+
+def variant_order(results: list[dict[str, Any]]) -> list[str]:
+    """The variants the results hold: ALL_VARIANTS' order, then the attention variants."""
+    seen = [n for r in results for n in r["variants"]]
+    return [n for n in ALL_VARIANTS if n in seen] + list(dict.fromkeys(n for n in seen if n not in ALL_VARIANTS))
 
 
 def fail(msg: str) -> None:
@@ -199,8 +214,11 @@ def build_variants(fields: dict[str, Any], names: list[str], args: argparse.Name
         chunk_lm_head(model, args)
         out[CODA_COMPILE] = Variant(CODA_COMPILE, model, torch.compile(model, mode=args.compile_mode),
                                     list(model.parameters()), adamw(list(model.parameters())))
-    for name in (n for n in names if n in FP8_VARIANTS):
-        model = cnn.from_hf(base, fp8=name.removeprefix("coda-fp8-"))
+    for name in (n for n in names if n in FP8_VARIANTS or attention_variant(n)):
+        kind, inputs = attention_variant(name) or (name, "views")
+        model = cnn.from_hf(base, fp8=None if kind == "coda" else kind.removeprefix("coda-fp8-"))
+        for block in model.coda.blocks:
+            block.attention.inputs = inputs
         chunk_lm_head(model, args)
         out[name] = Variant(name, model, model, list(model.parameters()), adamw(list(model.parameters())))
     if "eager" not in names and "compile" not in names:
@@ -260,13 +278,18 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     v = r["variants"]
     if "coda" not in v:
         return {}
-    return {f"{c}/{n}": v[c]["tokens_per_s"] / v[n]["tokens_per_s"]
-            for c in ("coda", CODA_COMPILE, *FP8_VARIANTS) if c in v for n in v if n != c and not n.startswith("coda")}
+    out = {f"{c}/{n}": v[c]["tokens_per_s"] / v[n]["tokens_per_s"]
+           for c in v if c.startswith("coda") for n in v if not n.startswith("coda")}
+    for c in v:                         # an attention-inputs variant against its base, same run
+        base = (attention_variant(c) or ("",))[0]
+        if base in v:
+            out[f"{c}/{base}"] = v[c]["tokens_per_s"] / v[base]["tokens_per_s"]
+    return out
 
 
 def markdown(results: list[dict[str, Any]], env: dict[str, Any], path: Path) -> None:
     from report import machine_line
-    names = [n for n in ALL_VARIANTS if any(n in r["variants"] for r in results)]
+    names = variant_order(results)
     lines = [f"# Whole-model training step (forward + loss, backward, fused AdamW)\n",
              machine_line(env) + f"transformers {env.get('transformers')}, "
              f"liger-kernel {env.get('liger_kernel', '-')}.",
@@ -291,7 +314,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = [n for n in ALL_VARIANTS if any(n in r["variants"] for r in results)]
+    names = variant_order(results)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(names)
     for i, n in enumerate(names):
@@ -313,7 +336,8 @@ def main() -> None:
     p.add_argument("--out", required=True, type=Path, help="folder for results.json, results.md, results.png")
     p.add_argument("--configs", default="1b,3b,8b", help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma list of {', '.join(ALL_VARIANTS)} (the FP8 ones are opt-in)")
+                   help=f"comma list of {', '.join(ALL_VARIANTS)} (the FP8 ones are opt-in), and coda[-fp8-RECIPE]@heads "
+                        "or @heads_repeated (SDPA handed head-major q, k, v; opt-in)")
     p.add_argument("--layers", type=int, default=None, help="override every config's number of layers")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
@@ -328,9 +352,10 @@ def main() -> None:
                    "(the first coda run builds the kernels its cache lacks, about a minute each)")
     args = p.parse_args()
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
-    bad = [n for n in names if n not in ALL_VARIANTS]
+    bad = [n for n in names if n not in ALL_VARIANTS and not attention_variant(n)]
     if bad:
-        fail(f"unknown variant(s) {bad}; known: {', '.join(ALL_VARIANTS)}")
+        fail(f"unknown variant(s) {bad}; known: {', '.join(ALL_VARIANTS)}, and coda or coda-fp8-RECIPE with "
+             f"@{' or @'.join(ATTENTION_SUFFIXES)} (SDPA's inputs)")
     configs = {"quick": dict(QUICK)} if args.quick else {}
     if not args.quick:
         for c in (c.strip() for c in args.configs.split(",") if c.strip()):

@@ -10,7 +10,8 @@
 #   rowreduce  tests/gpu/test_kernels.py + test_fp8_gpu.py for the programs with per-row reductions (28th session's
 #              column-checked node: partial tiles included; every kernel prebuilt in .ab4)
 #   fp8tests  the GPU tests of the FP8 blocks, the nn modules and the Hugging Face models
-#   fp8block  bench/block.py, 8B widths, M = 8192: the FP8 recipes with bf16 torch.compile and torchao peers
+#   fp8block  bench/block.py, 8B widths, M = 8192: the FP8 recipes with bf16 torch.compile and torchao peers, each
+#             recipe also with SDPA handed head-major q, k, v (@heads, @heads_repeated: 28th session's attention lead)
 #   fp8model  bench/model.py's FP8 rows (1B and 8B widths) beside Liger and coda bf16
 #   probe     bench/probes/epilogue_outputs.py: the FP8 epilogue variants of docs/RESULTS.md (24th session); since the
 #             28th session "(full checks)" is CUTLASS's row reduction, the library's before (same bits expected)
@@ -18,7 +19,8 @@
 #   modelcompile  bench/model.py ($MODEL_CONFIGS, default 1b): coda, coda under torch.compile ($COMPILE_MODE), Liger,
 #                 HF + compile ($MODEL_VARIANTS; at 3B widths four model copies need an H200's memory)
 #   attention  bench/probes/attention_layouts.py at 8B and 1B widths: does coda's attention call (views of the QKV
-#              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends
+#              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends; then the
+#              1B bf16 model with each attention input form (bench/model.py coda@heads, coda@heads_repeated)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
 # A 30-minute device session (28th session's plan): rowreduce fp8tests (the column-checked row reductions, the
@@ -65,7 +67,8 @@ for dt in (torch.bfloat16, torch.float16):
     fp8tests) run fp8tests ${TESTS_LIMIT:-560} python3 -m pytest -q -p no:logging --durations=15 tests/gpu/test_fp8_block_gpu.py \
                 tests/gpu/test_nn_gpu.py tests/gpu/test_nn_modules_gpu.py tests/gpu/test_hf_gpu.py ;;
     fp8block) run fp8block ${BENCH_LIMIT:-560} python3 bench/block.py --widths 8b --tokens 8192 \
-                --fp8 tensorwise blockwise_g16 --skip coda coda-identity eager liger --no-max-autotune \
+                --fp8 tensorwise blockwise_g16 --attention-inputs heads heads_repeated \
+                --skip coda coda-identity eager liger --no-max-autotune \
                 --energy-seconds 0 --rounds 4 --out "$out/fp8block" ;;
     fp8model) run fp8model ${MODEL_LIMIT:-560} python3 bench/model.py --configs 1b,8b \
                 --variants liger,coda,coda-fp8-tensorwise,coda-fp8-blockwise_g16 --out "$out/fp8model" ;;
@@ -83,7 +86,9 @@ for dt in (torch.bfloat16, torch.float16):
                     --variants ${MODEL_VARIANTS:-liger,compile,coda,coda-compile} ${COMPILE_MODE:+--compile-mode $COMPILE_MODE} \
                     --out "$out/modelcompile" ;;
     attention) run attention ${PROBE_LIMIT:-240} bash -c "python3 bench/probes/attention_layouts.py --width 8b \
-                 --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json" ;;
+                 --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json"
+               run attention_model ${MODEL_LIMIT:-300} python3 bench/model.py --configs 1b \
+                 --variants coda,coda@heads,coda@heads_repeated --out "$out/attention_model" ;;
     hostprofile) run hostprofile ${PROFILE_LIMIT:-300} python3 bench/probes/model_step_profile.py --config 1b \
                    --variants coda,coda-fp8-tensorwise --steps 4 --host-profile 45 --out "$out/hostprofile.json" ;;
     *) echo "unknown stage $s"; exit 2 ;;

@@ -50,6 +50,34 @@ def test_model_bench_builds_its_variants_and_writes_its_report_without_a_gpu(tmp
     assert "coda vs eager 1.100x" in text and "| quick (2 layers, 1 x 16) |" in text
 
 
+def test_model_bench_attention_inputs_variant_steps_like_its_base_and_is_reported_against_it(tmp_path):
+    """coda@heads: the same model with SDPA handed head-major q, k, v: the same first loss as coda's
+    (fp32 math on the CPU), its own column and a ratio against coda in the table."""
+    import argparse
+
+    import pytest
+    import torch
+    pytest.importorskip("transformers")
+    import model as bench_model
+    fields = dict(bench_model.QUICK, hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=256)
+    args = argparse.Namespace(seq=16, compile_mode=None, device="cpu")
+    variants = bench_model.build_variants(fields, ["coda", "coda@heads_repeated"], args)
+    assert all(b.attention.inputs == "heads_repeated" for b in variants["coda@heads_repeated"].model.coda.blocks)
+    assert all(b.attention.inputs == "views" for b in variants["coda"].model.coda.blocks)
+    tokens = torch.randint(0, 256, (1, 16))
+    losses = {n: float(v.step(tokens)) for n, v in variants.items()}
+    assert abs(losses["coda"] - losses["coda@heads_repeated"]) < 1e-2 * losses["coda"]
+    row = {"ms": 10.0, "ms_all": [10.0], "tokens_per_s": 1600.0, "peak_gib": 1.0, "first_loss": 5.5}
+    results = [{"config": "quick", "layers": 2, "hidden": 64, "batch": 1, "seq": 16,
+                "variants": {"liger": row, "coda": row, "coda@heads_repeated": dict(row, tokens_per_s=1680.0)}}]
+    bench_model.markdown(results, {"gpu": "cpu", "driver": "-", "torch": torch.__version__, "cuda": None,
+                                   "transformers": "5"}, tmp_path / "results.md")
+    text = (tmp_path / "results.md").read_text()
+    assert "coda@heads_repeated vs coda 1.050x" in text and "coda@heads_repeated vs liger 1.050x" in text
+    assert bench_model.attention_variant("coda-fp8-tensorwise@heads") == ("coda-fp8-tensorwise", "heads")
+    assert bench_model.attention_variant("liger@heads") is None and bench_model.attention_variant("coda") is None
+
+
 def test_model_bench_fp8_variant_builds_and_steps_without_a_gpu():
     """The opt-in FP8 rows: from_hf(..., fp8=RECIPE) of the same weights, one training step."""
     import argparse

@@ -28,11 +28,15 @@ def perturb_norms(module: torch.nn.Module, g: torch.Generator) -> None:
                 p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
+@pytest.mark.parametrize("inputs", ["views", "heads", "heads_repeated"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
-def test_block_forward_and_every_gradient_match_a_standard_block(heads, kv_heads):
+def test_block_forward_and_every_gradient_match_a_standard_block(heads, kv_heads, inputs):
+    """Also with SDPA handed head-major copies of q, k, v (with k, v repeated): the attention
+    gradients come back as (B, S, heads, D) views of head-major tensors, read as they are."""
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     torch.manual_seed(heads + kv_heads)
     block = LlamaBlock(64, heads, kv_heads, 96, eps=1e-5, rope_theta=10000.0, dtype=torch.float32)
+    block.attention.inputs = inputs
     perturb_norms(block, g)
     assert isinstance(block.get_runner(), ReferenceRunner)
     w = standard_weights(block)

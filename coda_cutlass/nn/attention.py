@@ -20,6 +20,13 @@ import torch.nn.functional as F
 from ..partials import cached_tensor
 
 ATTENTION_BACKENDS = ("sdpa", "flash")
+# What SDPA is handed (``Attention.inputs``): "views", the strided (B, S, heads, D) views of the QKV
+# output with GQA in the kernel (the default); "heads", head-major (B, heads, S, D) copies;
+# "heads_repeated", those with k and v repeated to every query head (no GQA in the kernel), as
+# transformers' repeat_kv does. The same cuDNN kernels ran ~300 us a block slower on the views than
+# in torch.compile's block (8B widths, docs/RESULTS.md, twenty-eighth session): an experiment for
+# bench/block.py and bench/model.py (variants "...@heads"), not a default until measured.
+ATTENTION_INPUTS = ("views", "heads", "heads_repeated")
 
 
 def flash_available() -> bool:
@@ -35,7 +42,9 @@ class Attention:
     sliding window (each token sees itself and the window - 1 tokens before it; None: all before it)."""
 
     def __init__(self, backend: str = "sdpa", *, scale: float | None = None, window: int | None = None,
-                 softcap: float | None = None):
+                 softcap: float | None = None, inputs: str = "views"):
+        if inputs not in ATTENTION_INPUTS:
+            raise ValueError(f"attention inputs must be one of {ATTENTION_INPUTS}, got {inputs!r}")
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {backend!r}")
         if backend == "flash" and not flash_available():
@@ -51,9 +60,11 @@ class Attention:
         self.scale = scale
         self.window = window
         self.softcap = softcap       # logits -> softcap * tanh(logits / softcap) (Gemma 2): eager attention
+        self.inputs = inputs         # ATTENTION_INPUTS (SDPA without a soft-cap only)
 
     def __repr__(self) -> str:
-        return f"Attention({self.backend!r}, scale={self.scale}, window={self.window}, softcap={self.softcap})"
+        inputs = "" if self.inputs == "views" else f", inputs={self.inputs!r}"
+        return f"Attention({self.backend!r}, scale={self.scale}, window={self.window}, softcap={self.softcap}{inputs})"
 
     def forward(self, qkv: torch.Tensor, batch: int, seq: int, dims: Any, dropout: float = 0.0,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
@@ -72,14 +83,21 @@ class Attention:
             raise ValueError("attention='flash' does not take padding or packed documents yet: use attention='sdpa'")
         if self.softcap is not None and mask is None:
             mask = causal_mask(seq, qkv.device)
+        heads = self.inputs != "views" and self.backend == "sdpa" and self.softcap is None
         with torch.enable_grad():
-            leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+            # the leaves the backward differentiates to: the views, or head-major (B, H, S, D) copies
+            leaves = tuple((t.transpose(1, 2).contiguous() if heads else t).detach().requires_grad_()
+                           for t in (q, k, v))
             if self.backend == "flash":
                 from flash_attn import flash_attn_func
                 o = flash_attn_func(*leaves, dropout_p=dropout, softmax_scale=self.scale, causal=True,
                                     window_size=(self.window - 1, 0) if windowed else (-1, -1))  # (B, S, H, D)
             else:
-                q_, k_, v_ = (t.transpose(1, 2) for t in leaves)                 # (B, H, S, D) views
+                q_, k_, v_ = leaves if heads else (t.transpose(1, 2) for t in leaves)   # (B, H, S, D)
+                gqa = dims.n_heads != dims.n_kv_heads
+                if heads and gqa and self.inputs == "heads_repeated":
+                    k_, v_ = (t.repeat_interleave(dims.n_heads // dims.n_kv_heads, dim=1) for t in (k_, v_))
+                    gqa = False
                 if windowed:
                     band = window_mask(seq, self.window, qkv.device)
                     mask = band if mask is None else (mask & band) | torch.eye(seq, dtype=torch.bool, device=qkv.device)
@@ -89,17 +107,20 @@ class Attention:
                 else:
                     o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, is_causal=mask is None,
                                                        dropout_p=dropout, scale=self.scale,
-                                                       enable_gqa=dims.n_heads != dims.n_kv_heads).transpose(1, 2)
-        out = o.detach().reshape(batch * seq, nq)       # a view when o is laid out (B, S, H, D)
-        return out, (leaves, o)
+                                                       enable_gqa=gqa).transpose(1, 2)
+        out = o.detach().reshape(batch * seq, nq)       # a view when o is laid out (B, S, H, D), else a copy
+        return out, (leaves, o, heads)
 
     @staticmethod
     def backward(ctx: tuple, d_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Gradient of the output (M, q) -> (dq, dk, dv) as (B, S, heads, head_dim) tensors. The
         recorded graph is kept (a block's backward may run again under ``retain_graph``); it is freed
         with the block's saved tensors, which hold ``o``, once the backward is done."""
-        leaves, o = ctx
-        return torch.autograd.grad(o, leaves, d_out.view(o.shape), retain_graph=True)
+        leaves, o, heads = ctx
+        grads = torch.autograd.grad(o, leaves, d_out.view(o.shape), retain_graph=True)
+        # head-major leaves: their gradients as (B, S, heads, D) views, which the RoPE backward map
+        # kernels read without a copy
+        return tuple(g.transpose(1, 2) for g in grads) if heads else grads
 
 
 def softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float, cap: float,
