@@ -105,6 +105,30 @@ def test_forced_rebuild_swaps_in_atomically(fake_nvcc, monkeypatch):
     assert tmp_leftovers(fake_nvcc["cache"]) == []
 
 
+def test_an_entry_swapped_in_while_it_is_read_is_judged_by_its_new_files(fake_nvcc, monkeypatch):
+    """A reader that opened the old folder of an entry a forced rebuild then exchanged and trashed
+    fails to read it: it reads the entry again (the new one passes) instead of judging, and
+    discarding, the new entry by the old one (seen once as a gap in the test above, under load)."""
+    from coda_cutlass.build import cache as cache_mod
+    old = build(SRC, "k")
+    new_dir = old.path.parent.parent / "new-build"
+    shutil.copytree(old.path.parent, new_dir)
+    real_verify, calls = cache_mod.verify, []
+
+    def verify(so, *a, **k):
+        calls.append(so)
+        if len(calls) == 1:                   # the rebuild lands while the first read is under way
+            aside = so.parent.with_name("old-entry")
+            os.rename(so.parent, aside)
+            os.rename(new_dir, so.parent)
+            shutil.rmtree(aside)
+            raise cache_mod.Rejected("meta.json: No such file or directory (the old folder, trashed)")
+        return real_verify(so, *a, **k)
+    monkeypatch.setattr(cache_mod, "verify", verify)
+    assert KernelCache().problem(old.key) is None and len(calls) == 2
+    assert KernelCache().lookup(old.key) == old.path            # and the entry stays in place
+
+
 # ---------------------------------------------------------------- item 10: timeouts, kills, locks
 @pytest.mark.parametrize("how", ["argument", "environment"])
 def test_timeout_kills_the_whole_compiler_process_group(fake_nvcc, monkeypatch, how):

@@ -202,12 +202,21 @@ class KernelCache:
 
     # ------------------------------------------------------------------ entries
     def problem(self, key: str) -> str | None:
-        """Why the entry for ``key`` must not be used, or None."""
-        try:
-            verify(self.entry_dir(key) / "kernel.so", key=key)
-        except Rejected as e:
-            return str(e)
-        return None
+        """Why the entry for ``key`` must not be used, or None. An entry swapped in while it was read
+        (a forced rebuild elsewhere exchanges the folders, then trashes the old one under the reader)
+        is read again: the reader would otherwise judge, and discard, the new entry by the old one."""
+        entry = self.entry_dir(key)
+        reason = None
+        for _ in range(3):
+            before = _inode(entry)
+            try:
+                verify(entry / "kernel.so", key=key)
+                return None
+            except Rejected as e:
+                reason = str(e)
+            if _inode(entry) == before:
+                return reason
+        return reason
 
     def lookup(self, key: str) -> Path | None:
         """The path of a verified kernel.so for ``key``, or None. A bad entry is moved aside in a
@@ -368,6 +377,13 @@ def _mark(root: Path) -> str | None:
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
 
 
 def _exchange(a: Path, b: Path, cache: KernelCache) -> None:
