@@ -63,7 +63,8 @@ class Attention:
         self.inputs = inputs         # ATTENTION_INPUTS (SDPA without a soft-cap only)
 
     def __repr__(self) -> str:
-        inputs = "" if self.inputs == "views" else f", inputs={self.inputs!r}"
+        inputs = getattr(self, "inputs", "views")
+        inputs = "" if inputs == "views" else f", inputs={inputs!r}"
         return f"Attention({self.backend!r}, scale={self.scale}, window={self.window}, softcap={self.softcap}{inputs})"
 
     def forward(self, qkv: torch.Tensor, batch: int, seq: int, dims: Any, dropout: float = 0.0,
@@ -83,7 +84,8 @@ class Attention:
             raise ValueError("attention='flash' does not take padding or packed documents yet: use attention='sdpa'")
         if self.softcap is not None and mask is None:
             mask = causal_mask(seq, qkv.device)
-        heads = self.inputs != "views" and self.backend == "sdpa" and self.softcap is None
+        inputs = getattr(self, "inputs", "views")      # an Attention pickled before the setting: the views
+        heads = inputs != "views" and self.backend == "sdpa" and self.softcap is None
         with torch.enable_grad():
             # the leaves the backward differentiates to: the views, or head-major (B, H, S, D) copies
             leaves = tuple((t.transpose(1, 2).contiguous() if heads else t).detach().requires_grad_()
@@ -95,7 +97,7 @@ class Attention:
             else:
                 q_, k_, v_ = leaves if heads else (t.transpose(1, 2) for t in leaves)   # (B, H, S, D)
                 gqa = dims.n_heads != dims.n_kv_heads
-                if heads and gqa and self.inputs == "heads_repeated":
+                if heads and gqa and inputs == "heads_repeated":
                     k_, v_ = (t.repeat_interleave(dims.n_heads // dims.n_kv_heads, dim=1) for t in (k_, v_))
                     gqa = False
                 if windowed:
