@@ -205,22 +205,14 @@ def build_variants(fields: dict[str, Any], names: list[str], args: argparse.Name
         from transformers.models.llama import modeling_llama
         out["liger"] = Variant("liger", model, model, list(model.parameters()), adamw(list(model.parameters())),
                                lambda: module_globals(modeling_llama, changed))
-    if "coda" in names:
-        model = cnn.from_hf(base)
-        chunk_lm_head(model, args)
-        out["coda"] = Variant("coda", model, model, list(model.parameters()), adamw(list(model.parameters())))
-    if CODA_COMPILE in names:
-        model = cnn.from_hf(base)
-        chunk_lm_head(model, args)
-        out[CODA_COMPILE] = Variant(CODA_COMPILE, model, torch.compile(model, mode=args.compile_mode),
-                                    list(model.parameters()), adamw(list(model.parameters())))
-    for name in (n for n in names if n in FP8_VARIANTS or attention_variant(n)):
+    for name in (n for n in names if n in ("coda", CODA_COMPILE, *FP8_VARIANTS) or attention_variant(n)):
         kind, inputs = attention_variant(name) or (name, "views")
-        model = cnn.from_hf(base, fp8=None if kind == "coda" else kind.removeprefix("coda-fp8-"))
+        model = cnn.from_hf(base, fp8=kind.removeprefix("coda-fp8-") if kind in FP8_VARIANTS else None)
         for block in model.coda.blocks:
             block.attention.inputs = inputs
         chunk_lm_head(model, args)
-        out[name] = Variant(name, model, model, list(model.parameters()), adamw(list(model.parameters())))
+        call = torch.compile(model, mode=args.compile_mode) if name == CODA_COMPILE else model
+        out[name] = Variant(name, model, call, list(model.parameters()), adamw(list(model.parameters())))
     if "eager" not in names and "compile" not in names:
         del base
     return out

@@ -28,7 +28,8 @@ from . import kernel as _kernel
 from .arguments import CallSpec
 from .kernel import ReductionOutputs, current_stream, ensure_gpu, new_buffer
 from .library import LibraryBinding, load
-from .map_op import call_map_op, contiguous_strides, register_map
+from .map_op import call_map_op, register_map
+from .torch_op import contiguous_strides
 
 # The call's own keyword: k(X, out=..., **operands) (a misspelling of it is suggested too).
 MAP_CALL_KEYWORDS = ("out",)

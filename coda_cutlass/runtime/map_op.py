@@ -11,17 +11,13 @@ behind a graph break, as every map kernel call did before.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import re
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from ..ir.nodes import Operand
-from .torch_op import ascii_names, define, owned
+from .torch_op import ascii_names, define, digest_of, labelled, owned, packed, returns_schema
 
 
 class OpMap(Protocol):
@@ -51,9 +47,7 @@ def op_name(k: OpMap) -> str:
     fields = {"program": k.name, "key": k.key, "path": str(Path(k.path).resolve()),
               "partial_reductions": k.partial_reductions, "operands": [(o.name, o.kind.value) for o in k.operands],
               "inout": list(k.inout), "outputs": list(k.outputs)}
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
-    base = re.sub(r"[^0-9a-zA-Z_]", "_", k.name)[:40].strip("_") or "map"
-    return f"map_{base}_{digest}"
+    return labelled(k.name, digest_of(fields), "map", prefix="map_")
 
 
 def returned(k: OpMap) -> list[str]:
@@ -65,15 +59,7 @@ def schema(k: OpMap) -> str:
     args = ["Tensor X"]
     args += [f"float {n}" if o.host_scalar else f"Tensor {n}" for o, n in zip(k.operands, names)]
     args += [f"Tensor(a{i}!) {n}" for i, n in enumerate(names[len(k.operands):])]
-    rets = returned(k)
-    ret = "()" if not rets else ("Tensor" if len(rets) == 1 else "(" + ", ".join("Tensor" for _ in rets) + ")")
-    return f"({', '.join(args)}) -> {ret}"
-
-
-def _packed(vals: tuple[torch.Tensor, ...]) -> Any:
-    if not vals:
-        return None
-    return vals[0] if len(vals) == 1 else vals
+    return f"({', '.join(args)}) -> {returns_schema(len(returned(k)))}"
 
 
 def register_map(k: OpMap) -> Any:
@@ -90,26 +76,17 @@ def _implementations(k: OpMap) -> tuple[Any, Any]:
         M, N = k.logical_mn(X)
         vals = []
         for n in rets:
-            v = out[n]
-            if n in scales:              # the run-major buffer behind the view
-                shape, stride, _ = k.output_layout(n, M, N)
-                v = v.t().as_strided(shape, stride)
-            vals.append(owned(v, k.output_layout(n, M, N)[1]))
-        return _packed(tuple(vals))
+            shape, stride, _ = k.output_layout(n, M, N)
+            # block scales: the run-major buffer behind the (rows, runs) view
+            vals.append(owned(out[n].t().as_strided(shape, stride) if n in scales else out[n], stride))
+        return packed(tuple(vals))
 
     def fake(X: torch.Tensor, *args: Any) -> Any:
         M, N = k.logical_mn(X)
-        vals = []
-        for n in rets:
-            shape, stride, dtype = k.output_layout(n, M, N)
-            vals.append(X.new_empty_strided(shape, stride, dtype=dtype))
-        return _packed(tuple(vals))
+        return packed(tuple(X.new_empty_strided(shape, stride, dtype=dtype)
+                            for shape, stride, dtype in (k.output_layout(n, M, N) for n in rets)))
 
     return impl, fake
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(max(d, 1) for d in shape[i + 1:]) for i in range(len(shape)))
 
 
 def call_map_op(k: OpMap, X: torch.Tensor, operands: dict[str, Any]) -> dict[str, torch.Tensor]:

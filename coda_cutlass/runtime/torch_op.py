@@ -71,16 +71,26 @@ def identity(k: OpKernel) -> str:
     }
     if k.gemm_scales:
         fields["scales"] = list(k.gemm_scales)
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    return digest_of(fields)
 
 
 def op_name(k: OpKernel) -> str:
     """``<program>_<digest>``: the program name reduced to ASCII identifier characters (so distinct
     names may read alike; the digest, which covers the real name, tells them apart)."""
-    base = re.sub(r"[^0-9a-zA-Z_]", "_", k.name)[:40].strip("_") or "epilogue"
+    return labelled(k.name, identity(k), "epilogue")
+
+
+def labelled(name: str, digest: str, fallback: str, prefix: str = "") -> str:
+    """``<prefix><name as ASCII identifier characters>_<digest[:24]>`` (``fallback`` when nothing of
+    the name is left; ``p`` before a leading digit)."""
+    base = prefix + (re.sub(r"[^0-9a-zA-Z_]", "_", name)[:40].strip("_") or fallback)
     if base[0].isdigit():
         base = "p" + base
-    return f"{base}_{identity(k)[:24]}"
+    return f"{base}_{digest[:24]}"
+
+
+def digest_of(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def schema_names(k: OpKernel) -> list[str]:
@@ -119,9 +129,23 @@ def schema(k: OpKernel) -> str:
     for i, name in enumerate(names[n_in:]):
         args.append(f"Tensor(a{i}!) {name}")
     args += ["*", "str? raster=None", "int? swizzle=None"]
-    rets = [n for n in k.outputs if n not in k.inout]
-    ret = "()" if not rets else ("Tensor" if len(rets) == 1 else "(" + ", ".join("Tensor" for _ in rets) + ")")
-    return f"({', '.join(args)}) -> {ret}"
+    return f"({', '.join(args)}) -> {returns_schema(len(_returned(k)))}"
+
+
+def returns_schema(n: int) -> str:
+    """The schema's return part for ``n`` returned tensors."""
+    return "()" if not n else ("Tensor" if n == 1 else "(" + ", ".join("Tensor" for _ in range(n)) + ")")
+
+
+def packed(vals: tuple[torch.Tensor, ...]) -> Any:
+    """An op's returned tensors as its schema returns them (none, one, a tuple)."""
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else vals
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(max(d, 1) for d in shape[i + 1:]) for i in range(len(shape)))
 
 
 def _returned(k: OpKernel) -> list[str]:
@@ -157,18 +181,12 @@ def _implementations(k: OpKernel) -> tuple[Any, Any]:
              swizzle: int | None = None) -> Any:
         out = k.run(A, W, dict(zip(arg_names, args)), raster=raster, swizzle=swizzle)
         # block scales are a view of a run-major buffer: the op returns the buffer (call_op views it)
-        vals = tuple(as_returned(k, n, _scale_buffer(k, n, out[n], A, W) if n in transposed else out[n], A, W,
-                                 n in transposed) for n in returned)
-        if not vals:
-            return None
-        return vals[0] if len(vals) == 1 else vals
+        return packed(tuple(as_returned(k, n, _scale_buffer(k, n, out[n], A, W) if n in transposed else out[n],
+                                        A, W, n in transposed) for n in returned))
 
     def fake(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
              swizzle: int | None = None) -> Any:
-        vals = tuple(_fake_output(k, n, A, W, n in transposed) for n in returned)
-        if not vals:
-            return None
-        return vals[0] if len(vals) == 1 else vals
+        return packed(tuple(_fake_output(k, n, A, W, n in transposed) for n in returned))
 
     return impl, fake
 
@@ -202,7 +220,7 @@ def _layout(k: OpKernel, name: str, A: torch.Tensor, W: torch.Tensor,
     shape, dtype = k.output_spec(name, M, N)
     if transposed:
         shape = tuple(_storage(k, name, A, W))
-        return shape, tuple(math.prod(max(d, 1) for d in shape[i + 1:]) for i in range(len(shape))), dtype
+        return shape, contiguous_strides(shape), dtype
     return tuple(shape), tuple(k.output_stride(name, M, N)), dtype
 
 
