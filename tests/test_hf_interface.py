@@ -153,6 +153,46 @@ def test_a_partial_state_dict_loads_what_it_has_and_strict_names_the_rest():
     assert torch.equal(model.coda.blocks[1].o, source.coda.blocks[1].o)
 
 
+def test_keys_the_model_does_not_read_are_unexpected_not_dropped():
+    """A transformers state dict with tensors the model has no place for (a biased Llama's biases,
+    Qwen3's q/k norms, a stray key) is refused by strict loading and reported by strict=False: a
+    first version deleted every key under the prefix, so the biases vanished without a word."""
+    model = cnn.from_hf(hf_model())
+    biased = hf_model(attention_bias=True, mlp_bias=True).state_dict()
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*model\.layers\.0\.self_attn\.q_proj\.bias"):
+        copy.deepcopy(model).load_state_dict(biased)
+    qwen3 = {**hf_model().state_dict(), "model.layers.1.self_attn.q_norm.weight": torch.ones(16), "stray": torch.zeros(1)}
+    missing, unexpected = model.load_state_dict(qwen3, strict=False)
+    assert not missing and sorted(unexpected) == ["model.layers.1.self_attn.q_norm.weight", "stray"]
+    tied = cnn.from_hf(hf_model(tie_word_embeddings=True))       # transformers' own state_dict() has lm_head.weight
+    assert "lm_head.weight" in hf_model(tie_word_embeddings=True).state_dict()
+    assert tied.load_state_dict(hf_model(seed=4, tie_word_embeddings=True).state_dict()) is not None
+
+
+def test_what_a_transformers_state_dict_lacks_is_named_by_its_transformers_key():
+    source, model = hf_model(seed=5), cnn.from_hf(hf_model(seed=6))
+    state = source.state_dict()
+    state["model.nrom.weight"] = state.pop("model.norm.weight")
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "model\.norm\.weight"'):
+        copy.deepcopy(model).load_state_dict(state)
+    before = model.coda.blocks[1].o.detach().clone()
+    without_layer = {k: v for k, v in source.state_dict().items() if not k.startswith("model.layers.1.")}
+    missing, unexpected = model.load_state_dict(without_layer, strict=False)
+    assert not unexpected and "model.layers.1.self_attn.o_proj.weight" in missing
+    assert not any(k.startswith("coda.") for k in missing)
+    assert torch.equal(model.coda.blocks[1].o, before)                # kept, as for a layer given in part
+    assert torch.equal(model.coda.embed, source.model.embed_tokens.weight)
+
+
+def test_a_wrongly_shaped_tensor_is_named_and_loads_nothing_in_its_place():
+    source, model = hf_model(seed=5), cnn.from_hf(hf_model(seed=6))
+    state = source.state_dict()
+    state["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match=r"size mismatch for model\.layers\.0\.self_attn\.q_proj\.weight: .*"
+                                           r"\(3, 3\).*current model"):
+        model.load_state_dict(state, strict=False)
+
+
 def test_eval_mode_returns_the_logits_with_the_loss(tmp_path):
     hf = hf_model().eval()
     model = cnn.from_hf(hf)

@@ -27,7 +27,7 @@ from torch import nn
 from ...errors import ConfigError
 from ..block import LlamaBlock
 from ..model import LlamaModel, per_layer_recipes
-from .checkpoint import from_hf_keys, hf_layer_keys, layer_paths, looks_like_hf, to_hf_keys
+from .checkpoint import from_hf_keys, hf_model_shapes, layer_paths, looks_like_hf, read_by_model, to_hf_keys
 from .family import Family
 from .fields import UnsupportedConfig, head_dim
 from .layer import kernel_weights, layer_requires_grad
@@ -378,25 +378,30 @@ def _hf_state_to_coda(module: Any, state_dict: dict, prefix: str, local_metadata
                       missing_keys: list[str], *args: Any) -> None:
     """load_state_dict of a transformers-format state dict (a checkpoint save_pretrained wrote,
     which Trainer loads back when resuming; or one shard of it, loaded with strict=False): converted
-    to the coda keys in place. A layer given in part (a shard boundary inside it) keeps its other
-    parameters' values; their transformers keys are reported missing, for ``strict`` to judge."""
+    to the coda keys in place. What it lacks keeps its values and is reported missing under its
+    transformers key (a layer given in part: a shard boundary inside it); a key the model does not
+    read (a bias, another family's q_norm) stays as it is, for load_state_dict to report unexpected."""
     ours = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix)}
     if not looks_like_hf(ours, module.coda_family) or any(k.startswith("coda.") for k in ours):
         return
     family, blocks = module.coda_family, module.coda.blocks
-    converted = from_hf_keys({k: state_dict[full] for k, full in ours.items()}, family, module.config,
-                             module.coda_tied, current=lambda i: layer_paths(blocks[i], family))
-    for i in range(len(blocks)):
-        keys = hf_layer_keys(family, i)
-        if any(k in ours for k in keys):
-            missing_keys.extend(prefix + k for k in keys if k not in ours)
-    for full in ours.values():
-        del state_dict[full]
-    for k, v in converted.items():
-        state_dict[f"{prefix}coda.{k}"] = v
+    error_msgs = args[1]                                     # after unexpected_keys
+    shapes = hf_model_shapes(module.coda, family, module.coda_tied)
+    given = {}
+    for k, full in ours.items():
+        if k in shapes and tuple(state_dict[full].shape) != tuple(shapes[k]):     # as torch words its own check
+            error_msgs.append(f"size mismatch for {full}: copying a param with shape {tuple(state_dict[full].shape)} "
+                              f"from checkpoint, the shape in current model is {tuple(shapes[k])}.")
+        else:
+            given[k] = state_dict[full]
+    converted = from_hf_keys(given, family, module.config, module.coda_tied,
+                             current=lambda i: layer_paths(blocks[i], family))
+    missing_keys.extend(prefix + k for k in shapes if k not in ours)
+    for k, full in ours.items():
+        if k in shapes or read_by_model(k, family):
+            del state_dict[full]
     for k, v in module.coda.state_dict().items():           # the settings (RoPE, window) stay as they are
-        if not isinstance(v, torch.Tensor):
-            state_dict[f"{prefix}coda.{k}"] = v
+        state_dict[f"{prefix}coda.{k}"] = converted.get(k, v)
 
 
 class _CodaPreTrained(CodaCausalLM):

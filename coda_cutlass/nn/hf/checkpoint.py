@@ -45,6 +45,28 @@ def hf_layer_keys(family: Family, i: int) -> list[str]:
     return [_key(f"{family.layers_path}.{i}.{p}") for p in family.paths.values()]
 
 
+def hf_model_shapes(model: Any, family: Family, tied: bool) -> dict[str, torch.Size]:
+    """The shape of each transformers key of a coda LlamaModel's checkpoint (from meta copies of its
+    parameters: nothing is computed)."""
+    whole = {family.embed_path: model.embed, family.norm_path: model.norm}
+    if not tied:
+        whole[family.lm_head_path] = model.lm_head
+    out = {_key(p): t.shape for p, t in whole.items()}
+    for i, block in enumerate(model.blocks):
+        meta = {n: p.detach().to("meta") for n, p in block.named_parameters()}
+        d = block.dims
+        for path, t in family.from_standard(standard_layout(meta, d.q_width, d.kv_width, d.head_dim)).items():
+            out[_key(f"{family.layers_path}.{i}.{path}")] = t.shape
+    return out
+
+
+def read_by_model(key: str, family: Family) -> bool:
+    """Is ``key`` one the model reads or may ignore: its own keys, a tied head's ``lm_head.weight``
+    (transformers' state_dict() of a tied model has it), and the RoPE ``inv_freq`` buffers older
+    checkpoints saved (computed from the config, as transformers does)."""
+    return key == _key(family.lm_head_path) or key.endswith("rotary_emb.inv_freq")
+
+
 def from_hf_keys(state: Mapping[str, torch.Tensor], family: Family, config: Any, tied: bool, *,
                  current: Callable[[int], Mapping[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
     """transformers state dict -> coda LlamaModel state (kernel layout) of the keys present: the whole
