@@ -15,7 +15,7 @@ import torch
 from .compiler import CompiledEpilogue, checked_reference, compile_generated, compile_parallel, parallel_jobs
 from .config import KernelConfig
 from .dtypes import BF16
-from .errors import CallError, ConfigError
+from .errors import ArgumentError, CallError, ConfigError
 from .frontend.trace import check_option_values
 from .interpret import check_mode
 from .pipeline import Lowered, Options, generate, lower_program, typed_ir
@@ -39,7 +39,7 @@ def split_options(opts: Mapping[str, Any]) -> tuple[Options, dict[str, Any]]:
     """compile_epilogue-style keyword options -> (what decides the source, the build/runtime rest)."""
     unknown = set(opts) - set(GENERATION_OPTIONS) - set(BUILD_OPTIONS)
     if unknown:
-        raise TypeError(f"unknown options {sorted(unknown)}")
+        raise ArgumentError(f"unknown options {sorted(unknown)}")
     gen = {k: opts[k] for k in GENERATION_OPTIONS if k in opts}
     gen.setdefault("dtype", torch.bfloat16)
     return Options.make(**gen), {k: opts[k] for k in BUILD_OPTIONS if k in opts}
@@ -126,7 +126,7 @@ def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout
     """
     if isinstance(config, str):
         if config != "tune":
-            raise TypeError(f"config must be a KernelConfig, None (the heuristic default) or 'tune', got {config!r}")
+            raise ArgumentError(f"config must be a KernelConfig, None (the heuristic default) or 'tune', got {config!r}")
         return TunedEpilogue(program, _options(dtype, weight_layout, None, input_dtypes, output_dtypes, constants,
                                                scaling, fast_accum),
                              partial_reductions=partial_reductions, cache_dir=cache_dir, verbose=verbose)

@@ -122,7 +122,8 @@ def _check_module_name(spec: str) -> None:
 
 def programs_of(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
     """The module's PREBUILD list of (program, options) pairs, else every epilogue program in it."""
-    from .api import BUILD_OPTIONS, GENERATION_OPTIONS
+    from .api import BUILD_OPTIONS, GENERATION_OPTIONS, split_options
+    from .errors import CodaError
     from .frontend.trace import EpilogueProgram
     if not hasattr(mod, "PREBUILD"):
         return [(v, {}) for v in vars(mod).values() if isinstance(v, EpilogueProgram)]
@@ -139,6 +140,10 @@ def programs_of(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
         if unknown:
             raise UserError(f"PREBUILD[{i}] ({item[0].name}) has unknown options {sorted(unknown)}; "
                             f"known: {', '.join(GENERATION_OPTIONS + BUILD_OPTIONS)}")
+        try:                  # before any build: a bad value must not wait for the entries before it
+            split_options(item[1])
+        except CodaError as e:
+            raise UserError(f"PREBUILD[{i}] ({item[0].name}): {e}") from e
         items.append((item[0], dict(item[1])))
     return items
 

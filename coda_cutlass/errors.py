@@ -31,6 +31,11 @@ class ConfigError(CodaError):
     """A kernel configuration (tile, cluster, schedule, dtypes, layouts) is not supported."""
 
 
+class ArgumentError(CodaError, TypeError):
+    """An option of the wrong kind (a config that is not a KernelConfig, a weight layout that is not
+    a string, options that do not exist): a TypeError, as Python's own for a bad argument."""
+
+
 class CallError(CodaError, ValueError):
     """A compiled kernel was called with arguments it cannot run on (checked before any launch)."""
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from .config import KernelConfig
 from .dtypes import FLOAT_DTYPES, FP8_DTYPES, DType, as_dtype, as_operand_dtype
-from .errors import ConfigError
+from .errors import ArgumentError, ConfigError
 from .fp8.gemm import EPILOGUE_DTYPE, Fp8Gemm, fp8_gemm
 from .frontend.trace import EpilogueProgram, as_program, constant_value
 from .ir.nodes import Program
@@ -42,10 +42,10 @@ class Options:
              constants: Mapping[str, float] | None = None, scaling: str | None = None,
              fast_accum: bool = False) -> "Options":
         if config is not None and not isinstance(config, KernelConfig):
-            raise TypeError(f"config must be a KernelConfig or None (the heuristic default), got {config!r}"
+            raise ArgumentError(f"config must be a KernelConfig or None (the heuristic default), got {config!r}"
                             + (" (config='tune' is for cc.compile_epilogue)" if config == "tune" else ""))
         if not isinstance(weight_layout, str):
-            raise TypeError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
+            raise ArgumentError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
         fp8 = fp8_gemm(dtype, scaling, fast_accum)
         if fp8 is not None:
             check_fp8_layout(weight_layout)
@@ -83,10 +83,10 @@ def _mapping(m: Mapping[str, Any] | None, what: str) -> list[tuple[str, Any]]:
     if m is None:
         return []
     if not isinstance(m, Mapping):
-        raise TypeError(f"{what} must be a dict of name -> value, got {type(m).__name__}")
+        raise ArgumentError(f"{what} must be a dict of name -> value, got {type(m).__name__}")
     bad = [k for k in m if not isinstance(k, str)]
     if bad:
-        raise TypeError(f"{what}: names must be strings, got {bad[0]!r}")
+        raise ArgumentError(f"{what}: names must be strings, got {bad[0]!r}")
     return list(m.items())
 
 

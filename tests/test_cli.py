@@ -155,6 +155,20 @@ def test_bad_prebuild_list(tmp_path, capsys):
     assert "unknown options ['dtyp']" in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("options,says", [
+    ("{'config': 'fast'}", "config must be a KernelConfig"), ("{'config': 'tune'}", "config must be a KernelConfig"),
+    ("{'weight_layout': 3}", "weight_layout must be 'nk' or 'kn'"), ("{'input_dtypes': 5}", "input_dtypes must be a dict")])
+@pytest.mark.parametrize("command", ["prebuild", "emit"])
+def test_a_bad_option_value_in_prebuild_is_one_line_naming_the_entry(tmp_path, capsys, options, says, command):
+    (tmp_path / "pre.py").write_text("import coda_cutlass.epilogues as e\n"
+                                     f"PREBUILD = [(e.identity, {{}}), (e.bias_relu, {options})]\n")
+    args = [str(tmp_path / "pre.py"), "--out", str(tmp_path / "o"), "--sources-only"] if command == "prebuild" \
+        else [f"{tmp_path / 'pre.py'}:bias_relu"]
+    assert main([command, *args]) == 2
+    line = one_error_line(capsys)
+    assert "PREBUILD[1] (bias_relu): " in line and says in line, line
+
+
 def test_debug_shows_the_traceback(math_py, capsys, monkeypatch):
     assert main(["emit", f"{math_py}:branches", "--debug"]) == 2
     assert "Traceback" in capsys.readouterr().err
