@@ -7,6 +7,7 @@ weights first, as the errors say, gives the adapted model's loss."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -185,3 +186,45 @@ def test_resizing_the_vocabulary_says_to_resize_the_transformers_model_first():
     model = cnn.from_hf(hf_model())
     with pytest.raises(NotImplementedError, match=r"resize_token_embeddings on the transformers model before from_hf"):
         model.resize_token_embeddings(64)
+
+
+def test_neftune_noise_through_the_input_embeddings_trains_as_transformers():
+    """Trainer's NEFTune (and enable_input_require_grads, PEFT) hook get_input_embeddings(): the
+    module coda's forward calls, so the noise lands where transformers puts it. Same seed, same noise:
+    the loss matches transformers' with NEFTune, and differs from the loss without it."""
+    from transformers.integrations.neftune import activate_neftune
+    hf = hf_model().train()
+    model = cnn.from_hf(copy.deepcopy(hf)).train()
+    tokens = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(1))
+    plain = model(input_ids=tokens, labels=tokens).loss.item()
+    for m in (hf, model):
+        activate_neftune(m, 50.0)
+    losses = []
+    for m in (hf, model):
+        torch.manual_seed(7)
+        losses.append(m(input_ids=tokens, labels=tokens).loss)
+    assert abs(losses[1].item() - losses[0].item()) < 1e-4 * losses[0].item()
+    assert abs(losses[1].item() - plain) > 1e-3 * plain
+    losses[1].backward()
+    assert model.coda.embed.grad is not None
+    model.eval()                                            # NEFTune is off in eval: the plain loss again
+    assert abs(model(input_ids=tokens, labels=tokens).loss.item() - plain) < 1e-5 * plain
+
+
+def test_the_input_embeddings_are_the_models_embed_and_keep_no_state():
+    model = cnn.from_hf(hf_model())
+    emb = model.get_input_embeddings()
+    assert emb.weight is model.coda.embed and (emb.num_embeddings, emb.embedding_dim) == tuple(model.coda.embed.shape)
+    assert not any("input_embedding" in k for k in model.state_dict())
+    tokens = torch.randint(0, 48, (2, 5))
+    assert torch.equal(emb(tokens), model.coda.embed[tokens])
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert other.get_input_embeddings().weight is other.coda.embed
+    model.coda.embed.requires_grad_(False)                  # what PEFT + reentrant checkpointing needs
+    model.enable_input_require_grads()
+    seen = []
+    emb.register_forward_hook(lambda m, i, o: seen.append(o.requires_grad))
+    model(input_ids=tokens, labels=tokens)
+    assert seen == [True]
+    with pytest.raises(NotImplementedError, match="replacing the embedding module is not supported"):
+        model.set_input_embeddings(torch.nn.Embedding(48, 32))

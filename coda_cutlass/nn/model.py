@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from .block import LlamaBlock
 from .checks import check_model_args, check_vocab_for_kernels, checked_targets, refuse_double_backward
 from .checkpointing import check_stack
+from .embedding import InputEmbedding
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
 from .fp8.recipe import Fp8Recipe, as_recipe
 from .fp8.support import check_block, first_norm_fp8, hands_fp8
@@ -177,6 +178,7 @@ class LlamaModel(nn.Module):
         self.compute_dtype = check_compute_dtype(compute_dtype)
         kw = {"device": device, "dtype": dtype}
         self.embed = nn.Parameter(torch.empty(vocab_size, dim, **kw))
+        self.input_embedding = InputEmbedding(self)      # the lookup, for hooks (transformers' get_input_embeddings)
         recipes = self._checked_recipes(fp8, n_layers)
         self.blocks = nn.ModuleList(
             LlamaBlock(dim, n_heads, n_kv_heads, ffn_dim, head_dim=head_dim, eps=eps, rope_theta=rope_theta,
@@ -283,7 +285,7 @@ class LlamaModel(nn.Module):
         first = self.blocks[0]
         mask = masks.attention_mask(B, S, tokens.device, attention_mask, position_ids)
         step = first.step(B, S, dtype=self.call_dtype(), position_ids=position_ids, mask=mask)
-        x = cast(nn.functional.embedding(tokens.reshape(-1), self.embed, padding_idx=self.padding_idx), step.dtype)
+        x = cast(self.input_embedding(tokens).reshape(B * S, self.embed.shape[1]), step.dtype)
         if self.embed_scale is not None:        # in the compute dtype, as transformers' Gemma scales it
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         with torch.no_grad(), no_autocast(x.device):

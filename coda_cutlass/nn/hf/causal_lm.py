@@ -280,6 +280,16 @@ class CodaCausalLM:
 
     # ------------------------------------------------------------------ pieces transformers asks for
     def get_input_embeddings(self) -> nn.Module:
+        """The embedding lookup (nn.embedding.InputEmbedding: its weight is coda.embed), which the
+        forward calls: its forward hooks run (NEFTune, enable_input_require_grads)."""
+        return self.coda.input_embedding
+
+    def set_input_embeddings(self, value: Any) -> None:
+        raise NotImplementedError("coda models keep the embedding as coda.embed (a Parameter): replacing the "
+                                  "embedding module is not supported; copy weights into coda.embed, or change the "
+                                  "transformers model before from_hf / patch_hf")
+
+    def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("coda models keep the embedding as coda.embed (a Parameter), not an nn.Embedding: "
                                   "resizing the vocabulary is not supported; call resize_token_embeddings on the "
                                   "transformers model before from_hf / patch_hf")
