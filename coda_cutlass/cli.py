@@ -210,15 +210,15 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     return 0
 
 
-def writable_folder(out: str) -> Path:
-    """``--out``: a folder (made when missing) this process can write in."""
+def writable_folder(out: str, flag: str = "--out") -> Path:
+    """``--out`` (or another flag's folder): a folder (made when missing) this process can write in."""
     path = Path(out)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".coda-cutlass-write-check-"):
             pass
     except OSError as e:
-        raise UserError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+        raise UserError(f"{flag} {out}: cannot write there ({e.strerror or e})") from None
     return path
 
 
@@ -241,6 +241,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
         below = next((p for p in (out, *out.parents) if os.path.lexists(p)), None)
         if below is not None and not below.is_dir():
             raise UserError(f"--export {args.export}: {below} is not a folder (give a new or existing folder)")
+        writable_folder(args.export, "--export")    # an empty cache too: no success reported for nowhere
         n = sum(export_cache_entry(cache, k, args.export) for k in keys)
         print(f"exported {n} verified kernels as prebuilt kernels to {args.export}")
     return 0
@@ -327,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import ConfigError
     try:
         debug = getattr(args, "debug", False) or env_flag("CODA_CUTLASS_DEBUG", False)
+        env_flag("CODA_CUTLASS_QUIET", False)          # refused here, whatever the command prints
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return USER_ERROR

@@ -233,6 +233,16 @@ def test_garbage_boolean_is_a_clear_error(monkeypatch, name):
         env_flag(name, True)
 
 
+def test_a_malformed_quiet_variable_is_refused_on_a_cache_hit_too(fake_nvcc, monkeypatch):
+    """Read when a kernel is asked for, not only when a line is printed: a cache hit prints nothing."""
+    prog = cc.epilogue(lambda acc, t=3.0: acc * t, name="quiet_hit")
+    cc.compile_epilogue(prog, torch.bfloat16)
+    monkeypatch.setenv("CODA_CUTLASS_QUIET", "maybe")
+    with pytest.raises(cc.ConfigError, match="CODA_CUTLASS_QUIET='maybe' is not a boolean"):
+        cc.compile_epilogue(prog, torch.bfloat16)
+    assert cc.compile_epilogue(prog, torch.bfloat16, verbose=False) is not None    # an explicit verbose needs none
+
+
 def test_relative_cache_dir_survives_chdir(fake_nvcc, monkeypatch, tmp_path):
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir()

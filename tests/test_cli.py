@@ -169,6 +169,16 @@ def test_a_bad_option_value_in_prebuild_is_one_line_naming_the_entry(tmp_path, c
     assert "PREBUILD[1] (bias_relu): " in line and says in line, line
 
 
+@pytest.mark.parametrize("kernels", [0, 1])
+def test_cache_export_to_a_folder_that_cannot_be_made_is_one_line(fake_nvcc, tmp_path, capsys, kernels):
+    if kernels:
+        assert main(["prebuild", str(HERE / "catalog.py"), "--out", str(tmp_path / "pb")]) == 0
+    capsys.readouterr()
+    assert main(["cache", "--export", "/proc/coda-cutlass-test/out"]) == 2   # no one, root included, makes it
+    line = one_error_line(capsys)
+    assert line.startswith("error: --export ") and "cannot write there" in line and "Errno" not in line, line
+
+
 def test_debug_shows_the_traceback(math_py, capsys, monkeypatch):
     assert main(["emit", f"{math_py}:branches", "--debug"]) == 2
     assert "Traceback" in capsys.readouterr().err
@@ -285,3 +295,11 @@ def test_cache_on_a_regular_file_is_an_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(f))
     assert main(["cache"]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["cache"], ["emit", str(HERE / "catalog.py") + ":residual_norm_stats"]])
+def test_a_malformed_quiet_variable_is_one_line_whatever_the_command_prints(capsys, monkeypatch, tmp_path, command):
+    monkeypatch.setenv("CODA_CUTLASS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CODA_CUTLASS_QUIET", "maybe")
+    assert main(command) == 2
+    assert "CODA_CUTLASS_QUIET='maybe' is not a boolean" in one_error_line(capsys)

@@ -27,7 +27,7 @@ from .cache import KernelCache, resolve_cache
 from .files import PRIVATE_EXEC, make_dirs, sha256_file, write_file
 from .keys import build_key, header_files, source_key
 from .prebuilt import find_prebuilt, search_report
-from .progress import Ticker, say, seconds_text
+from .progress import Ticker, enabled, say, seconds_text
 from .resources import parse_ptxas
 from .run import EXIT_NOT_FOUND, run
 from .toolchain import Toolchain, nvcc_search_report, toolchain
@@ -67,6 +67,7 @@ def build(source: str, name: str, *, cache_dir: str | Path | None = None, verbos
           force: bool = False, timeout: float | str | None = None, dtype: object = None) -> BuildResult:
     """``dtype`` (the GEMM operand dtype) only names the kernel in errors."""
     limit = build_timeout(timeout)
+    verbose = enabled(verbose)      # CODA_CUTLASS_QUIET read (and a bad value refused) before anything, hits too
     skey = source_key(source)
     if not force:
         pre = find_prebuilt(skey)
