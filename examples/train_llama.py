@@ -109,6 +109,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.steps < 1 or args.batch < 1 or args.seq < 2:
         ap.error("--steps and --batch must be at least 1 and --seq at least 2")
+    if args.fp8 and (args.batch * args.seq) % 128:
+        ap.error(f"--fp8 needs --batch x --seq to be a multiple of 128 tokens (FP8 operands are quantised in "
+                 f"128-token blocks), got {args.batch} x {args.seq} = {args.batch * args.seq}")
     if args.out.exists() and not args.out.is_dir():
         ap.error(f"--out {args.out} exists and is not a folder")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

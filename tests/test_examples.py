@@ -30,6 +30,7 @@ def test_finetune_hf_example(tmp_path):
     (["--steps", "0"], "--steps and --batch must be at least 1"),
     (["--fp8", "bogus"], "invalid choice: 'bogus'"),
     (["--out-is-a-file"], "exists and is not a folder"),
+    (["--fp8", "tensorwise", "--batch", "2", "--seq", "100"], "a multiple of 128 tokens (FP8 operands are quantised in 128-token blocks), got 2 x 100 = 200"),
 ])
 def test_train_llama_refuses_bad_options_before_training(tmp_path, args, match):
     f = tmp_path / "a_file"

@@ -228,3 +228,19 @@ def test_the_input_embeddings_are_the_models_embed_and_keep_no_state():
     assert seen == [True]
     with pytest.raises(NotImplementedError, match="replacing the embedding module is not supported"):
         model.set_input_embeddings(torch.nn.Embedding(48, 32))
+
+
+def test_ignore_fields_must_be_a_list_of_names_and_a_misspelt_name_is_said():
+    hf = hf_model()
+    with pytest.raises(TypeError, match="ignore_fields must be a list of config field names, got 'mlp_bias'"):
+        cnn.from_hf(hf, ignore_fields="mlp_bias")
+    with pytest.warns(UserWarning, match="has no field.*'no_such_field'"):
+        cnn.from_hf(hf, ignore_fields=["no_such_field"])
+
+
+def test_a_whole_decoder_given_to_the_block_says_to_give_one_layer():
+    hf = hf_model()
+    with pytest.raises(ValueError, match=r"is a whole decoder, not one decoder layer.*\.layers\[i\]"):
+        LlamaBlock.from_hf(hf.model)
+    with pytest.raises(ValueError, match="is it a transformers decoder layer"):
+        LlamaBlock.from_hf(torch.nn.Linear(2, 2))

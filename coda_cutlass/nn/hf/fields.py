@@ -9,6 +9,7 @@ field is harmless passes ``ignore_fields``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Mapping
 
 from ..rope import Rope
@@ -44,8 +45,17 @@ def config_dict(config: Any) -> dict[str, Any]:
 
 def check_known(config: Any, family: str, known: Iterable[str], ignore: Iterable[str] = ()) -> None:
     """Refuse a config with a field that is neither read by the family nor known to be inert."""
+    names = () if isinstance(ignore, (str, bytes)) else tuple(ignore)
+    if isinstance(ignore, (str, bytes)) or not all(isinstance(k, str) for k in names):
+        raise TypeError(f"ignore_fields must be a list of config field names, got {ignore!r}")
+    ignore = names
+    fields = config_dict(config)
+    absent = [k for k in ignore if k not in fields]
+    if absent:          # a misspelt name ignores nothing: said, not refused (one list may serve several models)
+        warnings.warn(f"ignore_fields: the {family} config has no field(s) {', '.join(map(repr, absent))}; "
+                      "nothing is ignored for them", stacklevel=5)
     allowed = set(known) | INERT | set(ignore)
-    unknown = {k: v for k, v in config_dict(config).items() if k not in allowed}
+    unknown = {k: v for k, v in fields.items() if k not in allowed}
     if unknown:
         shown = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
         raise UnsupportedConfig(

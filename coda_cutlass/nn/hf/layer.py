@@ -25,9 +25,12 @@ from .registry import family_of
 
 def layer_config(layer: Any, config: Any = None) -> Any:
     config = config if config is not None else getattr(getattr(layer, "self_attn", None), "config", None)
+    if config is None and hasattr(layer, "layers") and hasattr(layer, "config"):
+        raise ValueError(f"{type(layer).__name__} is a whole decoder, not one decoder layer: LlamaBlock.from_hf takes "
+                         f"one of its .layers[i]; for the whole model use coda_cutlass.nn.from_hf(causal_lm)")
     if config is None:
-        raise ValueError(f"cannot find the config of {type(layer).__name__} (no self_attn.config): pass it, "
-                         f"from_hf(layer, config)")
+        raise ValueError(f"cannot find the config of {type(layer).__name__} (no self_attn.config): is it a "
+                         f"transformers decoder layer? If so, pass its config: from_hf(layer, config)")
     return config
 
 
