@@ -76,12 +76,28 @@ def markdown(all_rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def read_results(ap: argparse.ArgumentParser, path: Path) -> list[dict[str, Any]]:
+    """The "results" list of a bench/block.py results.json; a usage error naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        ap.error(f"{path}: {e.strerror or e}")
+    except json.JSONDecodeError as e:
+        ap.error(f"{path}: not JSON ({e})")
+    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+        ap.error(f"{path}: not a bench/block.py results.json (no 'results' list)")
+    return data["results"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", type=Path, help="results.json files written by bench/block.py")
     ap.add_argument("--out", type=Path, help="also write the table here (markdown)")
     args = ap.parse_args()
-    all_rows = [r for p in args.results for res in json.loads(p.read_text())["results"] for r in rows(res)]
+    all_rows = [r for p in args.results for res in read_results(ap, p) for r in rows(res)]
+    if not all_rows:    # e.g. an FP8 block run: its sites are timed against _scaled_mm, not in these tables
+        ap.error("no bf16 fused site with a cuBLAS time in " + ", ".join(map(str, args.results))
+                 + " (it reads the 'coda' variant's sites: a run of the bf16 block with --skip coda has none)")
     text = markdown(all_rows)
     if args.out:
         args.out.write_text(text)

@@ -14,7 +14,7 @@
 __version__ = "0.1.0"
 
 from .config import KernelConfig
-from .errors import (BuildError, CallError, CodaError, ConfigError, DeviceError, EpilogueError,
+from .errors import (ArgumentError, BuildError, CallError, CodaError, ConfigError, DeviceError, EpilogueError,
                      ToolchainError)
 from .frontend.operands import DeviceScalar, PairTile, PerCol, PerRow, Scalar, Tile
 from .frontend.primitives import (abs, accumulate, amax, cast, col_index, col_max, col_min, col_sum, cos, exp,
@@ -38,4 +38,5 @@ __all__ = [
     "segment_sum", "sigmoid", "silu", "sin", "sqrt", "square", "tanh", "total_max", "total_min", "total_sum",
     "unpack", "where",
     "CodaError", "EpilogueError", "ConfigError", "CallError", "BuildError", "ToolchainError", "DeviceError",
+    "ArgumentError",
 ]

@@ -6,6 +6,8 @@ Built on the pipeline (program -> source), the compiler (source -> kernel) and, 
 
 from __future__ import annotations
 
+import difflib
+
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -39,7 +41,10 @@ def split_options(opts: Mapping[str, Any]) -> tuple[Options, dict[str, Any]]:
     """compile_epilogue-style keyword options -> (what decides the source, the build/runtime rest)."""
     unknown = set(opts) - set(GENERATION_OPTIONS) - set(BUILD_OPTIONS)
     if unknown:
-        raise ArgumentError(f"unknown options {sorted(unknown)}")
+        known = GENERATION_OPTIONS + BUILD_OPTIONS
+        close = [c for u in sorted(unknown) for c in difflib.get_close_matches(u, known, n=1)]
+        raise ArgumentError(f"unknown options {sorted(unknown)}" + (f" (did you mean {', '.join(map(repr, close))}?)"
+                                                                    if close else f"; known: {', '.join(known)}"))
     gen = {k: opts[k] for k in GENERATION_OPTIONS if k in opts}
     gen.setdefault("dtype", torch.bfloat16)
     return Options.make(**gen), {k: opts[k] for k in BUILD_OPTIONS if k in opts}
@@ -159,7 +164,10 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
             prog, extra = item
         else:
             prog, extra = item, {}
-        opts, rest = split_options({"dtype": dtype, **kwargs, **extra})
+        try:
+            opts, rest = split_options({"dtype": dtype, **kwargs, **extra})
+        except ArgumentError as e:
+            raise ArgumentError(f"compile_many item {i} ({getattr(prog, 'name', prog)!r:.80}): {e}") from None
         items.append((generate(lower_once(prog, opts), opts.config), rest))
     return compile_parallel(items, jobs=jobs, verbose=verbose, skip_failed=skip_failed)  # type: ignore[return-value]
 
@@ -168,9 +176,10 @@ def reference(program: Any, A: torch.Tensor, W: torch.Tensor, /, *, dtype: Any =
               precision: str = "kernel", input_dtypes: Mapping[str, Any] | None = None,
               output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
               scaling: str | None = None, out: Mapping[str, torch.Tensor] | None = None,
-              **operands: Any) -> dict[str, torch.Tensor]:
+              partial_reductions: bool = False, **operands: Any) -> dict[str, torch.Tensor]:
     """Evaluate a program with the torch reference interpreter (CPU or GPU), returning the same dict
-    the kernel compiled with these options returns for this call.
+    the kernel compiled with these options returns for this call (its reductions finished:
+    ``partial_reductions=True`` is refused, as a kernel's raw partials depend on its tile config).
 
     ``precision``: ``"kernel"`` (the kernel's rounding points), ``"fp32"`` (nothing rounded but
     explicit casts) or ``"lowp"`` (every op rounded to the operand dtype, like eager torch).
@@ -192,6 +201,11 @@ def reference(program: Any, A: torch.Tensor, W: torch.Tensor, /, *, dtype: Any =
         "dtype": dtype, "weight_layout": weight_layout, "precision": precision, "input_dtypes": input_dtypes,
         "output_dtypes": output_dtypes, "constants": constants, "scaling": scaling})
     check_mode(precision)
+    if partial_reductions is not False:
+        raise ArgumentError("cc.reference: partial_reductions is not supported: a GEMM kernel's raw partials depend "
+                            "on its tile config (one per CTA tile); compare a kernel compiled without it, or the "
+                            "finished values (cc.map_reference takes partial_reductions: map kernels tile by 256 "
+                            "columns)")
     if dtype is None:
         dtype = _reference_dtype(A, W, precision)
     opts = _options(dtype, weight_layout, None, input_dtypes, output_dtypes, constants, scaling)

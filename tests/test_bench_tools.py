@@ -25,6 +25,20 @@ def test_byte_bound_reads_block_results_without_a_gpu():
     assert "| 8b | 8192 | qkv.dgrad |" in byte_bound.markdown(list(rows.values()))
 
 
+def test_byte_bound_says_what_is_wrong_with_its_input(tmp_path):
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "bench" / "byte_bound.py"
+    (tmp_path / "empty.json").write_text("")
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "fp8.json").write_text(json.dumps({"results": [{"width": "8b", "M": 8192, "sites": {
+        "cublas": {"qkv": 600.0}, "coda-fp8-tensorwise": {"qkv": 330.0}}}]}))
+    for name, says in [("missing.json", "No such file"), ("empty.json", "not JSON"), ("list.json", "no 'results' list"),
+                       ("fp8.json", "it reads the 'coda' variant's sites")]:
+        run = subprocess.run([sys.executable, str(script), str(tmp_path / name)], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        assert run.returncode == 2 and says in run.stderr and "Traceback" not in run.stderr, run.stderr[-800:]
+
+
 def test_model_bench_builds_its_variants_and_writes_its_report_without_a_gpu(tmp_path):
     """bench/model.py on the CPU: the eager and coda variants of its tiny config build from the same
     weights, take a training step and agree on the first loss; the table and plot are written."""

@@ -430,3 +430,9 @@ def test_reference_runner_runs_fp8_programs_on_the_cpu():
     ref = cc.reference(residual_norm_stats, A8, W8, scale_a=sa, scale_b=sb, resid=R, g=gam)
     for name in ref:
         assert torch.equal(out[name], ref[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_quantize_to_a_format_that_is_not_fp8_names_the_formats(dtype):
+    with pytest.raises(cc.CallError, match=f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}"):
+        fp8.quantize(torch.randn(4, 128), dtype, "tensor", "A")

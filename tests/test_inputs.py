@@ -303,6 +303,11 @@ def test_config_and_jobs_arguments_of_compile(fake_nvcc):
             cc.compile_many([scaled], jobs=jobs)
     [k] = cc.compile_many([scaled], jobs=np.int64(1))
     assert k.path.is_file()
+    with pytest.raises(cc.ArgumentError, match=r"compile_many item 1 \('scaled'\): unknown options \['dtpe'\] "
+                                               r"\(did you mean 'dtype'\?\)"):
+        cc.compile_many([scaled, (scaled, {"dtpe": torch.float16})])
+    with pytest.raises(cc.ArgumentError, match=r"unknown options \['zzz'\]; known: dtype, weight_layout"):
+        cc.compile_many([(scaled, {"zzz": 1})])
 
 
 # ------------------------------------------------------------------------------ env

@@ -306,3 +306,12 @@ def test_flatten_batch_leaves_column_vectors_and_scalars():
     A2, flat, out, batch = flatten_batch(spec, A.view(2, 3, 16), W, ops, "nk")
     assert A2.shape == (6, 16) and flat["resid"].shape == (6, 24) and flat["r"].shape == (6,)
     assert flat["g"] is ops["g"] and batch.shape == (2, 3) and out is None
+
+
+def test_partial_reductions_is_refused_by_name_not_taken_for_an_operand():
+    prog = cc.epilogue(lambda acc: {"s": cc.row_sum(acc)}, name="rowsum_ref")
+    A, W = torch.randn(4, 8).bfloat16(), torch.randn(16, 8).bfloat16()
+    with pytest.raises(cc.ArgumentError, match="partial_reductions is not supported: a GEMM kernel's raw partials"):
+        cc.reference(prog, A, W, partial_reductions=True)
+    assert torch.allclose(cc.reference(prog, A, W, partial_reductions=False, precision="fp32")["s"],
+                          (A.float() @ W.float().T).sum(1))

@@ -50,6 +50,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, scaling: str = "tensor", opera
     scale is amax / fp8_max (``pow2``: rounded up to a power of two), an all-zero run gets scale 1."""
     if x.dim() != 2:
         raise CallError(f"quantize: expected a 2-D (rows, K) tensor, got shape {tuple(x.shape)}")
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise CallError(f"quantize: dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     layout = _layout(scaling, operand)
     rows, K = x.shape
     if layout.kind == "tensor":

@@ -49,10 +49,14 @@ def current_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def ensure_gpu(device: torch.device | None, what: str) -> None:
+BUILT = "The kernel is built and can be inspected (.source, .path) or shipped"
+
+
+def ensure_gpu(device: torch.device | None, what: str, without_gpu: str = BUILT) -> None:
+    """``without_gpu``: what the object is good for on a machine without a GPU (said in the error)."""
     if not torch.cuda.is_available():
-        raise DeviceError(f"{what}: no CUDA GPU is available. The kernel is built and can be inspected "
-                          "(.source, .path) or shipped, but running it needs a Hopper GPU (sm_90: H100/H200)")
+        raise DeviceError(f"{what}: no CUDA GPU is available. {without_gpu}, but running it needs a Hopper GPU "
+                          "(sm_90: H100/H200)")
     if device is None or device.type != "cuda":
         return  # the argument checks report the wrong device
     index = device.index if device.index is not None else torch.cuda.current_device()

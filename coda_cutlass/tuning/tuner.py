@@ -147,7 +147,8 @@ class TunedEpilogue:
     def __call__(self, A: torch.Tensor, W: torch.Tensor, /, **operands: Any) -> dict[str, torch.Tensor]:
         # the choice is keyed by the GPU: say what is wrong with A before looking it up
         device = A.device if isinstance(A, torch.Tensor) else None
-        ensure_gpu(device, self.name)
+        ensure_gpu(device, self.name, "config='tune' builds its kernels when first called, on the GPU it tunes "
+                   "for; to inspect or ship a kernel without a GPU, compile with config=None or a KernelConfig")
         if device is None or device.type != "cuda" or not isinstance(W, torch.Tensor):
             where = f"on {device}" if device is not None else f"a {type(A).__name__}"
             raise CallError(f"{self.name}: A and W must be tensors on a CUDA GPU (the kernels run on a Hopper GPU); "
