@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from coda_cutlass.nn import LlamaBlock, LlamaModel
+from coda_cutlass.nn.rope import Rope
 
 V = 32
 
@@ -107,6 +108,8 @@ def test_integer_input_is_refused(dtype):
     ((64, 4, 2, 96), {"inv_freq": torch.ones(3)}, "RoPE settings are for head_dim 6, the block.s is 16"),
     ((64, 4, 2, 96), {"inv_freq": torch.full((8,), float("nan"))}, "inv_freq must be a tensor of finite frequencies"),
     ((64, 4, 2, 96), {"inv_freq": [1.0] * 8}, "inv_freq must be a tensor of finite frequencies, got list"),
+    ((64, 4, 2, 96), {"inv_freq": torch.ones(8), "rope_theta": 1e4}, "pass at most one of rope_theta, inv_freq and rope"),
+    ((64, 4, 2, 96), {"rope": Rope.default(16, 1e4), "rope_theta": 1e4}, "at most one of rope_theta, inv_freq and rope"),
 ])
 def test_hyper_parameters_the_kernels_cannot_take_are_refused_when_the_block_is_made(args, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -76,12 +76,15 @@ class BlockFunction(torch.autograd.Function):
                 g.post_attn_norm, g.post_mlp_norm, None, None)
 
 
+DEFAULT_ROPE_THETA = 500000.0     # Llama 3's RoPE base, when no RoPE setting is given
+
+
 class LlamaBlock(nn.Module):
     """A Llama decoder layer (pre-norm RMSNorm -> QKV + RoPE -> causal GQA attention -> out-proj +
     residual -> RMSNorm -> gate/up + SwiGLU -> down + residual) in the kernels' weight layout."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *, head_dim: int | None = None,
-                 eps: float = 1e-5, rope_theta: float = 500000.0, inv_freq: torch.Tensor | None = None,
+                 eps: float = 1e-5, rope_theta: float | None = None, inv_freq: torch.Tensor | None = None,
                  rope: Rope | None = None, attention_scale: float | None = None, sliding_window: int | None = None,
                  attention_dropout: float = 0.0, activation: str = "silu", qkv_bias: bool = False,
                  qk_norm: bool = False, sandwich_norms: bool = False, norm_offset: float = 0.0,
@@ -89,9 +92,12 @@ class LlamaBlock(nn.Module):
                  compute_dtype: torch.dtype | None = None, fp8: Any = None, device: Any = None, dtype: Any = None):
         super().__init__()
         head_dim, eps = check_block_args(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)
+        if sum(x is not None for x in (rope_theta, inv_freq, rope)) > 1:
+            raise ValueError("pass at most one of rope_theta, inv_freq and rope (each sets the RoPE frequencies; "
+                             "the others would be ignored)")
+        if rope_theta is None and inv_freq is None and rope is None:
+            rope_theta = DEFAULT_ROPE_THETA
         check_rope_args(rope_theta, inv_freq, rope)
-        if sum(x is not None for x in (inv_freq, rope)) > 1:
-            raise ValueError("pass at most one of inv_freq and rope")
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout!r}")
         self.dims = BlockDims(dim, n_heads, n_kv_heads, head_dim, ffn_dim, eps)

@@ -170,7 +170,7 @@ class LlamaModel(nn.Module):
     return_logits=True)`` both, (loss, logits), from one pass through the blocks."""
 
     def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, *,
-                 head_dim: int | None = None, eps: float = 1e-5, rope_theta: float = 500000.0,
+                 head_dim: int | None = None, eps: float = 1e-5, rope_theta: float | None = None,
                  attention: str = "sdpa", ce_chunk_bytes: int = CE_CHUNK_BYTES, compute_dtype: torch.dtype | None = None,
                  fp8: Any = None, device: Any = None, dtype: Any = None):
         super().__init__()
