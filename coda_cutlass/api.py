@@ -7,7 +7,6 @@ Built on the pipeline (program -> source), the compiler (source -> kernel) and, 
 from __future__ import annotations
 
 import difflib
-
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence

@@ -43,7 +43,7 @@ class Options:
              fast_accum: bool = False) -> "Options":
         if config is not None and not isinstance(config, KernelConfig):
             raise ArgumentError(f"config must be a KernelConfig or None (the heuristic default), got {config!r}"
-                            + (" (config='tune' is for cc.compile_epilogue)" if config == "tune" else ""))
+                                + (" (config='tune' is for cc.compile_epilogue)" if config == "tune" else ""))
         if not isinstance(weight_layout, str):
             raise ArgumentError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
         fp8 = fp8_gemm(dtype, scaling, fast_accum)

@@ -48,13 +48,12 @@ def check_known(config: Any, family: str, known: Iterable[str], ignore: Iterable
     names = () if isinstance(ignore, (str, bytes)) else tuple(ignore)
     if isinstance(ignore, (str, bytes)) or not all(isinstance(k, str) for k in names):
         raise TypeError(f"ignore_fields must be a list of config field names, got {ignore!r}")
-    ignore = names
     fields = config_dict(config)
-    absent = [k for k in ignore if k not in fields]
+    absent = [k for k in names if k not in fields]
     if absent:          # a misspelt name ignores nothing: said, not refused (one list may serve several models)
         warnings.warn(f"ignore_fields: the {family} config has no field(s) {', '.join(map(repr, absent))}; "
                       "nothing is ignored for them", stacklevel=5)
-    allowed = set(known) | INERT | set(ignore)
+    allowed = set(known) | INERT | set(names)
     unknown = {k: v for k, v in fields.items() if k not in allowed}
     if unknown:
         shown = ", ".join(f"{k}={v!r}" for k, v in sorted(unknown.items()))
