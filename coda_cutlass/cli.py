@@ -122,7 +122,7 @@ def _check_module_name(spec: str) -> None:
 
 def programs_of(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
     """The module's PREBUILD list of (program, options) pairs, else every epilogue program in it."""
-    from .api import BUILD_OPTIONS, GENERATION_OPTIONS, split_options
+    from .api import split_options
     from .errors import CodaError
     from .frontend.trace import EpilogueProgram
     if not hasattr(mod, "PREBUILD"):
@@ -136,11 +136,7 @@ def programs_of(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
             and isinstance(item[1], dict)
         if not ok:
             raise UserError(f"PREBUILD[{i}] of {mod.__name__} must be a (program, options dict) pair, got {item!r}")
-        unknown = set(item[1]) - set(GENERATION_OPTIONS) - set(BUILD_OPTIONS)
-        if unknown:
-            raise UserError(f"PREBUILD[{i}] ({item[0].name}) has unknown options {sorted(unknown)}; "
-                            f"known: {', '.join(GENERATION_OPTIONS + BUILD_OPTIONS)}")
-        try:                  # before any build: a bad value must not wait for the entries before it
+        try:                  # unknown options and bad values, before any build
             split_options(item[1])
         except CodaError as e:
             raise UserError(f"PREBUILD[{i}] ({item[0].name}): {e}") from e

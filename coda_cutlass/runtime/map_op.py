@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from ..ir.nodes import Operand
-from .torch_op import ascii_names, define, digest_of, labelled, owned, packed, returns_schema
+from .torch_op import ascii_names, define, digest_of, labelled, owned, packed, returned_outputs, returns_schema
 
 
 class OpMap(Protocol):
@@ -50,16 +50,12 @@ def op_name(k: OpMap) -> str:
     return labelled(k.name, digest_of(fields), "map", prefix="map_")
 
 
-def returned(k: OpMap) -> list[str]:
-    return [n for n in k.outputs if n not in k.inout]
-
-
 def schema(k: OpMap) -> str:
     names = ascii_names([o.name for o in k.operands] + list(k.inout), {"X"})
     args = ["Tensor X"]
     args += [f"float {n}" if o.host_scalar else f"Tensor {n}" for o, n in zip(k.operands, names)]
     args += [f"Tensor(a{i}!) {n}" for i, n in enumerate(names[len(k.operands):])]
-    return f"({', '.join(args)}) -> {returns_schema(len(returned(k)))}"
+    return f"({', '.join(args)}) -> {returns_schema(len(returned_outputs(k)))}"
 
 
 def register_map(k: OpMap) -> Any:
@@ -68,7 +64,7 @@ def register_map(k: OpMap) -> Any:
 
 def _implementations(k: OpMap) -> tuple[Any, Any]:
     arg_names = [o.name for o in k.operands] + list(k.inout)
-    rets = returned(k)
+    rets = returned_outputs(k)
     scales = set(k.scale_outputs)
 
     def impl(X: torch.Tensor, *args: Any) -> Any:
@@ -95,7 +91,7 @@ def call_map_op(k: OpMap, X: torch.Tensor, operands: dict[str, Any]) -> dict[str
     args = [float(operands[o.name]) if o.host_scalar else operands[o.name] for o in k.operands]
     args += [operands[n] for n in k.inout]
     out = k._op(X, *args)
-    rets = returned(k)
+    rets = returned_outputs(k)
     if len(rets) == 1:
         out = (out,)
     result = dict(zip(rets, out or ()))

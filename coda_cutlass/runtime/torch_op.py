@@ -129,7 +129,7 @@ def schema(k: OpKernel) -> str:
     for i, name in enumerate(names[n_in:]):
         args.append(f"Tensor(a{i}!) {name}")
     args += ["*", "str? raster=None", "int? swizzle=None"]
-    return f"({', '.join(args)}) -> {returns_schema(len(_returned(k)))}"
+    return f"({', '.join(args)}) -> {returns_schema(len(returned_outputs(k)))}"
 
 
 def returns_schema(n: int) -> str:
@@ -148,7 +148,8 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(math.prod(max(d, 1) for d in shape[i + 1:]) for i in range(len(shape)))
 
 
-def _returned(k: OpKernel) -> list[str]:
+def returned_outputs(k: Any) -> list[str]:
+    """The outputs an op returns: all but the accumulated ones, which it mutates in place."""
     return [n for n in k.outputs if n not in k.inout]
 
 
@@ -174,7 +175,7 @@ def register(k: OpKernel) -> Any:
 def _implementations(k: OpKernel) -> tuple[Any, Any]:
     """The op's implementation (the kernel's eager call) and its fake (shapes and strides only)."""
     arg_names = [o.name for o in k.operands] + list(k.gemm_scales) + list(k.inout)
-    returned = _returned(k)
+    returned = returned_outputs(k)
     transposed = transposed_returns(k)
 
     def impl(A: torch.Tensor, W: torch.Tensor, *args: Any, raster: str | None = None,
@@ -256,7 +257,7 @@ def call_op(k: OpKernel, A: torch.Tensor, W: torch.Tensor, operands: dict[str, A
     args = ([operands[o.name] for o in k.operands] + [operands[n] for n in k.gemm_scales]
             + [operands[n] for n in k.inout])
     out = op(A, W, *args, raster=raster, swizzle=swizzle)
-    returned = _returned(k)
+    returned = returned_outputs(k)
     if len(returned) == 1:
         out = (out,)
     result = dict(zip(returned, out or ()))
