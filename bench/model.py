@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -42,14 +43,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from coda_cutlass.timing import in_bursts, timed_call  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    # Llama-3.2-1B / 3B (tied embeddings) and Llama-3-8B widths; rope as the released configs
+    # Llama-3.2-1B / 3B (tied embeddings) and Llama-3-8B widths; rope and context length as the released
+    # configs (transformers warns when the llama3 rope's original context is not below max_position_embeddings)
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+               max_position_embeddings=131072,
                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 8192}),
     "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
                num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True,
+               max_position_embeddings=131072,
                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 8192}),
@@ -73,6 +77,13 @@ ALL_VARIANTS = VARIANTS + FP8_VARIANTS + (CODA_COMPILE,)
 # e.g. coda@heads, coda-fp8-tensorwise@heads_repeated (twenty-eighth session: the attention lead)
 ATTENTION_SUFFIXES = ("heads", "heads_repeated")
 
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "?"
 
 def attention_variant(name: str) -> tuple[str, str] | None:
     """(base variant, attention inputs) of a ``BASE@INPUTS`` name, None for any other name."""
@@ -105,7 +116,8 @@ def check_environment(variants: list[str]) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - missing, or no Triton
             fail(f"the liger variant needs liger-kernel (pip install liger-kernel==0.8.5): {e}; "
                  f"or leave it out with --variants")
-        versions["liger_kernel"] = getattr(liger_kernel, "__version__", "?")
+        # liger_kernel has no __version__: the installed distribution's metadata says it
+        versions["liger_kernel"] = getattr(liger_kernel, "__version__", None) or _dist_version("liger-kernel")
     from report import environment
     return {**environment(), **versions}
 
