@@ -24,8 +24,9 @@ ATTENTION_BACKENDS = ("sdpa", "flash")
 # output with GQA in the kernel (the default); "heads", head-major (B, heads, S, D) copies;
 # "heads_repeated", those with k and v repeated to every query head (no GQA in the kernel), as
 # transformers' repeat_kv does. The same cuDNN kernels ran ~300 us a block slower on the views than
-# in torch.compile's block (8B widths, docs/RESULTS.md, twenty-eighth session): an experiment for
-# bench/block.py and bench/model.py (variants "...@heads"), not a default until measured.
+# in torch.compile's block (8B widths, twenty-eighth session), but the copies cost more than they
+# gain: on the H200 the 8B FP8 blocks ran 0.4-3.7% slower with either form, the 1B and 8B bf16 models
+# 0.6-1.1% slower with "heads" (docs/RESULTS.md, thirtieth session). Views stay the default.
 ATTENTION_INPUTS = ("views", "heads", "heads_repeated")
 
 
