@@ -10,8 +10,9 @@
 #   rowreduce  tests/gpu/test_kernels.py + test_fp8_gpu.py for the programs with per-row reductions (28th session's
 #              column-checked node: partial tiles included; every kernel prebuilt in .ab4)
 #   fp8tests  the GPU tests of the FP8 blocks, the nn modules and the Hugging Face models
-#   fp8block  bench/block.py, 8B widths, M = 8192: the FP8 recipes with bf16 torch.compile and torchao peers, each
-#             recipe also with SDPA handed head-major q, k, v (@heads, @heads_repeated: 28th session's attention lead)
+#   fp8block  bench/block.py, 8B widths, M = 8192: the FP8 recipes with bf16 torch.compile and torchao peers
+#             (head-major attention inputs were timed here in the 30th session and lost: bench/block.py
+#             --attention-inputs times them again)
 #   fp8model  bench/model.py's FP8 rows (1B and 8B widths) beside Liger and coda bf16
 #   probe     bench/probes/epilogue_outputs.py: the FP8 epilogue variants of docs/RESULTS.md (24th session); since the
 #             28th session "(full checks)" is CUTLASS's row reduction, the library's before (same bits expected)
@@ -23,9 +24,9 @@
 #              1B bf16 model with each attention input form (bench/model.py coda@heads, coda@heads_repeated)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
-# A 30-minute device session (28th session's plan): rowreduce fp8tests (the column-checked row reductions, the
-# 27th session's fold and partials); probe attention (their timing, the attention layouts); fp8block; fp8model;
-# then hostprofile modelcompile: calls each under 10 minutes, back to back (a machine idle 30 s is given back).
+# A 30-minute device session (30th session's plan for the next): fp8block (the tensorwise no-grad forward after
+# its fix: was 6.70 ms against 3.69 of kernels); fp8tests (TESTS_LIMIT=560: it takes ~320 s); then probe or
+# modelcompile as time allows: calls each under 10 minutes, back to back (a machine idle 30 s is given back).
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
@@ -67,7 +68,7 @@ for dt in (torch.bfloat16, torch.float16):
     fp8tests) run fp8tests ${TESTS_LIMIT:-560} python3 -m pytest -q -p no:logging --durations=15 tests/gpu/test_fp8_block_gpu.py \
                 tests/gpu/test_nn_gpu.py tests/gpu/test_nn_modules_gpu.py tests/gpu/test_hf_gpu.py ;;
     fp8block) run fp8block ${BENCH_LIMIT:-560} python3 bench/block.py --widths 8b --tokens 8192 \
-                --fp8 tensorwise blockwise_g16 --attention-inputs heads heads_repeated \
+                --fp8 tensorwise blockwise_g16 \
                 --skip coda coda-identity eager liger --no-max-autotune \
                 --energy-seconds 0 --rounds 4 --out "$out/fp8block" ;;
     fp8model) run fp8model ${MODEL_LIMIT:-560} python3 bench/model.py --configs 1b,8b \
