@@ -7,7 +7,9 @@ per step, and the share of the step in the FP8 weight copies (their kernels and 
 
 Question it answers (twenty-sixth session): at Llama-3.2-1B widths "tensorwise" stepped in 137 ms
 against 126 for coda bf16, though its GEMMs are FP8; is the host the limit, and how much of the step
-is the weight copies made again after every optimizer step?"""
+is the weight copies made again after every optimizer step? Since the thirtieth session it also sums
+each step's kernel time by kind (coda and cuBLAS GEMMs, attention, map kernels, the torch kernels
+between them) and lists the 25 kernels with the most time: where a bf16 step's last percent is."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import json
 import pstats
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -85,16 +88,25 @@ def main() -> None:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         gpu_ms = sum(e.device_time for e in kernels) / 1e3 / args.steps
         counts = collections.Counter(e.name[:70] for e in kernels)
+        kinds, by_kernel = collections.Counter(), collections.Counter()
+        for e in kernels:
+            kinds[kernel_kind(e.name)] += e.device_time / 1e3 / args.steps
+            by_kernel[kernel_label(e.name)] += e.device_time / 1e3 / args.steps
         copies = [e for e in prof.events() if e.name == "fp8_weight_copies"]
         copies_cpu = sum(e.cpu_time_total for e in copies) / 1e3 / args.steps
         copies_gpu = sum(e.device_time_total for e in copies) / 1e3 / args.steps
         out[name] = {"wall_ms": wall, "kernel_ms": gpu_ms, "launches": len(kernels) / args.steps,
                      "weight_copies_host_ms": copies_cpu, "weight_copies_kernel_ms": copies_gpu,
-                     "top_launches": {k: c / args.steps for k, c in counts.most_common(15)}}
+                     "top_launches": {k: c / args.steps for k, c in counts.most_common(15)},
+                     "kernel_ms_by_kind": dict(kinds.most_common()),
+                     "top_kernels_ms": dict(by_kernel.most_common(25))}
         print(f"{name}: {wall:.1f} ms wall per step, {gpu_ms:.1f} ms of kernels, {len(kernels) / args.steps:.0f} "
               f"launches; weight copies {copies_cpu:.1f} ms host / {copies_gpu:.1f} ms kernels", flush=True)
         for k, c in counts.most_common(15):
             print(f"    {c / args.steps:6.0f}  {k}")
+        print("    kernel ms / step by kind: " + ", ".join(f"{k} {ms:.2f}" for k, ms in kinds.most_common()))
+        for k, ms in by_kernel.most_common(25):
+            print(f"    {ms:8.2f} ms  {k}")
         if args.host_profile:
             # the host's own time by op (aten ops, CUDA runtime calls such as cudaLaunchKernel, marked
             # regions): what cProfile below cannot see inside C++
@@ -108,6 +120,23 @@ def main() -> None:
             print(out[name]["host_profile"], flush=True)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))
+
+
+# (substring of a kernel's name, its kind) in the order tried: what is a GEMM, attention, a coda map
+# kernel, and the torch kernels between them (the 1B step's lever against Liger: thirtieth session)
+KINDS = (("cutlass", "coda GEMM"), ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"), ("gemv", "cuBLAS gemv"),
+         ("fmha", "attention"), ("sdpa", "attention"), ("flash", "attention"), ("map_kernel", "coda map kernel"),
+         ("Memset", "memset"), ("Memcpy", "memcpy"), ("multi_tensor_apply", "optimizer"),
+         ("reduce_kernel", "torch reduction"), ("triton", "triton"))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for key, kind in KINDS if key in name), "torch elementwise / other")
+
+
+def kernel_label(name: str) -> str:
+    """A kernel's name cut short, with a hash of the whole (coda's GEMMs differ only past the cut)."""
+    return f"{name[:60]} #{zlib.crc32(name.encode()):08x}" if len(name) > 60 else name
 
 
 def host_profile(v, tokens: torch.Tensor, steps: int, top: int, sync) -> str:
