@@ -78,12 +78,12 @@ ALL_VARIANTS = VARIANTS + FP8_VARIANTS + (CODA_COMPILE,)
 ATTENTION_SUFFIXES = ("heads", "heads_repeated")
 
 
-
 def _dist_version(name: str) -> str:
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "?"
+
 
 def attention_variant(name: str) -> tuple[str, str] | None:
     """(base variant, attention inputs) of a ``BASE@INPUTS`` name, None for any other name."""
