@@ -279,6 +279,10 @@ def test_the_host_polls_the_amax_copy_on_the_amaxes_devices_stream(monkeypatch):
     assert recorded == [("stream of", torch.device("cuda", 1))] and sc._known == [False, False]
     sc._learn()                                 # it has landed: read, and "g" polled for again
     assert sc._known == [True, False] and len(recorded) == 2
+    sc._learn(start=False)                      # a launch's poll: reads a landed copy, starts none
+    assert sc._known == [True, False] and sc._probe is None and len(recorded) == 2
+    sc._learn(start=False)
+    assert len(recorded) == 2
 
 
 def test_per_tensor_weight_copies_and_the_gate_up_halves():

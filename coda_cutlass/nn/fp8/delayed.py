@@ -255,12 +255,13 @@ class DelayedScales:
         self.steps += 1
         self._learn()
 
-    def _learn(self) -> None:
+    def _learn(self, start: bool = True) -> None:
         """Which tensors have a delayed scale, as far as the host can tell without waiting: on the
         CPU at once; on a GPU from a copy of the amaxes started at an earlier fold, once it has
-        landed (polled, never waited for). Only launches depend on it: a tensor the host does not
-        know about runs its calibrating launch, and the device still takes its delayed scale where
-        it has one (quantize), so the numbers are the same either way. An amax never goes back to 0
+        landed (polled, never waited for; ``start=False``: poll only, start no copy). Only launches
+        depend on it: a tensor the host does not know about runs its calibrating launch, and the
+        device still takes its delayed scale where it has one (quantize), so the numbers are the
+        same either way. An amax never goes back to 0
         (until reset), so what the host learnt stays true."""
         if all(k or not f for k, f in zip(self._known, self._filled)):
             return
@@ -275,6 +276,8 @@ class DelayedScales:
             self._probe = None
             if all(k or not f for k, f in zip(self._known, self._filled)):
                 return
+        if not start:
+            return
         buf = torch.empty(self._amax.shape, dtype=torch.float32, pin_memory=True)
         buf.copy_(self._amax, non_blocking=True)
         # the copy runs on the amaxes' device's current stream: the event goes there too, not on the
@@ -301,8 +304,9 @@ class DelayedScales:
         if not self._known[i] and self._filled[i]:
             # the amax copy of an earlier fold may have landed since: only training forwards polled
             # it, so evaluation forwards after the first steps ran every calibrating launch (the
-            # 8B block's no-grad forward took 6.7 ms against 3.7 of kernels, thirtieth session)
-            self._learn()
+            # 8B block's no-grad forward took 6.7 ms against 3.7 of kernels, thirtieth session).
+            # Poll only: a tensor seen only as zero would otherwise start a copy at every launch
+            self._learn(start=False)
         if not self._known[i] and not (record and i in self._pending):
             _, amax = launch(torch.ones((), dtype=torch.float32, device=self._device))
             parts = [p for p in _parts(amax) if p.numel()]
