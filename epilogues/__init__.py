@@ -27,7 +27,7 @@ Helpers:  rstd_from_sumsq (finishes RMSNorm statistics: r = rsqrt(mean x^2 + eps
 """
 
 from .activations import bias_gelu, bias_relu, rowscale_silu
-from .basic import identity, residual_add, rowscale
+from .basic import identity, residual_add, rowscale, scale_by
 from .norms import qk_norm_stats, residual_norm_stats, rmsnorm_backward, rstd_from_sumsq
 from .pairwise import geglu, reglu, rope, rope_generic, swiglu, swiglu_backward, swiglu_only
 from .loss import lm_head_lse, lm_head_lse_logits
@@ -47,7 +47,7 @@ from .gated import (geglu_backward_scaled, geglu_backward_y, geglu_only, reglu_b
                     reglu_only, rope_backward_bias,
                     rope_bias)
 
-__all__ = ["identity", "residual_add", "rowscale", "bias_gelu", "bias_relu", "rowscale_silu",
+__all__ = ["identity", "residual_add", "rowscale", "scale_by", "bias_gelu", "bias_relu", "rowscale_silu",
            "residual_norm_stats", "rmsnorm_backward", "rstd_from_sumsq", "qk_norm_stats",
            "swiglu", "swiglu_only", "geglu", "reglu", "swiglu_backward", "rope", "rope_generic", "lm_head_lse",
            "lm_head_lse_logits", "swiglu_backward_scaled", "norm_backward", "norm_backward_first", "norm_backward_h",

@@ -1,4 +1,5 @@
-"""Plain epilogues: identity (a bare GEMM through the same pipeline), residual add, row scale."""
+"""Plain epilogues: identity (a bare GEMM through the same pipeline), residual add, row scale, and a
+scale by a device scalar."""
 
 import torch
 
@@ -21,3 +22,11 @@ def residual_add(acc, resid: cc.Tile):
 def rowscale(acc, r: cc.PerRow(torch.float32)):
     """D = diag(r) (A @ W.T): the deferred RMSNorm scale in the consumer GEMM, with r = rstd (fp32)."""
     return acc * r
+
+
+@cc.epilogue
+def scale_by(acc, s: cc.DeviceScalar):
+    """D = acc * s, the product in fp32 with s as given (fp32, read on the device), rounded once to the
+    output dtype. As a map kernel, in place (out = X): the fused LM head's gradients scaled by dloss
+    in one pass (torch's ``g.mul_(dloss)`` would round dloss to g's dtype first)."""
+    return acc * s

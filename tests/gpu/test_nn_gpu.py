@@ -146,6 +146,43 @@ def test_map_kernel_writes_a_tile_output_over_x_itself():
         assert torch.equal(over[name], t), name
 
 
+@pytest.mark.parametrize("dtype, dloss", [(torch.bfloat16, 1 / 3), (torch.float16, 65536.0)])
+def test_scale_by_map_kernel_in_place_is_one_fp32_product_per_element(dtype, dloss):
+    """E.scale_by over X itself (the fused LM head's gradients times dloss): bit for bit
+    (X.float() * s).to(dtype), s fp32 as given (not rounded to X's dtype first), at a shape with a
+    partial row block, fp16's overflow to inf included."""
+    X = (torch.randn(1000, 392, device="cuda") * 4).to(dtype)
+    s = torch.tensor(dloss, device="cuda")
+    want = (X.float() * s).to(dtype)
+    k = cc.compile_map(E.scale_by, dtype)
+    out = k(X, out={"D": X}, s=s)
+    assert out["D"] is X and torch.equal(X, want)
+
+
+def test_model_scales_its_lm_head_gradients_by_dloss_with_the_map_kernel():
+    """The model's backward under a dloss other than 1 ((loss / 3).backward()): the LM head's and the
+    final norm's gradients are its dloss = 1 gradients times dloss, computed in fp32 and rounded once,
+    through the runner's scale_by map kernel (the site it launches under is recorded)."""
+    from coda_cutlass.nn.runner import Recorder
+    torch.manual_seed(0)
+    model = LlamaModel(512, 256, 1, 4, 2, 512, rope_theta=1e4, device="cuda", dtype=torch.bfloat16)
+    tokens = torch.randint(0, 512, (2, 128), device="cuda")
+    runner = KernelRunner(torch.bfloat16)
+    model.set_runner(runner)
+    grads = []
+    for scale in (1.0, 1 / 3):
+        model.zero_grad()
+        runner.recorder = Recorder()
+        try:
+            (model(tokens, tokens) * scale).backward()
+        finally:
+            rec, runner.recorder = runner.recorder, None
+        assert "lm_head.dloss" in rec.events
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in ("lm_head", "norm"):
+        assert torch.equal(grads[1][name], (grads[0][name].float() * (1 / 3)).to(torch.bfloat16)), name
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["finished", "partials"])
 @pytest.mark.parametrize("shape", [(0, 512), (6, 0)], ids=["M0", "N0"])
 def test_map_kernel_empty_shapes_return_what_the_reference_returns(shape, partial):
