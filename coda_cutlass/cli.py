@@ -120,6 +120,14 @@ def _check_module_name(spec: str) -> None:
         raise UserError(f"no such file or module: {spec} ({parts[0]} is a module, not a package)")
 
 
+def _module_label(mod: Any) -> str:
+    """How messages name a module: a file loaded under its private name by its path (that name
+    means nothing to the user), an imported module by its name."""
+    if mod.__name__.startswith("_coda_cutlass_user_") and getattr(mod, "__file__", None):
+        return str(mod.__file__)
+    return str(mod.__name__)
+
+
 def programs_of(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
     """The module's PREBUILD list of (program, options) pairs, else every epilogue program in it."""
     from .api import split_options
@@ -127,15 +135,16 @@ def programs_of(mod: Any) -> list[tuple[Any, dict[str, Any]]]:
     from .frontend.trace import EpilogueProgram
     if not hasattr(mod, "PREBUILD"):
         return [(v, {}) for v in vars(mod).values() if isinstance(v, EpilogueProgram)]
+    where = _module_label(mod)
     if not isinstance(mod.PREBUILD, (list, tuple)):
-        raise UserError(f"PREBUILD of {mod.__name__} must be a list of (program, options dict) pairs, got "
+        raise UserError(f"PREBUILD of {where} must be a list of (program, options dict) pairs, got "
                         f"{type(mod.PREBUILD).__name__}")
     items = []
     for i, item in enumerate(mod.PREBUILD):
         ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], EpilogueProgram) \
             and isinstance(item[1], dict)
         if not ok:
-            raise UserError(f"PREBUILD[{i}] of {mod.__name__} must be a (program, options dict) pair, got {item!r}")
+            raise UserError(f"PREBUILD[{i}] of {where} must be a (program, options dict) pair, got {item!r}")
         try:                  # unknown options and bad values, before any build
             split_options(item[1])
         except CodaError as e:

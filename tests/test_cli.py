@@ -235,6 +235,15 @@ def test_a_prebuild_that_is_not_a_list_is_one_line(tmp_path, capsys, value):
     assert main(["prebuild", str(tmp_path / "pre.py"), "--out", str(tmp_path / "o")]) == 2
     line = one_error_line(capsys)
     assert "PREBUILD" in line and "(program, options dict)" in line, line
+    # the file is named by its path, not by the private module name it is loaded under
+    assert f"PREBUILD of {tmp_path / 'pre.py'} " in line and "_coda_cutlass_user_" not in line, line
+
+
+def test_a_bad_prebuild_item_names_its_file(tmp_path, capsys):
+    (tmp_path / "pre.py").write_text("import coda_cutlass.epilogues as e\nPREBUILD = [e.identity]\n")
+    assert main(["emit", str(tmp_path / "pre.py") + ":identity"]) == 2
+    line = one_error_line(capsys)
+    assert f"PREBUILD[0] of {tmp_path / 'pre.py'} must be a (program, options dict) pair" in line, line
 
 
 @pytest.mark.parametrize("word", ["off", "0", "false", "No"])
