@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -208,6 +209,22 @@ def test_segment_sum_reference():
     out = ref(E.qk_norm_stats, A, W, r=torch.ones(3))
     z = gemm(A, W)
     torch.testing.assert_close(out["head_sumsq"], (z * z).view(3, 2, 128).sum(2))
+
+
+def test_segment_width_from_a_float_constant_or_numpy_int():
+    # as cc.quantize's block: a whole float (a float constant) or a numpy int is that int; the old
+    # message said "must be a positive multiple of 8, got 64.0"
+    def float_constant(acc, hd: float = 64):
+        return {"s": cc.segment_sum(acc, hd)}
+
+    A, W = torch.randn(3, 8), torch.randn(256, 8)
+    want = gemm(A, W).view(3, 4, 64).sum(2)
+    torch.testing.assert_close(ref(cc.epilogue(float_constant), A, W)["s"], want)
+    torch.testing.assert_close(ref(cc.epilogue(lambda acc: {"s": cc.segment_sum(acc, np.int64(64))}), A, W)["s"], want)
+    with pytest.raises(cc.EpilogueError, match="multiple of 8 known when tracing.*got 64.5"):
+        cc.epilogue(lambda acc: {"s": cc.segment_sum(acc, 64.5)}).trace()
+    with pytest.raises(cc.EpilogueError, match="multiple of 8 known when tracing.*got True"):
+        cc.epilogue(lambda acc: {"s": cc.segment_sum(acc, True)}).trace()
 
 
 # ---------------------------------------------------------------------------------------------- codegen

@@ -13,6 +13,7 @@ e.g. per head), gather (one column per row, chosen by a per-row index vector).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -232,11 +233,23 @@ def row_logsumexp(x: Any) -> ReductionResult:
     return _reduce(x, "lse", "row", "row_logsumexp")
 
 
+def _whole(v: Any) -> Any:
+    """A compile-time count as a Python int: a whole float (a float constant, def f(acc, w=64.0)) or
+    a numpy integer means its int; anything else (bools included) is returned for the caller to refuse."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return int(v) if isinstance(v, numbers.Integral) else v
+
+
 def segment_sum(x: Any, width: int) -> ReductionResult:
     """Sum over each ``width``-wide column segment of a row (e.g. per attention head): shape
     (M, N // width). N must be a multiple of width, and width a multiple of 8."""
+    width = _whole(width)
     if isinstance(width, bool) or not isinstance(width, int) or width <= 0 or width % 8 != 0:
-        raise EpilogueError(f"segment_sum: width must be a positive multiple of 8, got {width!r}")
+        raise EpilogueError(f"segment_sum: width must be a positive multiple of 8 known when tracing (a number or "
+                            f"a constant parameter), got {width!r}")
     return _reduce(x, "sum", "segment", "segment_sum", width=width)
 
 
@@ -291,10 +304,7 @@ def quantize(value: Any, dtype: Any = torch.float8_e4m3fn, *, scale: Any = None,
     if (scale is None) == (block is None):
         raise EpilogueError("cc.quantize: give exactly one of scale= (per tensor, a given scale) or block=128 "
                             "(scales computed per 1 x 128 run inside the tile)")
-    if isinstance(block, float) and block.is_integer():     # a float constant (def f(acc, b=128.0))
-        block = int(block)
-    if isinstance(group, float) and group.is_integer():
-        group = int(group)
+    block, group = _whole(block), _whole(group)
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block not in QUANT_BLOCKS):
         raise EpilogueError(f"cc.quantize: block must be one of {QUANT_BLOCKS} (the blockwise FP8 GEMMs read "
                             f"1 x 128 scales), got {block!r}")
