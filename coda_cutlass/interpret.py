@@ -78,11 +78,12 @@ def _reduce(x: torch.Tensor, fn: str, dim: int | None) -> torch.Tensor:
 
 
 def check_mode(precision: str, weight_layout: str = "nk") -> None:
-    """Refuse an unknown ``precision`` or ``weight_layout`` (before any other argument check)."""
+    """Refuse an unknown ``precision`` or ``weight_layout`` (before any other argument check), as a
+    CallError: a CodaError (what users catch) that is still the ValueError it used to be."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        raise CallError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if weight_layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
+        raise CallError(f"weight_layout must be 'nk' or 'kn', got {weight_layout!r}")
 
 
 def interpret(program: Program, A: torch.Tensor, W: torch.Tensor, operands: Mapping[str, Any], *,

@@ -315,3 +315,14 @@ def test_partial_reductions_is_refused_by_name_not_taken_for_an_operand():
         cc.reference(prog, A, W, partial_reductions=True)
     assert torch.allclose(cc.reference(prog, A, W, partial_reductions=False, precision="fp32")["s"],
                           (A.float() @ W.float().T).sum(1))
+
+
+def test_a_bad_precision_or_weight_layout_value_is_a_coda_error():
+    # they were bare ValueErrors, missed by `except cc.CodaError`; CallError is still a ValueError
+    A, W = gemm_inputs()
+    for kwargs, says in [({"precision": "fp16"}, "precision must be one of"),
+                         ({"weight_layout": "NK"}, "weight_layout must be 'nk' or 'kn', got 'NK'")]:
+        with pytest.raises(cc.CallError, match=says):
+            cc.reference(norm, A, W, **kwargs, **norm_ops())
+    with pytest.raises(cc.CallError, match="precision must be one of"):
+        cc.map_reference(cc.epilogue(lambda acc: acc * 2.0), torch.randn(4, 8).bfloat16(), precision="exact")
