@@ -196,6 +196,10 @@ def test_error_captured_tensor():
     with pytest.raises(cc.EpilogueError):
         cc.epilogue(f).trace()
 
+    # on the left, torch sees Tensor.add: the message named add unsupported, listing add as supported
+    for g in (lambda acc: bias + acc, lambda acc: bias * acc, lambda acc: cc.where(bias > acc, 1.0, 0.0)):
+        err(g, "a torch.Tensor was captured inside the epilogue")
+
 
 def test_error_missing_annotation():
     with pytest.raises(cc.EpilogueError, match="needs an operand annotation"):

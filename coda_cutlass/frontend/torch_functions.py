@@ -29,6 +29,9 @@ TORCH_OPS: dict[Any, tuple[str, int]] = {
 
 GELU_OPS = {"none": "gelu", "tanh": "gelu_tanh"}
 
+CAPTURED_TENSOR = ("a torch.Tensor was captured inside the epilogue; pass tensors as operands (cc.Tile, cc.PerRow, "
+                   "cc.PerCol) and numbers as Python constants or cc.Scalar")
+
 
 def gelu_op(approximate: str) -> str:
     """The IR op of GELU with torch's ``approximate`` argument."""
@@ -42,6 +45,10 @@ def plain_call(func: Any, args: tuple, kwargs: dict) -> tuple[str, tuple]:
     they are harmless (inplace=False, out=None); refuses the rest, naming what is supported."""
     entry = TORCH_OPS.get(func)
     name = getattr(func, "__name__", "op")
+    # ``tensor + x`` with a captured tensor on the left arrives as Tensor.add, which is not listed:
+    # name the captured tensor, not the op (the op, add, is supported)
+    if entry is None and any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+        raise EpilogueError(f"{name}: {CAPTURED_TENSOR}")
     if entry is None:
         qual = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
         supported = sorted({getattr(f, "__name__", "?") for f in TORCH_OPS})

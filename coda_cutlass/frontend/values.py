@@ -17,7 +17,7 @@ import torch
 from ..errors import EpilogueError
 from ..ir.nodes import Kind, Node, const_key, make_attrs
 from ..ir.ops import OPS, UNPACK_OPS, result_kind
-from .torch_functions import plain_call
+from .torch_functions import CAPTURED_TENSOR, plain_call
 
 Number = (numbers.Real,)     # int, float and numpy's scalars (bool is an int: checked where it matters)
 
@@ -88,9 +88,7 @@ class Tracer:
         if isinstance(x, Accumulate):
             raise self.error(f"{what}: cc.accumulate(...) may only appear as a value of the returned dict")
         if isinstance(x, torch.Tensor):
-            raise self.error(
-                f"{what}: a torch.Tensor was captured inside the epilogue; pass tensors as operands "
-                "(cc.Tile, cc.PerRow, cc.PerCol) and numbers as Python constants or cc.Scalar")
+            raise self.error(f"{what}: {CAPTURED_TENSOR}")
         raise self.error(f"{what}: cannot use a {type(x).__name__} in an epilogue program")
 
 
