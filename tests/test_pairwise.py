@@ -62,6 +62,17 @@ def err(fn, match: str, **kw) -> None:
         cc.epilogue(fn, **kw).trace()
 
 
+def test_pair_map_misuse_is_named():
+    # fn and x swapped said "cc.pairs: cannot use a function"; a non-function or a wrong arity was a bare TypeError
+    err(lambda acc: cc.pair_map(acc, lambda a, b: (b, a)), r"fn must be a function .*got a traced value")
+    err(lambda acc: cc.pair_map(3, acc), r"cc.pair_map\(fn, x, \*args\): fn must be a function.*got int")
+    err(lambda acc: cc.pair_map(lambda a: (a, a), acc), r"called as fn\(x_2i, x_2i\+1, \*args\) with 2 arguments")
+
+    def extra_argument(acc, t: cc.PerCol):
+        return cc.pair_map(lambda a, b: (a, b), acc, t)
+    err(extra_argument, "with 3 arguments")
+
+
 def test_errors():
     err(lambda acc: cc.unpack(acc), "cc.PairTile")
 

@@ -12,6 +12,7 @@ e.g. per head), gather (one column per row, chosen by a per-row index vector).
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any
@@ -93,6 +94,17 @@ def pair_map(fn: Any, x: Any, *args: Any) -> Any:
     ``args`` value (a ``cc.PerCol``, ``cc.col_index()``) is read at each output's own column: at 2i
     in ``out_2i``'s expression and at 2i+1 in ``out_2i+1``'s (``cc.rotate_pairs`` reads its angle at
     the pair's column 2i)."""
+    # refused here, not as "cc.pairs: cannot use a function" (fn and x swapped) or a bare TypeError
+    if not callable(fn):
+        got = "a traced value (the function comes first)" if isinstance(fn, Value) else type(fn).__name__
+        raise EpilogueError(f"cc.pair_map(fn, x, *args): fn must be a function of (x_2i, x_2i+1, *args), got {got}")
+    try:
+        inspect.signature(fn).bind(x, x, *args)
+    except TypeError as e:
+        raise EpilogueError(f"cc.pair_map: fn is called as fn(x_2i, x_2i+1, *args) with {2 + len(args)} arguments: "
+                            f"{e}") from None
+    except ValueError:      # no signature to check (a builtin): calling it will tell
+        pass
     even, odd = pairs(x)
     result = fn(even, odd, *args)
     if not isinstance(result, tuple) or len(result) != 2:
