@@ -226,7 +226,7 @@ def lm_head_backward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tens
     P = lm_head_programs(softcap)
     M = x.shape[0]
     dx = torch.empty_like(x)
-    dw = torch.zeros_like(w_lm)
+    dw = None
     dgamma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
     for a in range(0, M, chunk_rows):
         b = min(M, a + chunk_rows)
@@ -236,8 +236,17 @@ def lm_head_backward(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tens
         nb = run.gemm("lm_head.dgrad", E.norm_backward_first, dl, w_lm, layout="kn", partial=True,
                       out={"dx": dx[a:b]}, x=x[a:b], r=r[a:b], c=row_mean(ce["zdz"], d.dim), g=g)
         dgamma += nb["dgamma"].sum(0)
-        run.timed("lm_head.wgrad", lambda: dw.addmm_(dl.t(), h[a:b]))
-    return dx, dw, dgamma.to(g.dtype)
+        dw = _wgrad_chunk(run, dw, dl, h[a:b])
+    return dx, dw if dw is not None else torch.zeros_like(w_lm), dgamma.to(g.dtype)
+
+
+def _wgrad_chunk(run: Any, dw: torch.Tensor | None, dl: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dw + dl^T h, the LM head's weight gradient over row chunks: the first chunk's product is dw (a
+    zero-filled vocab x dim buffer would be written, then read back by the first addmm: ~1 GB at a
+    128k x 2048 head)."""
+    if dw is None:
+        return run.timed("lm_head.wgrad", lambda: torch.mm(dl.t(), h))
+    return run.timed("lm_head.wgrad", lambda: dw.addmm_(dl.t(), h))
 
 
 def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor, w_lm: torch.Tensor,
@@ -255,7 +264,7 @@ def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
     lse = torch.empty(M, dtype=torch.float32, device=x.device)
     tlogit = torch.empty(M, dtype=torch.float32, device=x.device)
     dx = torch.empty_like(x)
-    dw = torch.zeros_like(w_lm)
+    dw = None
     dgamma = torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
     for a in range(0, M, chunk_rows):
         b = min(M, a + chunk_rows)
@@ -270,5 +279,5 @@ def lm_head_fused(step: Step, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
         nb = run.gemm("lm_head.dgrad", E.norm_backward_first, dl, w_lm, layout="kn", partial=True,
                       out={"dx": dx[a:b]}, x=x[a:b], r=r[a:b], c=row_mean(ce["zdz"], d.dim), g=g)
         dgamma += nb["dgamma"].sum(0)
-        run.timed("lm_head.wgrad", lambda: dw.addmm_(dl.t(), h[a:b]))
-    return lse, tlogit, dx, dw, dgamma.to(g.dtype)
+        dw = _wgrad_chunk(run, dw, dl, h[a:b])
+    return lse, tlogit, dx, dw if dw is not None else torch.zeros_like(w_lm), dgamma.to(g.dtype)
