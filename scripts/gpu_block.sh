@@ -24,9 +24,12 @@
 #              1B bf16 model with each attention input form (bench/model.py coda@heads, coda@heads_repeated)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
-# A 30-minute device session (30th session's plan for the next): fp8block (the tensorwise no-grad forward after
-# its fix: was 6.70 ms against 3.69 of kernels); fp8tests (TESTS_LIMIT=560: it takes ~320 s); then probe or
-# modelcompile as time allows: calls each under 10 minutes, back to back (a machine idle 30 s is given back).
+# A 30-minute device session (30th session's plan for the next), calls each under 10 minutes, back to back (a
+# machine idle 30 s is given back): 1. fp8tests (TESTS_LIMIT=560: ~320 s; the 30th session's new GPU tests: the
+# scale_by map kernel, the model's dloss path, the tensorwise no-grad forward); 2. fp8block (that forward was
+# 6.70 ms against 3.69 of kernels) + stepprofile (1B: the step's kernel time by kind); 3. fp8model +
+# modelcompile (MODEL_CONFIGS=1b,3b,8b: the one-pass dloss scaling, ~1% at 1B by arithmetic); 4. attention
+# (coda's attention call 2394-2527 us a 8B block against torch.compile's 2192, head-major copies not the cause).
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
