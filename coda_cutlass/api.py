@@ -6,7 +6,6 @@ Built on the pipeline (program -> source), the compiler (source -> kernel) and, 
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -16,7 +15,7 @@ import torch
 from .compiler import CompiledEpilogue, checked_reference, compile_generated, compile_parallel, parallel_jobs
 from .config import KernelConfig
 from .dtypes import BF16
-from .errors import ArgumentError, CallError, ConfigError
+from .errors import ArgumentError, CallError, ConfigError, check_options, checked_options
 from .frontend.trace import check_option_values
 from .interpret import check_mode
 from .pipeline import Lowered, Options, generate, lower_program, typed_ir
@@ -38,12 +37,7 @@ BUILD_OPTIONS = ("partial_reductions", "cache_dir", "force_rebuild", "build_time
 
 def split_options(opts: Mapping[str, Any]) -> tuple[Options, dict[str, Any]]:
     """compile_epilogue-style keyword options -> (what decides the source, the build/runtime rest)."""
-    unknown = set(opts) - set(GENERATION_OPTIONS) - set(BUILD_OPTIONS)
-    if unknown:
-        known = GENERATION_OPTIONS + BUILD_OPTIONS
-        close = [c for u in sorted(unknown) for c in difflib.get_close_matches(u, known, n=1)]
-        raise ArgumentError(f"unknown options {sorted(unknown)}" + (f" (did you mean {', '.join(map(repr, close))}?)"
-                                                                    if close else f"; known: {', '.join(known)}"))
+    check_options(opts, GENERATION_OPTIONS + BUILD_OPTIONS)
     gen = {k: opts[k] for k in GENERATION_OPTIONS if k in opts}
     gen.setdefault("dtype", torch.bfloat16)
     return Options.make(**gen), {k: opts[k] for k in BUILD_OPTIONS if k in opts}
@@ -71,6 +65,7 @@ def with_candidate_configs(items: Sequence[tuple[Any, Mapping[str, Any]]]) -> li
             for c in candidate_configs(lower_once(p, split_options(o)[0]).graph)]
 
 
+@checked_options
 def emit(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
          config: KernelConfig | None = None, input_dtypes: Mapping[str, Any] | None = None,
          output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
@@ -90,6 +85,7 @@ def emit_many(items: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[str]:
     return out
 
 
+@checked_options
 def compile_epilogue(program: Any, dtype: Any = torch.bfloat16, *, weight_layout: str = "nk",
                      config: KernelConfig | str | None = None, input_dtypes: Mapping[str, Any] | None = None,
                      output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,

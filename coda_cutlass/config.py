@@ -16,7 +16,7 @@ import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, check_options
 
 WEIGHT_LAYOUTS = ("nk", "kn")   # W is [N, K] (nn.Linear) or [K, N]
 SCHEDULES = ("cooperative", "pingpong")
@@ -55,6 +55,10 @@ class KernelConfig:
     epilogue_tile: tuple[int, int] | None = None    # None: CUTLASS's EpilogueTileAuto
     raster: str = "heuristic"
     swizzle: int = 1
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "KernelConfig":
+        check_options(kwargs, _FIELDS, "cc.KernelConfig")     # a misspelt field: its close name, not a bare TypeError
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         _normalise_types(self)

@@ -6,6 +6,13 @@ the argument for call errors, the generated `.cu` and the nvcc log for build fai
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
+from typing import Any, Callable, Iterable, Sequence, TypeVar, cast
+
+F = TypeVar("F", bound=Callable[..., Any])
+
 
 class CodaError(Exception):
     """Base class of every error coda-cutlass raises on purpose."""
@@ -64,3 +71,25 @@ class BuildError(CodaError):
 
 class DeviceError(CodaError, RuntimeError):
     """No usable GPU (none present, not sm_90), or the kernel reported a launch failure."""
+
+
+def check_options(given: Iterable[str], known: Sequence[str], call: str = "") -> None:
+    """Keyword options not in ``known`` -> ArgumentError naming them and the closest known names
+    (Python's own TypeError for an unexpected keyword suggests nothing)."""
+    unknown = sorted(set(given) - set(known))
+    if not unknown:
+        return
+    close = [c for u in unknown for c in difflib.get_close_matches(u, known, n=1)]
+    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else f"; known: {', '.join(known)}"
+    raise ArgumentError(f"{call + ': ' if call else ''}unknown options {unknown}{hint}")
+
+
+def checked_options(fn: F) -> F:
+    """A public ``cc.<fn>`` whose misspelt keyword options raise check_options' error."""
+    known = tuple(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        check_options(kwargs, known, f"cc.{fn.__name__}")
+        return fn(*args, **kwargs)
+    return cast(F, checked)

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from .build.builder import build
-from .errors import CallError, ConfigError
+from .errors import CallError, ConfigError, checked_options
 from .frontend.trace import check_option_values
 from .interpret import check_mode, interpret
 from .ir.nodes import Program
@@ -42,6 +42,7 @@ def _map_options(dtype: Any, input_dtypes: Mapping[str, Any] | None, output_dtyp
     return opts
 
 
+@checked_options
 def emit_map(program: Any, dtype: Any = torch.bfloat16, *, input_dtypes: Mapping[str, Any] | None = None,
              output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None) -> str:
     """The generated `.cu` of a map kernel, as text (no compiler runs)."""
@@ -49,6 +50,7 @@ def emit_map(program: Any, dtype: Any = torch.bfloat16, *, input_dtypes: Mapping
     return render_map_kernel(lower_map(typed_ir(program, opts), opts.dtype))
 
 
+@checked_options
 def compile_map(program: Any, dtype: Any = torch.bfloat16, *, input_dtypes: Mapping[str, Any] | None = None,
                 output_dtypes: Mapping[str, Any] | None = None, constants: Mapping[str, float] | None = None,
                 partial_reductions: bool = False, cache_dir: str | Path | None = None,

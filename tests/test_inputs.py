@@ -310,6 +310,26 @@ def test_config_and_jobs_arguments_of_compile(fake_nvcc):
         cc.compile_many([(scaled, {"zzz": 1})])
 
 
+def test_misspelt_keyword_options_are_named_with_the_close_one():
+    """As compile_many and cc.reference: an ArgumentError (still a TypeError) suggesting the option
+    meant, not Python's bare 'got an unexpected keyword argument'."""
+    calls = {"cc.emit": lambda: cc.emit(scaled, weight_layut="kn"),
+             "cc.compile_epilogue": lambda: cc.compile_epilogue(scaled, weight_layut="kn"),
+             "cc.emit_map": lambda: cc.emit_map(scaled, contants={"c": 2.0}),
+             "cc.compile_map": lambda: cc.compile_map(scaled, contants={"c": 2.0})}
+    for call, f in calls.items():
+        meant = "weight_layout" if "map" not in call else "constants"
+        with pytest.raises(cc.ArgumentError,
+                           match=rf"^{call}: unknown options \['\w+'\] \(did you mean '{meant}'\?\)$"):
+            f()
+    with pytest.raises(cc.ArgumentError,
+                       match=r"^cc.KernelConfig: unknown options \['tile_mm'\] \(did you mean 'tile_m'\?\)"):
+        cc.KernelConfig(tile_mm=128)
+    with pytest.raises(TypeError, match=r"unknown options \['zzz'\]; known: tile_m, tile_n"):
+        cc.KernelConfig(zzz=1)
+    assert cc.KernelConfig(128, 128, 64, 1, 2, "pingpong") == cc.KernelConfig.from_name("128x128x64_c1x2_pingpong")
+
+
 # ------------------------------------------------------------------------------ env
 def test_poison_uses_the_shared_boolean_parser():
     code = ("import importlib, os\n"
