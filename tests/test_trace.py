@@ -221,6 +221,22 @@ def test_error_bad_returns():
     err(lambda acc: cc.row_sum(acc), "bare reduction")
 
 
+def test_error_constant_output():
+    """A Python number returned as an output was broadcast to a constant tile (cc.reference and
+    cc.emit both accepted it); it is a slip, refused at trace time with the way to ask for one."""
+    err(lambda acc: {"D": 1.0}, r"output 'D' is the constant 1.0: an output must be a traced value.*acc \* 0 \+ 1.0")
+    err(lambda acc: {"D": acc, "c": 2}, "output 'c' is the constant 2:")
+    err(lambda acc, eps=1e-6: {"D": acc, "eps": eps}, "output 'eps' is the constant 1e-06:")
+    err(lambda acc: {"h": cc.half_width(0.5)}, "output 'h' is the constant 0.5:")
+    err(lambda acc: {"q": cc.quantize(1.0, scale=2.0)}, "output 'q' is the constant 1.0:")
+    A, W = torch.randn(4, 8).bfloat16(), torch.randn(8, 8).bfloat16()
+    with pytest.raises(cc.EpilogueError, match="output 'D' is the constant"):
+        cc.reference(cc.epilogue(lambda acc: {"D": 1.0}), A, W)
+    assert (cc.reference(cc.epilogue(lambda acc: {"D": acc * 0 + 1.0}), A, W)["D"] == 1).all()
+    n = torch.zeros(4, 8, dtype=torch.bfloat16)      # a constant accumulated is a traced out + c: a counter
+    assert (cc.reference(cc.epilogue(lambda acc: {"n": cc.accumulate(1.0)}), A, W, n=n)["n"] == 1).all()
+
+
 def test_error_output_named_like_operand():
     def f(acc, x: cc.Tile):
         return {"x": acc}

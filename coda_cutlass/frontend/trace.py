@@ -302,7 +302,7 @@ def _record_quantized(tracer: Tracer, name: str, q: Quantized) -> str | None:
     the sink of its scales (output ``name_scale``, returned). Stores round with saturation."""
     value, half = (q.value.value, True) if isinstance(q.value, HalfWidth) else (q.value, False)
     layout = ("half_t" if half else "t") if q.transpose else ("half" if half else "tile")
-    v = tracer.lift(value, f"output '{name}'")
+    v = _output_value(tracer, name, value)
     if q.block is None:
         s = tracer.lift(q.scale, f"output '{name}': the scale")
         v = apply("mul", v, apply("reciprocal", s))
@@ -315,6 +315,15 @@ def _record_quantized(tracer: Tracer, name: str, q: Quantized) -> str | None:
     tracer.emit("block_scale", (v.id,), Kind.TILE, name=scale_name, of=name, layout=layout, qdtype=q.dtype.name,
                 block=q.block, pow2=q.pow2, **grouped)
     return scale_name
+
+
+def _output_value(tracer: Tracer, name: str, value: Any) -> Value:
+    """The traced value an output stores. A Python number is refused, not broadcast to a tile: a
+    constant output is almost always a slip (a constant parameter or literal returned by mistake)."""
+    if isinstance(value, numbers.Number):
+        raise tracer.error(f"output '{name}' is the constant {value!r}: an output must be a traced value, computed "
+                           f"from acc or the operands (for a constant tile, write acc * 0 + {value!r})")
+    return tracer.lift(value, f"output '{name}'")
 
 
 def _record_output(tracer: Tracer, name: str, value: Any, operands: list[Operand]) -> None:
@@ -348,7 +357,7 @@ def _record_output(tracer: Tracer, name: str, value: Any, operands: list[Operand
     if isinstance(value, Value) and tracer.nodes[value.id].op == "load" and tracer.nodes[value.id].attr("packed"):
         raise tracer.error(f"output '{name}': a cc.PairTile operand cannot be stored directly; "
                            "unpack it, or store cc.pack(a, b)")
-    v = tracer.lift(value, f"output '{name}'")
+    v = _output_value(tracer, name, value)
     attrs = {"layout": layout} if layout != "tile" else {}
     tracer.emit("store", (v.id,), Kind.TILE, name=name, accumulate=accumulate, **attrs)
 
