@@ -210,6 +210,16 @@ def test_callable_objects_and_bad_names():
         cc.epilogue("acc * 2")
 
 
+
+def test_a_class_or_module_is_not_a_program():
+    """cc.epilogue(torch.nn.ReLU) was accepted (a class is callable) and failed only when traced,
+    saying the program returned a ReLU; a module instance failed on its *args signature."""
+    for fn, what in ((torch.nn.ReLU, "the class ReLU"), (torch.nn.ReLU(), r"the torch.nn.Module ReLU\(\)")):
+        with pytest.raises(cc.EpilogueError, match=f"must be a function of acc, got {what}: pass a function"):
+            cc.epilogue(fn)
+        with pytest.raises(cc.EpilogueError, match=f"got {what}"):
+            cc.emit(fn)
+
 # ------------------------------------------------------------------------------ 13: constants
 @cc.epilogue
 def scaled(acc, c=1.0):

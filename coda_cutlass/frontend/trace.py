@@ -61,6 +61,12 @@ class EpilogueProgram:
             name, fn = name or fn.name, fn.fn
         if not callable(fn):
             raise EpilogueError(f"an epilogue program must be a function, got {type(fn).__name__}")
+        if inspect.isclass(fn) or isinstance(fn, torch.nn.Module):
+            # a class is callable (it constructs) and so is a module (its forward on tensors): tracing
+            # either fails later with a message about its signature or its return value
+            what = f"the class {fn.__qualname__}" if inspect.isclass(fn) else f"the torch.nn.Module {fn!r:.60}"
+            raise EpilogueError(f"an epilogue program must be a function of acc, got {what}: pass a function "
+                                "that computes the outputs with cc.* ops, e.g. lambda acc: cc.relu(acc)")
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise EpilogueError(f"cc.epilogue(name=...): the name must be a non-empty string, got {name!r}")
         self.fn = fn
