@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -109,6 +110,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.steps < 1 or args.batch < 1 or args.seq < 2:
         ap.error("--steps and --batch must be at least 1 and --seq at least 2")
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        ap.error(f"--lr must be a positive number, got {args.lr}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
+    text = corpus()
+    if args.seq + 1 >= text.numel():     # each sample is seq + 1 bytes drawn from inside the corpus
+        ap.error(f"--seq {args.seq} is longer than the corpus allows ({text.numel()} bytes: at most {text.numel() - 2})")
     if args.fp8 and (args.batch * args.seq) % 128:
         ap.error(f"--fp8 needs --batch x --seq to be a multiple of 128 tokens (FP8 operands are quantised in "
                  f"128-token blocks), got {args.batch} x {args.seq} = {args.batch * args.seq}")
@@ -117,7 +127,6 @@ def main() -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: this torch has no CUDA device (use --device cpu)")
     args.out.mkdir(parents=True, exist_ok=True)      # before training: a bad folder must not cost the run
-    device = torch.device(args.device)
     low = torch.bfloat16
     torch.manual_seed(0)
     dims = dict(vocab_size=256, dim=384, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=1024, rope_theta=10000.0)
@@ -138,7 +147,7 @@ def main() -> int:
         m8.load_state_dict(model.state_dict())
         fp8_models.append((f"coda fp8 {recipe}", m8.to(low)))
     coda = model.to(low)
-    data = batches(corpus(), args.steps, args.batch, args.seq, seed=1)
+    data = batches(text, args.steps, args.batch, args.seq, seed=1)
     curves: dict[str, list[float]] = {}
     seconds: dict[str, float] = {}
     runs = [("coda", coda)] + fp8_models + list(twins.items())

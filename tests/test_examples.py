@@ -31,6 +31,10 @@ def test_finetune_hf_example(tmp_path):
     (["--fp8", "bogus"], "invalid choice: 'bogus'"),
     (["--out-is-a-file"], "exists and is not a folder"),
     (["--fp8", "tensorwise", "--batch", "2", "--seq", "100"], "a multiple of 128 tokens (FP8 operands are quantised in 128-token blocks), got 2 x 100 = 200"),
+    (["--lr", "0"], "--lr must be a positive number, got 0.0"),
+    (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    (["--device", "tpu"], "--device 'tpu' is not a torch device"),
+    (["--seq", "10000000"], "--seq 10000000 is longer than the corpus allows"),
 ])
 def test_train_llama_refuses_bad_options_before_training(tmp_path, args, match):
     f = tmp_path / "a_file"
@@ -39,6 +43,7 @@ def test_train_llama_refuses_bad_options_before_training(tmp_path, args, match):
     run = subprocess.run([sys.executable, str(REPO / "examples" / "train_llama.py"), "--device", "cpu", *out],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 2 and match in run.stderr, run.stderr[-1000:]
+    assert not (tmp_path / "o").exists()        # refused before anything is written
 
 
 def test_train_llama_short_fp8_runs_are_not_judged(tmp_path):
