@@ -46,6 +46,13 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "finetune_hf")
     args = p.parse_args()
+    # Trainer reads a negative max_steps as "train num_train_epochs (3) epochs" and 0 as one step: refuse both
+    if args.steps < 1 or args.batch < 1 or args.seq < 2:
+        p.error("--steps and --batch must be at least 1 and --seq at least 2 (labels are shifted by one token)")
+    if args.model is not None and not Path(args.model).is_dir():
+        p.error(f"--model {args.model}: not a folder (a local transformers checkpoint, as save_pretrained writes)")
+    if args.out.exists() and not args.out.is_dir():
+        p.error(f"--out {args.out} exists and is not a folder")
     on_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     if args.model:
         hf = transformers.AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)

@@ -27,6 +27,25 @@ def test_finetune_hf_example(tmp_path):
 
 
 @pytest.mark.parametrize("args,match", [
+    (["--steps", "0"], "--steps and --batch must be at least 1 and --seq at least 2"),
+    (["--steps", "-1"], "--steps and --batch must be at least 1 and --seq at least 2"),
+    (["--seq", "0"], "--steps and --batch must be at least 1 and --seq at least 2"),
+    (["--batch", "0"], "--steps and --batch must be at least 1 and --seq at least 2"),
+    (["--model", "no/such/folder"], "--model no/such/folder: not a folder"),
+    (["--out-is-a-file"], "exists and is not a folder"),
+])
+def test_finetune_hf_refuses_bad_options_before_training(tmp_path, args, match):
+    pytest.importorskip("transformers")
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    out = ["--out", str(f)] if args == ["--out-is-a-file"] else ["--out", str(tmp_path / "o")] + args
+    run = subprocess.run([sys.executable, str(REPO / "examples" / "finetune_hf.py"), *out], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 2 and match in run.stderr, run.stderr[-1000:]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args,match", [
     (["--steps", "0"], "--steps and --batch must be at least 1"),
     (["--fp8", "bogus"], "invalid choice: 'bogus'"),
     (["--out-is-a-file"], "exists and is not a folder"),
