@@ -234,6 +234,16 @@ def test_a_blockwise_blocks_statistics_switch_survives_a_recipe_change():
     assert b.fp8_stats() == {}                  # a new recipe's state: nothing recorded yet
     _run_block(b)
     assert set(b.fp8_stats()) >= {"h", "dz"}
+    # a spell in bf16 (e.g. evaluation at token counts FP8 refuses) keeps the switch too
+    b.fp8 = None
+    b.fp8 = "blockwise"
+    _run_block(b)
+    assert set(b.fp8_stats()) >= {"h", "dz"}
+    b.track_fp8_stats(False)
+    b.fp8 = None
+    b.fp8 = "blockwise_g16"
+    _run_block(b)
+    assert b.fp8_stats() == {}
 
 
 def test_a_models_recipe_is_set_for_every_block_or_per_layer():

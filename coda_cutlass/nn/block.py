@@ -137,6 +137,7 @@ class LlamaBlock(nn.Module):
         # FP8 training (nn.fp8): every linear's GEMMs in FP8 with this recipe; None: bf16
         self._fp8: Fp8Recipe | None = None
         self._fp8_path = None
+        self._fp8_tracking = False         # track_fp8_stats' switch, kept while the block runs bf16
         self.fp8 = fp8
         self.reset_parameters()
 
@@ -153,9 +154,12 @@ class LlamaBlock(nn.Module):
         recipe = fp8_support.check_block(self, as_recipe(value))
         if recipe == self._fp8:
             return
-        tracking = self._fp8_path is not None and self._fp8_path.tracking
+        # the statistics switch is the user's, not the recipe's: it outlives the path, also across
+        # a spell in bf16 (fp8=None: no path)
+        if self._fp8_path is not None:
+            self._fp8_tracking = self._fp8_path.tracking
         self._fp8, self._fp8_path = recipe, None
-        if recipe is not None and tracking:      # the statistics switch is the user's, not the recipe's
+        if recipe is not None and self._fp8_tracking:
             self.fp8_path().track_stats(True)
 
     # ------------------------------------------------------------------ RoPE and attention settings
@@ -276,6 +280,7 @@ class LlamaBlock(nn.Module):
         if "fp8" in state:          # pickled when the recipe was a plain attribute
             state = {**state, "_fp8": state["fp8"]}
             del state["fp8"]
+        state = {"_fp8_tracking": False, **state}      # pickled before the switch was kept on the block
         super().__setstate__(state)
 
     def get_runner(self, dtype: torch.dtype | None = None) -> Runner:
