@@ -252,6 +252,9 @@ class LlamaModel(nn.Module):
 
     def track_fp8_stats(self, on: bool = True) -> None:
         """Every FP8 block keeps per-step scale statistics for ``fp8_stats`` (LlamaBlock.track_fp8_stats)."""
+        if all(b.fp8 is None for b in self.blocks):     # as a bf16 block refuses it: nothing would be tracked
+            raise ConfigError("track_fp8_stats: every block of this model runs in 16 bits (fp8=None); there are no "
+                              "FP8 operands (set model.fp8 to a recipe first)")
         for b in self.blocks:
             if b.fp8 is not None:
                 b.track_fp8_stats(on)
