@@ -513,6 +513,26 @@ def test_recipe_options_that_would_be_ignored_or_misread_are_refused(kwargs, mat
     assert Fp8Recipe("mine", scaling="tensor").history == 16 and RECIPES["tensorwise"].margin == 0
 
 
+def test_a_recipe_named_like_another_takes_none_of_its_tuned_plans():
+    """The name keys the FP8 sites' tuned plans (LlamaBlock.context, "...:fp8-NAME"): a recipe of
+    one's own named like a built-in one but with other settings (another scaling: plans of other
+    kernels) took the built-in's shipped plans. A built-in recipe, or one equal to it, keeps its
+    name; any other recipe's key adds a digest of its settings. A name that is not a plain string
+    is refused (Fp8Recipe(5) was accepted)."""
+    def ctx(recipe):
+        return LlamaBlock(256, 2, 1, 256, head_dim=128, fp8=recipe).context()
+    assert ctx("tensorwise").endswith(":fp8-tensorwise") and ctx("blockwise_g16").endswith(":fp8-blockwise_g16")
+    assert ctx(Fp8Recipe("tensorwise", scaling="tensor", fast_accum=True)) == ctx("tensorwise")
+    mine = ctx(Fp8Recipe("tensorwise"))                             # blockwise scaling under that name
+    assert mine != ctx("tensorwise") and mine != ctx("blockwise") and ":fp8-tensorwise-" in mine
+    assert mine == ctx(Fp8Recipe("tensorwise"))                    # the same settings, the same key
+    assert ctx(Fp8Recipe("hybrid", scaling="tensor", gradient=torch.float8_e5m2)) != \
+        ctx(Fp8Recipe("hybrid", scaling="tensor"))
+    for bad in (5, "", "a:b", "a|b", None):
+        with pytest.raises(ConfigError, match="FP8 recipe name must be a non-empty str"):
+            Fp8Recipe(bad, scaling="tensor")
+
+
 def test_a_fresh_blocks_scale_state_has_the_structure_of_a_trained_ones():
     """A distributed checkpoint (torch.distributed.checkpoint) loads into the state dict's structure
     as it stands: a block before its first step reported {"history": None} and the load failed with

@@ -299,7 +299,7 @@ class LlamaBlock(nn.Module):
         d = self.dims
         extra = ("" if self.mlp.name == "silu" else f":{self.mlp.name}") + ("" if self.qkv_bias is None else ":bias") \
             + ("" if self.q_norm is None else ":qknorm") + ("" if self.post_attn_norm is None else ":sandwich") \
-            + ("" if self.fp8 is None else f":fp8-{self.fp8.name}")     # FP8 sites: their own plans
+            + ("" if self.fp8 is None else f":fp8-{self.fp8.plan_key}")     # FP8 sites: their own plans
         return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}{extra}"
 
     def step(self, batch: int, seq: int, runner: Runner | None = None, dtype: torch.dtype | None = None, *,

@@ -20,7 +20,8 @@ granularity and format), so the block code takes a recipe, never flags.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -66,6 +67,9 @@ class Fp8Recipe:
     wgrad_group: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or any(c in self.name for c in ":|"):
+            # the name is part of the tuning plans' key (LlamaBlock.context: "...:fp8-NAME|M...")
+            raise ConfigError(f"FP8 recipe name must be a non-empty str without ':' or '|', got {self.name!r}")
         if self.scaling not in SCALINGS:
             raise ConfigError(f"FP8 recipe {self.name!r}: scaling {self.scaling!r} is not supported; one of "
                               f"{', '.join(map(repr, SCALINGS))}")
@@ -107,6 +111,17 @@ class Fp8Recipe:
             raise ConfigError(f"FP8 recipe {self.name!r}: blockwise scaling quantises activations and gradients to "
                               "torch.float8_e4m3fn with power-of-two scales (pow2=True); other formats need "
                               "scaling='tensor'")
+
+    @property
+    def plan_key(self) -> str:
+        """What the tuned plans of this recipe's FP8 sites are stored under (LlamaBlock.context): a
+        built-in recipe's name when it is that recipe, else the name with a digest of the settings, so
+        a recipe of one's own named like another (a built-in with another scaling, say) never takes
+        plans tuned, or shipped, for other kernels."""
+        if RECIPES.get(self.name) == self:
+            return self.name
+        settings = repr([getattr(self, f.name) for f in fields(self) if f.name != "name"])
+        return f"{self.name}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
 
     def gemm_dtype(self, a: str, w: str) -> Any:
         """The dtype option of a GEMM whose A and W are operands of these kinds."""
