@@ -22,13 +22,16 @@
 #   attention  bench/probes/attention_layouts.py at 8B and 1B widths: does coda's attention call (views of the QKV
 #              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends; then the
 #              1B bf16 model with each attention input form (bench/model.py coda@heads, coda@heads_repeated)
+#   copies    stepprofile's figures for "tensorwise" at 1B and 8B widths with the weight copies compiled and by the
+#             map kernel (nn/fp8/tensorwise.py weight_copies_by; 30th session: the copies were 15 ms of the 1B step)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
 # A 30-minute device session (30th session's plan for the next), calls each under 10 minutes, back to back (a
 # machine idle 30 s is given back): 1. fp8tests (TESTS_LIMIT=560: ~320 s; the 30th session's new GPU tests: the
 # scale_by map kernel, the model's dloss path, the tensorwise no-grad forward); 2. fp8block (that forward was
 # 6.70 ms against 3.69 of kernels) + stepprofile (1B: the step's kernel time by kind); 3. fp8model +
-# modelcompile (MODEL_CONFIGS=1b,3b,8b: the one-pass dloss scaling, ~1% at 1B by arithmetic); 4. attention
+# modelcompile (MODEL_CONFIGS=1b,3b,8b: the one-pass dloss scaling, ~1% at 1B by arithmetic); copies (if the map
+# kernel's copies win at both widths, make them the default); 4. attention
 # (coda's attention call 2394-2527 us a 8B block against torch.compile's 2192, head-major copies not the cause).
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
@@ -93,6 +96,10 @@ for dt in (torch.bfloat16, torch.float16):
                  --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json"
                run attention_model ${MODEL_LIMIT:-300} python3 bench/model.py --configs 1b \
                  --variants coda,coda@heads,coda@heads_repeated --out "$out/attention_model" ;;
+    copies) for c in 1b 8b; do for by in compiled map; do
+              run copies_${c}_$by ${PROFILE_LIMIT:-150} python3 bench/probes/model_step_profile.py --config $c \
+                --variants coda-fp8-tensorwise --steps 4 --weight-copies $by --out "$out/copies_${c}_$by.json"
+            done; done ;;
     hostprofile) run hostprofile ${PROFILE_LIMIT:-300} python3 bench/probes/model_step_profile.py --config 1b \
                    --variants coda,coda-fp8-tensorwise --steps 4 --host-profile 45 --out "$out/hostprofile.json" ;;
     *) echo "unknown stage $s"; exit 2 ;;

@@ -432,6 +432,30 @@ def test_every_gemm_is_per_tensor_and_weight_gradients_read_the_epilogues_transp
     assert stats["dz"]["calibrated"] and stats["dz"]["scale"] > 0 and stats["h2"]["calibrated"] is False
 
 
+def test_weight_copies_by_the_map_kernel_give_the_blocks_compiled_copies_results(monkeypatch):
+    """nn.fp8.tensorwise.weight_copies_by = "map" (the experiment the probe times): a block's four
+    weight copies by the runner's quantize_tensor map kernel, one launch a weight ("weight.quant"),
+    and the block's output and every gradient bit for bit those of the compiled copies."""
+    from coda_cutlass.nn.fp8 import tensorwise
+    x = torch.randn(1, 256, 256).to(BF16)
+    dy = torch.randn(1, 256, 256).to(BF16)
+    results, launches = {}, {}
+    for by in ("compiled", "map"):
+        monkeypatch.setattr(tensorwise, "weight_copies_by", by)
+        blk = _block(3)
+        run = RecordingRunner()
+        blk.runner = run
+        xi = x.clone().requires_grad_()
+        blk(xi).backward(dy)
+        results[by] = [xi.grad] + [p.grad for p in blk.parameters()]
+        launches[by] = sorted(m[0] for m in run.maps if m[0] == "weight.quant")
+    assert launches == {"compiled": [], "map": ["weight.quant"] * 4}
+    assert all(torch.equal(a, b) for a, b in zip(results["compiled"], results["map"]))
+    monkeypatch.setattr(tensorwise, "weight_copies_by", "maps")
+    with pytest.raises(ConfigError, match="weight_copies_by must be one of"):
+        _block(3)(x)
+
+
 def test_a_model_mixing_recipes_hands_operands_across():
     torch.manual_seed(0)
     m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, dtype=BF16)

@@ -32,6 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import model as bench_model  # noqa: E402  (bench/model.py)
 
+from coda_cutlass.nn.fp8 import tensorwise  # noqa: E402
 from coda_cutlass.nn.fp8 import weights as fp8_weights  # noqa: E402
 
 
@@ -46,7 +47,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="a JSON file for the figures")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N",
                     help="also the N Python functions with the most host time per step (cProfile)")
+    ap.add_argument("--weight-copies", choices=tensorwise.WEIGHT_COPIES, default=tensorwise.weight_copies_by,
+                    help="how the \"tensorwise\" blocks remake their weight copies (nn/fp8/tensorwise.py)")
     args = ap.parse_args()
+    tensorwise.weight_copies_by = args.weight_copies
     args.compile_mode, args.ce_chunk_mib = None, None
     names = [n for n in args.variants.split(",") if n]
     fields = dict(bench_model.QUICK if args.config == "quick" else bench_model.CONFIGS[args.config])

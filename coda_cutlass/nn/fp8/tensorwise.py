@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ... import epilogues as E
+from ...errors import ConfigError
 from ..stats import row_mean, rstd
 from .delayed import DelayedScales
 from .functional import check_tokens, dgamma_of
@@ -89,12 +90,25 @@ def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Te
     return TensorOperand(out["q"], s, out["qt"])
 
 
+# How the blocks remake their weight copies after an optimizer step: "compiled" (torch.compile'd
+# torch, a block's four in one call) or "map" (the runner's quantize_tensor map kernel, a launch a
+# weight, bit for bit the same codes). In the twenty-sixth session the map path was host-bound (8B
+# block: 3.4 ms of wall time against 1.16; a 1B model stepped 38% slower); since its scale comes from
+# one compiled call it took 1.34 ms against 1.70 (70B: 3.39 against 5.13) on the H200 in the
+# thirtieth, where the copies were 15 ms of the 1B model's 111 ms step. The default stays until the
+# model's step is measured with it (bench/probes/model_step_profile.py --weight-copies map).
+WEIGHT_COPIES = ("compiled", "map")
+weight_copies_by = "compiled"
+
+
 def weight_copies(step: Any, w: Any, wq: Fp8Weights) -> tuple[Fp8Weight, ...]:
-    """(qkv, o, down, gate/up) FP8 copies, remade together by the compiled torch copies. Not by the
-    step's map kernel: on the H200 (8B block) its kernels took 0.66 ms of device time against torch's
-    1.09, but its eager scale arithmetic and per-call host work made a remake 3.4 ms of wall time
-    against 1.16 (host-bound; a 1B model stepped 38% slower), docs/RESULTS.md, twenty-sixth session."""
-    return tuple(wq.get_all([(w.qkv, False), (w.o, False), (w.down, False), (w.gate_up, True)]))
+    """(qkv, o, down, gate/up) FP8 copies, remade as ``weight_copies_by`` says."""
+    pairs = [(w.qkv, False), (w.o, False), (w.down, False), (w.gate_up, True)]
+    if weight_copies_by == "map":
+        return tuple(wq.get(t, halves=h, runner=step.runner) for t, h in pairs)
+    if weight_copies_by != "compiled":
+        raise ConfigError(f"nn.fp8.tensorwise.weight_copies_by must be one of {WEIGHT_COPIES}, got {weight_copies_by!r}")
+    return tuple(wq.get_all(pairs))
 
 
 def block_forward(step: Any, x: torch.Tensor, h: TensorOperand, r: torch.Tensor, w: Any, wq: Fp8Weights,
