@@ -8,7 +8,8 @@ Forward:  residual_norm_stats (out-proj / down-proj), rowscale (the consumer of 
 Backward: rmsnorm_backward (the norm-backward dX GEMM epilogue), swiglu_backward (down-proj dX).
 Training a Llama block (coda_cutlass.nn; block.py): swiglu_backward_y (swiglu_backward_scaled
           with y written again), norm_backward(_first), norm_backward_h (with h = x * g written again),
-          cross_entropy_backward; norm_stats and rope_backward are map kernels (no GEMM).
+          cross_entropy_backward; norm_stats, rope_backward and scale_by (the fused LM head's
+          gradients times dloss, in place) are map kernels (no GEMM).
 Model families (coda_cutlass.nn.hf; gated.py): geglu_only, reglu_only, geglu_backward_scaled /
           _y, reglu_backward_scaled / _y, rope_bias (q/k/v biases), rope_backward_bias; per-head q/k norms
           (qk_norm.py): qk_norm_rope, qk_norm_rope_backward, qk_norm_backward (map kernels); sandwich

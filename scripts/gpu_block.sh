@@ -30,8 +30,8 @@
 # machine idle 30 s is given back): 1. fp8tests (TESTS_LIMIT=560: ~320 s; the 30th session's new GPU tests: the
 # scale_by map kernel, the model's dloss path, the tensorwise no-grad forward); 2. fp8block (that forward was
 # 6.70 ms against 3.69 of kernels) + stepprofile (1B: the step's kernel time by kind); 3. fp8model +
-# modelcompile (MODEL_CONFIGS=1b,3b,8b: the one-pass dloss scaling, ~1% at 1B by arithmetic); copies (if the map
-# kernel's copies win at both widths, make them the default); 4. attention
+# modelcompile (MODEL_CONFIGS=1b,3b,8b: the one-pass dloss scaling, ~1% at 1B by arithmetic); 4. copies, a call
+# of its own (if the map kernel's copies win at both widths, make them the default); 5. attention
 # (coda's attention call 2394-2527 us a 8B block against torch.compile's 2192, head-major copies not the cause).
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
@@ -97,7 +97,7 @@ for dt in (torch.bfloat16, torch.float16):
                run attention_model ${MODEL_LIMIT:-300} python3 bench/model.py --configs 1b \
                  --variants coda,coda@heads,coda@heads_repeated --out "$out/attention_model" ;;
     copies) for c in 1b 8b; do for by in compiled map; do
-              run copies_${c}_$by ${PROFILE_LIMIT:-150} python3 bench/probes/model_step_profile.py --config $c \
+              run copies_${c}_$by ${PROFILE_LIMIT:-130} python3 bench/probes/model_step_profile.py --config $c \
                 --variants coda-fp8-tensorwise --steps 4 --weight-copies $by --out "$out/copies_${c}_$by.json"
             done; done ;;
     hostprofile) run hostprofile ${PROFILE_LIMIT:-300} python3 bench/probes/model_step_profile.py --config 1b \

@@ -42,7 +42,7 @@ def test_finetune_hf_refuses_bad_options_before_training(tmp_path, args, match):
     run = subprocess.run([sys.executable, str(REPO / "examples" / "finetune_hf.py"), *out], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 2 and match in run.stderr, run.stderr[-1000:]
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists() and f.read_text() == "x"      # nothing written, the file left alone
 
 
 @pytest.mark.parametrize("args,match", [
@@ -62,7 +62,7 @@ def test_train_llama_refuses_bad_options_before_training(tmp_path, args, match):
     run = subprocess.run([sys.executable, str(REPO / "examples" / "train_llama.py"), "--device", "cpu", *out],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 2 and match in run.stderr, run.stderr[-1000:]
-    assert not (tmp_path / "o").exists()        # refused before anything is written
+    assert not (tmp_path / "o").exists() and f.read_text() == "x"     # refused before anything is written
 
 
 def test_train_llama_short_fp8_runs_are_not_judged(tmp_path):

@@ -203,6 +203,7 @@ def test_blockwise_blocks_report_their_operands_scales_when_asked():
         _block(None).track_fp8_stats()
     with pytest.raises(ConfigError, match="every block of this model runs in 16 bits"):
         LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, dtype=BF16).track_fp8_stats()
+    LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, dtype=BF16).track_fp8_stats(False)     # off: nothing to refuse
     m = LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
     m.track_fp8_stats()
     tok = torch.randint(0, 512, (1, 128))

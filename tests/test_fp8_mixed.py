@@ -244,6 +244,13 @@ def test_a_blockwise_blocks_statistics_switch_survives_a_recipe_change():
     b.fp8 = "blockwise_g16"
     _run_block(b)
     assert b.fp8_stats() == {}
+    # switched off during the spell in bf16 (a model's call reaches its bf16 blocks): off when FP8 is back
+    b.track_fp8_stats()
+    b.fp8 = None
+    b.track_fp8_stats(False)
+    b.fp8 = "blockwise"
+    _run_block(b)
+    assert b.fp8_stats() == {}
 
 
 def test_a_models_recipe_is_set_for_every_block_or_per_layer():

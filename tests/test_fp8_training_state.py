@@ -526,6 +526,8 @@ def test_a_recipe_named_like_another_takes_none_of_its_tuned_plans():
     mine = ctx(Fp8Recipe("tensorwise"))                             # blockwise scaling under that name
     assert mine != ctx("tensorwise") and mine != ctx("blockwise") and ":fp8-tensorwise-" in mine
     assert mine == ctx(Fp8Recipe("tensorwise"))                    # the same settings, the same key
+    # the delayed scales' history and margin pick no kernel: the built-in's plans still fit
+    assert ctx(Fp8Recipe("tensorwise", scaling="tensor", fast_accum=True, history=32, margin=1)) == ctx("tensorwise")
     assert ctx(Fp8Recipe("hybrid", scaling="tensor", gradient=torch.float8_e5m2)) != \
         ctx(Fp8Recipe("hybrid", scaling="tensor"))
     for bad in (5, "", "a:b", "a|b", None):

@@ -655,6 +655,8 @@ def test_dloss_scaling_runs_the_runners_map_kernel_in_place_where_it_can():
     calls = []
 
     class Counting(ReferenceRunner):
+        in_place_maps = True          # stands in for the kernels (the interpreter itself keeps the chunks)
+
         def map(self, site, program, X, **kw):
             calls.append((site, program, tuple(X.shape)))
             return super().map(site, program, X, **kw)
@@ -670,6 +672,10 @@ def test_dloss_scaling_runs_the_runners_map_kernel_in_place_where_it_can():
     for g, w in zip(grads, want):
         assert torch.equal(g, w)
     assert calls == [("lm_head.dloss", E.scale_by, (12, 16)), ("lm_head.dloss", E.scale_by, (40, 64))]
+    calls.clear()
+    Counting.in_place_maps = False                     # the interpreter: the fp32 chunks, no map call
+    model_mod._scaled_by_dloss(dloss, [torch.randn(40, 64, dtype=torch.bfloat16)], Counting(torch.bfloat16))
+    assert calls == []
 
 
 def test_in_sequence_tuning_of_fp8_sites_builds_fp8_candidates(monkeypatch):

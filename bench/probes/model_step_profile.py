@@ -128,8 +128,11 @@ def main() -> None:
 
 # (substring of a kernel's name, its kind) in the order tried: what is a GEMM, attention, a coda map
 # kernel, and the torch kernels between them (the 1B step's lever against Liger: thirtieth session)
-KINDS = (("cutlass", "coda GEMM"), ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"), ("gemv", "cuBLAS gemv"),
-         ("fmha", "attention"), ("sdpa", "attention"), ("flash", "attention"), ("map_kernel", "coda map kernel"),
+# (attention first: torch's flash and memory-efficient kernels carry cutlass types in their names; coda's
+# GEMMs are CUTLASS's GemmUniversal, cuBLAS's own CUTLASS kernels are not)
+KINDS = (("fmha", "attention"), ("sdpa", "attention"), ("flash", "attention"), ("GemmUniversal", "coda GEMM"),
+         ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"), ("cutlass", "cuBLAS GEMM"), ("gemv", "cuBLAS gemv"),
+         ("map_kernel", "coda map kernel"),
          ("Memset", "memset"), ("Memcpy", "memcpy"), ("multi_tensor_apply", "optimizer"),
          ("reduce_kernel", "torch reduction"), ("triton", "triton"))
 

@@ -299,7 +299,7 @@ class LlamaBlock(nn.Module):
         d = self.dims
         extra = ("" if self.mlp.name == "silu" else f":{self.mlp.name}") + ("" if self.qkv_bias is None else ":bias") \
             + ("" if self.q_norm is None else ":qknorm") + ("" if self.post_attn_norm is None else ":sandwich") \
-            + ("" if self.fp8 is None else f":fp8-{self.fp8.plan_key}")     # FP8 sites: their own plans
+            + ("" if self.fp8 is None else f":fp8-{self.fp8.plan_name}")     # FP8 sites: their own plans
         return f"llama:d{d.dim}:h{d.n_heads}/{d.n_kv_heads}:hd{d.head_dim}:f{d.ffn_dim}{extra}"
 
     def step(self, batch: int, seq: int, runner: Runner | None = None, dtype: torch.dtype | None = None, *,
@@ -427,7 +427,11 @@ class LlamaBlock(nn.Module):
         ``fp8_stats`` (off by default: a few small reductions per operand and step). Per-tensor
         recipes keep their amax histories anyway."""
         if self.fp8 is None:
+            if not on:                  # off is kept for when a recipe comes back (the switch outlives bf16)
+                self._fp8_tracking = False
+                return
             raise ConfigError("track_fp8_stats: this block runs in 16 bits (fp8=None); there are no FP8 operands")
+        self._fp8_tracking = on
         self.fp8_path().track_stats(on)
 
     def tune(self, batch: int, seq: int, *, forward_only: bool = False, **options: Any) -> dict[str, Any]:

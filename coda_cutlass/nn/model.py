@@ -56,7 +56,7 @@ def _scaled_by_dloss(dloss: torch.Tensor, grads: list[torch.Tensor], runner: Any
     dtype. ``g.mul_(dloss)`` would round dloss to g's dtype first (a 0-dim operand takes the tensor's
     dtype): 1/3 -> 0.333984 in bf16 (0.2% on every gradient), fp16's loss scale 65536 (GradScaler's
     default) -> inf. 16-bit gradients in the runner's dtype go through its ``scale_by`` map kernel, in
-    place (one read and one write); others through fp32 chunks, which move about five times the
+    place (one read and one write: ``Runner.in_place_maps``); others through fp32 chunks, which move about five times the
     bytes (a 128k x 2048 LM-head gradient: ~5 GB a step, ~1% of a 1B model's step on the H200);
     GradScaler's unscale op, which would do this in one launch, has no bf16 kernel on CUDA. No host
     sync."""
@@ -64,7 +64,7 @@ def _scaled_by_dloss(dloss: torch.Tensor, grads: list[torch.Tensor], runner: Any
     for g in grads:
         if g.dtype == torch.float32:
             g.mul_(s)
-        elif runner is not None and _maps_in_place(g, runner) and not torch.compiler.is_compiling():
+        elif not torch.compiler.is_compiling() and _maps_in_place(g, runner):
             # (a traced backward keeps the torch ops, which Inductor fuses: a map call with out= would
             # run eagerly, behind a graph break)
             x = g.view(-1, g.shape[-1])
@@ -78,10 +78,11 @@ def _scaled_by_dloss(dloss: torch.Tensor, grads: list[torch.Tensor], runner: Any
 
 
 def _maps_in_place(g: torch.Tensor, runner: Any) -> bool:
-    """Whether a map kernel of ``runner`` can read and write ``g`` as a matrix: its dtype, rows of a
-    multiple of 8 elements, contiguous and 16-byte aligned."""
-    return (g.dtype == runner.dtype and g.dim() >= 2 and g.numel() > 0 and g.shape[-1] % 8 == 0
-            and g.is_contiguous() and g.data_ptr() % 16 == 0)
+    """Whether ``runner``'s map kernels take ``g`` in one pass, in place: kernels (not the interpreter,
+    whose whole-tensor fp32 temporaries the chunks bound), g in their dtype, rows of a multiple of 8
+    elements, contiguous and 16-byte aligned."""
+    return (getattr(runner, "in_place_maps", False) and g.dtype == runner.dtype and g.dim() >= 2
+            and g.numel() > 0 and g.shape[-1] % 8 == 0 and g.is_contiguous() and g.data_ptr() % 16 == 0)
 
 
 def per_layer_recipes(fp8: Any, n_layers: int) -> list[Fp8Recipe | None]:
@@ -252,11 +253,11 @@ class LlamaModel(nn.Module):
 
     def track_fp8_stats(self, on: bool = True) -> None:
         """Every FP8 block keeps per-step scale statistics for ``fp8_stats`` (LlamaBlock.track_fp8_stats)."""
-        if all(b.fp8 is None for b in self.blocks):     # as a bf16 block refuses it: nothing would be tracked
+        if on and all(b.fp8 is None for b in self.blocks):     # as a bf16 block refuses it: nothing to track
             raise ConfigError("track_fp8_stats: every block of this model runs in 16 bits (fp8=None); there are no "
                               "FP8 operands (set model.fp8 to a recipe first)")
         for b in self.blocks:
-            if b.fp8 is not None:
+            if b.fp8 is not None or not on:      # off reaches the bf16 blocks too (kept for a later recipe)
                 b.track_fp8_stats(on)
 
     def final_gain(self) -> torch.Tensor:

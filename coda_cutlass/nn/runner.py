@@ -73,6 +73,9 @@ class Runner:
     are made again on first use."""
     recorder: Recorder | None = None
     _caches: tuple[str, ...] = ()
+    # map calls with out = X run in one pass without temporaries (kernels; the interpreter makes fp32
+    # copies of the whole tensor)
+    in_place_maps: bool = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -140,6 +143,7 @@ class KernelRunner(Runner):
     """Compiled kernels on a Hopper GPU. ``plan`` maps a site to its Choice (default: the heuristic
     default configuration); kernels are compiled (or fetched from the cache) on first use."""
     _caches = ("_gemms", "_maps", "_defaults")
+    in_place_maps = True
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, plan: dict[str, Choice] | None = None,
                  cache_dir: Any = None, verbose: bool | None = None):

@@ -21,7 +21,7 @@ granularity and format), so the block code takes a recipe, never flags.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -113,15 +113,20 @@ class Fp8Recipe:
                               "scaling='tensor'")
 
     @property
-    def plan_key(self) -> str:
-        """What the tuned plans of this recipe's FP8 sites are stored under (LlamaBlock.context): a
-        built-in recipe's name when it is that recipe, else the name with a digest of the settings, so
-        a recipe of one's own named like another (a built-in with another scaling, say) never takes
-        plans tuned, or shipped, for other kernels."""
-        if RECIPES.get(self.name) == self:
+    def plan_name(self) -> str:
+        """What the tuned plans of this recipe's FP8 sites are stored under (LlamaBlock.context): the
+        name when the recipe's kernels are those of the built-in recipe of that name, else the name
+        with a digest of the settings that pick the kernels, so a recipe of one's own named like
+        another (a built-in with another scaling, say) never takes plans tuned, or shipped, for other
+        kernels. The delayed scales' history and margin pick no kernel."""
+        built_in = RECIPES.get(self.name)
+        if built_in is not None and built_in._kernel_settings() == self._kernel_settings():
             return self.name
-        settings = repr([getattr(self, f.name) for f in fields(self) if f.name != "name"])
-        return f"{self.name}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
+        return f"{self.name}-{hashlib.sha256(repr(self._kernel_settings()).encode()).hexdigest()[:8]}"
+
+    def _kernel_settings(self) -> tuple:
+        return (self.scaling, self.activation, self.gradient, self.weight, self.pow2, self.fast_accum,
+                self.wgrad_group)
 
     def gemm_dtype(self, a: str, w: str) -> Any:
         """The dtype option of a GEMM whose A and W are operands of these kinds."""
