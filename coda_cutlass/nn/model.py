@@ -56,10 +56,10 @@ def _scaled_by_dloss(dloss: torch.Tensor, grads: list[torch.Tensor], runner: Any
     dtype. ``g.mul_(dloss)`` would round dloss to g's dtype first (a 0-dim operand takes the tensor's
     dtype): 1/3 -> 0.333984 in bf16 (0.2% on every gradient), fp16's loss scale 65536 (GradScaler's
     default) -> inf. 16-bit gradients in the runner's dtype go through its ``scale_by`` map kernel, in
-    place (one read and one write: ``Runner.in_place_maps``); others through fp32 chunks, which move about five times the
-    bytes (a 128k x 2048 LM-head gradient: ~5 GB a step, ~1% of a 1B model's step on the H200);
-    GradScaler's unscale op, which would do this in one launch, has no bf16 kernel on CUDA. No host
-    sync."""
+    place (one read and one write: ``Runner.in_place_maps``); others through fp32 chunks, which move
+    about five times the bytes (a 128k x 2048 LM-head gradient: ~5 GB a step, ~1% of a 1B model's
+    step on the H200, by arithmetic); GradScaler's unscale op, which would do this in one launch, has
+    no bf16 kernel on CUDA. No host sync."""
     s = dloss.detach().to(torch.float32).reshape(())
     for g in grads:
         if g.dtype == torch.float32:
@@ -68,7 +68,7 @@ def _scaled_by_dloss(dloss: torch.Tensor, grads: list[torch.Tensor], runner: Any
             # (a traced backward keeps the torch ops, which Inductor fuses: a map call with out= would
             # run eagerly, behind a graph break)
             x = g.view(-1, g.shape[-1])
-            runner.map("lm_head.dloss", E.scale_by, x, out={"D": x}, s=s.to(g.device))
+            runner.map("lm_head.dloss", E.scale_by, x, out={"D": x}, s=s)
         elif not g.is_contiguous():
             g.copy_(g.float().mul_(s))
         else:

@@ -261,8 +261,8 @@ class DelayedScales:
         landed (polled, never waited for; ``start=False``: poll only, start no copy). Only launches
         depend on it: a tensor the host does not know about runs its calibrating launch, and the
         device still takes its delayed scale where it has one (quantize), so the numbers are the
-        same either way. An amax never goes back to 0
-        (until reset), so what the host learnt stays true."""
+        same either way. An amax never goes back to 0 (until reset), so what the host learnt stays
+        true."""
         if all(k or not f for k, f in zip(self._known, self._filled)):
             return
         if self._amax.device.type != "cuda":

@@ -103,11 +103,11 @@ weight_copies_by = "compiled"
 
 def weight_copies(step: Any, w: Any, wq: Fp8Weights) -> tuple[Fp8Weight, ...]:
     """(qkv, o, down, gate/up) FP8 copies, remade as ``weight_copies_by`` says."""
+    if weight_copies_by not in WEIGHT_COPIES:
+        raise ConfigError(f"nn.fp8.tensorwise.weight_copies_by must be one of {WEIGHT_COPIES}, got {weight_copies_by!r}")
     pairs = [(w.qkv, False), (w.o, False), (w.down, False), (w.gate_up, True)]
     if weight_copies_by == "map":
         return tuple(wq.get(t, halves=h, runner=step.runner) for t, h in pairs)
-    if weight_copies_by != "compiled":
-        raise ConfigError(f"nn.fp8.tensorwise.weight_copies_by must be one of {WEIGHT_COPIES}, got {weight_copies_by!r}")
     return tuple(wq.get_all(pairs))
 
 

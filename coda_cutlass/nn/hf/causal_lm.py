@@ -396,7 +396,7 @@ def _hf_state_to_coda(module: Any, state_dict: dict, prefix: str, local_metadata
         return
     family, blocks = module.coda_family, module.coda.blocks
     error_msgs = args[1]                                     # after unexpected_keys
-    shapes = hf_model_shapes(module.coda, family, module.coda_tied)
+    shapes = hf_model_shapes(module.coda, family, module.config, module.coda_tied)
     given = {}
     for k, full in ours.items():
         if k in shapes and tuple(state_dict[full].shape) != tuple(shapes[k]):     # as torch words its own check

@@ -45,19 +45,11 @@ def hf_layer_keys(family: Family, i: int) -> list[str]:
     return [_key(f"{family.layers_path}.{i}.{p}") for p in family.paths.values()]
 
 
-def hf_model_shapes(model: Any, family: Family, tied: bool) -> dict[str, torch.Size]:
-    """The shape of each transformers key of a coda LlamaModel's checkpoint (from meta copies of its
-    parameters: nothing is computed)."""
-    whole = {family.embed_path: model.embed, family.norm_path: model.norm}
-    if not tied:
-        whole[family.lm_head_path] = model.lm_head
-    out = {_key(p): t.shape for p, t in whole.items()}
-    for i, block in enumerate(model.blocks):
-        meta = {n: p.detach().to("meta") for n, p in block.named_parameters()}
-        d = block.dims
-        for path, t in family.from_standard(standard_layout(meta, d.q_width, d.kv_width, d.head_dim)).items():
-            out[_key(f"{family.layers_path}.{i}.{path}")] = t.shape
-    return out
+def hf_model_shapes(model: Any, family: Family, config: Any, tied: bool) -> dict[str, torch.Size]:
+    """The shape of each transformers key of a coda LlamaModel's checkpoint: ``to_hf_keys`` of meta
+    copies of its parameters (nothing is computed)."""
+    meta = {n: p.detach().to("meta") for n, p in model.named_parameters()}
+    return {k: t.shape for k, t in to_hf_keys(meta, family, config, tied).items()}
 
 
 def read_by_model(key: str, family: Family) -> bool:
