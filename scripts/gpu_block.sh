@@ -20,8 +20,9 @@
 #   modelcompile  bench/model.py ($MODEL_CONFIGS, default 1b): coda, coda under torch.compile ($COMPILE_MODE), Liger,
 #                 HF + compile ($MODEL_VARIANTS; at 3B widths four model copies need an H200's memory)
 #   attention  bench/probes/attention_layouts.py at 8B and 1B widths: does coda's attention call (views of the QKV
-#              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends; then the
-#              1B bf16 model with each attention input form (bench/model.py coda@heads, coda@heads_repeated)
+#              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends; the
+#              same call under torch.compile
+#   attentionmodel  the 1B bf16 model with each attention input form (bench/model.py coda@heads, coda@heads_repeated)
 #   copies    stepprofile's figures for "tensorwise" at 1B and 8B widths with the weight copies compiled and by the
 #             map kernel (nn/fp8/tensorwise.py weight_copies_by; 30th session: the copies were 15 ms of the 1B step)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
@@ -93,8 +94,8 @@ for dt in (torch.bfloat16, torch.float16):
                     --variants ${MODEL_VARIANTS:-liger,compile,coda,coda-compile} ${COMPILE_MODE:+--compile-mode $COMPILE_MODE} \
                     --out "$out/modelcompile" ;;
     attention) run attention ${PROBE_LIMIT:-240} bash -c "python3 bench/probes/attention_layouts.py --width 8b \
-                 --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json"
-               run attention_model ${MODEL_LIMIT:-300} python3 bench/model.py --configs 1b \
+                 --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json" ;;
+    attentionmodel) run attention_model ${MODEL_LIMIT:-300} python3 bench/model.py --configs 1b \
                  --variants coda,coda@heads,coda@heads_repeated --out "$out/attention_model" ;;
     copies) for c in 1b 8b; do for by in compiled map; do
               run copies_${c}_$by ${PROFILE_LIMIT:-130} python3 bench/probes/model_step_profile.py --config $c \

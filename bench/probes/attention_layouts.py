@@ -19,6 +19,7 @@ Variants (each: fresh views of the same data, forward, then backward of a fixed 
   cuDNN in the bf16 block (its attention kernels there: the same cuDNN kernels, ~300 us faster);
 - (B, H, S, D), k and v repeated to every head (transformers' repeat_kv, no GQA in the kernel):
   torch.compile's and torchao's tables show no cuDNN head reduction (fmha_reduce_head), coda's do;
+- torch.compile of the same SDPA call on separate tensors and on the views (Inductor's own choice);
 - coda, backend B: the coda call under `torch.nn.attention.sdpa_kernel(B)` for cuDNN, flash, efficient.
 Reports the median us per fwd+bwd (shuffled rounds, `coda_cutlass.timing.interleaved`) and the attention
 kernels each ran (profiler names), JSON into --out.
@@ -91,6 +92,21 @@ def variants(B: int, S: int, H: int, KV: int, D: int, device: str) -> dict[str, 
         grads = torch.autograd.grad(o, leaves, d_out.view(B, S, H, D).transpose(1, 2))
         return tuple(g.transpose(1, 2).contiguous() for g in grads)          # back to (B, S, heads, D)
 
+    def compiled_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                              enable_gqa=H != KV)
+
+    compiled = torch.compile(compiled_sdpa)
+
+    def under_compile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = compiled(*leaves)
+        return torch.autograd.grad(o, leaves, d_out.view(B, S, H, D).transpose(1, 2))
+
+    def views() -> tuple[torch.Tensor, ...]:
+        return (qkv[:, :H * D].view(B, S, H, D), qkv[:, H * D:(H + KV) * D].view(B, S, KV, D),
+                qkv[:, (H + KV) * D:].view(B, S, KV, D))
+
     parts = split()
     fns: dict[str, Callable[[Any], Any]] = {
         "coda (views of the QKV output)": coda,
@@ -98,6 +114,9 @@ def variants(B: int, S: int, H: int, KV: int, D: int, device: str) -> dict[str, 
         "coda + copies to separate tensors": lambda _: sdpa(*split()),
         "coda + copies to (B, H, S, D)": lambda _: head_major(False),
         "coda + copies to (B, H, S, D), k and v repeated": lambda _: head_major(True),
+        # what Inductor makes of the same call (the bf16 compile block's attention is ~300 us faster)
+        "torch.compile, separate contiguous q, k, v": lambda _: under_compile(*parts),
+        "torch.compile, views of the QKV output": lambda _: under_compile(*views()),
     }
     for name, b in _backends().items():
         def forced(_: Any, b: Any = b) -> Any:
