@@ -435,8 +435,15 @@ def test_every_gemm_is_per_tensor_and_weight_gradients_read_the_epilogues_transp
 def test_weight_copies_by_the_map_kernel_give_the_blocks_compiled_copies_results(monkeypatch):
     """nn.fp8.tensorwise.weight_copies_by = "map" (the experiment the probe times): a block's four
     weight copies by the runner's quantize_tensor map kernel, one launch a weight ("weight.quant"),
-    and the block's output and every gradient bit for bit those of the compiled copies."""
-    from coda_cutlass.nn.fp8 import tensorwise
+    and the block's output and every gradient bit for bit those of the compiled copies; the four
+    scales come from one call (one compiled graph on a GPU), not one a weight."""
+    from coda_cutlass.nn.fp8 import tensorwise, weights
+    calls = {"one": 0, "all": 0}
+    for name, key in (("tensor_scale", "one"), ("tensor_scales_all", "all")):
+        def counted(*a, _fn=getattr(weights, name), _key=key, **k):
+            calls[_key] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(weights, name, counted)
     x = torch.randn(1, 256, 256).to(BF16)
     dy = torch.randn(1, 256, 256).to(BF16)
     results, launches = {}, {}
@@ -450,6 +457,7 @@ def test_weight_copies_by_the_map_kernel_give_the_blocks_compiled_copies_results
         results[by] = [xi.grad] + [p.grad for p in blk.parameters()]
         launches[by] = sorted(m[0] for m in run.maps if m[0] == "weight.quant")
     assert launches == {"compiled": [], "map": ["weight.quant"] * 4}
+    assert calls == {"one": 0, "all": 1}
     assert all(torch.equal(a, b) for a, b in zip(results["compiled"], results["map"]))
     monkeypatch.setattr(tensorwise, "weight_copies_by", "maps")
     with pytest.raises(ConfigError, match="weight_copies_by must be one of"):

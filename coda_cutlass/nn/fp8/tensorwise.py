@@ -107,7 +107,7 @@ def weight_copies(step: Any, w: Any, wq: Fp8Weights) -> tuple[Fp8Weight, ...]:
         raise ConfigError(f"nn.fp8.tensorwise.weight_copies_by must be one of {WEIGHT_COPIES}, got {weight_copies_by!r}")
     pairs = [(w.qkv, False), (w.o, False), (w.down, False), (w.gate_up, True)]
     if weight_copies_by == "map":
-        return tuple(wq.get(t, halves=h, runner=step.runner) for t, h in pairs)
+        return tuple(wq.get_all(pairs, runner=step.runner))
     return tuple(wq.get_all(pairs))
 
 

@@ -29,7 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...quantization import quantize_tiles
 from ..precision import no_autocast
-from .copies import tensor_copies, tensor_copies_all, tensor_scale, weight_tiles, weight_tiles_all
+from .copies import tensor_copies, tensor_copies_all, tensor_scale, tensor_scales_all, weight_tiles, weight_tiles_all
 from .kernels import programs
 from .recipe import Fp8Recipe
 
@@ -104,17 +104,22 @@ class Fp8Weights:
         self._cache[(id(w), halves)] = (_stamp(w), entry)
         return entry
 
-    def get_all(self, ws: list[tuple[torch.Tensor, bool]]) -> list[Fp8Weight]:
+    def get_all(self, ws: list[tuple[torch.Tensor, bool]], *, runner: Any = None) -> list[Fp8Weight]:
         """(W, halves) pairs' copies, as ``get`` makes them one by one; the stale ones together, in one
         compiled call on a GPU (a block's four weights after every optimizer step: one host call
-        instead of four). Weights the batched copies do not take (blockwise shapes off the 128 grid,
-        scales not powers of two) go one by one."""
+        instead of four). With a runner (per tensor), their scales in one compiled call and the codes
+        by its map kernel, a launch a weight (``_per_tensor``). Weights the batched copies do not take
+        (blockwise shapes off the 128 grid, scales not powers of two) go one by one."""
         out = [self._cached(w, h) for w, h in ws]          # one freshness lookup a weight
         stale = [i for i, hit in enumerate(out) if hit is None]
         if len(stale) > 1 and self._batchable([ws[i][0] for i in stale]):
             with torch.no_grad(), no_autocast(ws[stale[0]][0].device):
                 plain = [ws[i][0].detach() for i in stale]
-                if self.recipe.scaling == "tensor":
+                if self.recipe.scaling == "tensor" and runner is not None and \
+                        all(w.dtype == runner.dtype for w in plain):
+                    scales = tensor_scales_all(plain, self.recipe.weight, self.recipe.pow2)
+                    made = [_per_tensor(w, self.recipe, ws[i][1], runner, s) for i, w, s in zip(stale, plain, scales)]
+                elif self.recipe.scaling == "tensor":
                     made = [Fp8Weight(q, s, qt, s) for q, s, qt in
                             tensor_copies_all(plain, self.recipe.weight, tuple(ws[i][1] for i in stale),
                                               self.recipe.pow2)]
@@ -158,10 +163,10 @@ class PinnedWeights:
             hit = self.used[key] = self.source.get(w, halves=halves, runner=runner)
         return hit
 
-    def get_all(self, ws: list[tuple[torch.Tensor, bool]]) -> list[Fp8Weight]:
+    def get_all(self, ws: list[tuple[torch.Tensor, bool]], *, runner: Any = None) -> list[Fp8Weight]:
         missing = [(w, h) for w, h in ws if (id(w), h) not in self.used]
         if missing:
-            for (w, h), entry in zip(missing, self.source.get_all(missing)):
+            for (w, h), entry in zip(missing, self.source.get_all(missing, runner=runner)):
                 self.used[(id(w), h)] = entry
         return [self.used[(id(w), h)] for w, h in ws]
 
@@ -171,18 +176,19 @@ def _stamp(w: torch.Tensor) -> tuple:
     return (_generation, w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
 
 
-def _per_tensor(w: torch.Tensor, recipe: Fp8Recipe, halves: bool, runner: Any) -> Fp8Weight:
+def _per_tensor(w: torch.Tensor, recipe: Fp8Recipe, halves: bool, runner: Any,
+                scale: torch.Tensor | None = None) -> Fp8Weight:
     """W's codes with one scale from its current amax, and W^T's. With a runner and W in its dtype,
     by the ``quantize_tensor`` map kernel the blocks quantise their attention outputs with: one read of
     W, both layouts written, the transpose done in registers; under ``halves`` the kernel reads W's
     rows as gate rows, then up rows (a strided view), and writes W's codes back through the same
     view. Else, and for fp32 master weights, the compiled torch copies (what the blocks use:
-    ``tensorwise.weight_copies`` says why)."""
+    ``tensorwise.weight_copies`` says why). ``scale``: W's, made already (``tensor_scales_all``)."""
     if runner is None or w.dtype != runner.dtype:
         q, scale, qt = tensor_copies(w, recipe.weight, halves, recipe.pow2)
         return Fp8Weight(q, scale, qt, scale)
     w = w.contiguous()                             # the halves view needs W's rows in one run
-    scale = tensor_scale(w, recipe.weight, recipe.pow2)
+    scale = tensor_scale(w, recipe.weight, recipe.pow2) if scale is None else scale
     R, C = w.shape
     q = torch.empty(R, C, dtype=recipe.weight, device=w.device)
     x, q_view = (w, q) if not halves else (_as_halves(w), _as_halves(q))
