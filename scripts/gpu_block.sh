@@ -97,7 +97,7 @@ for dt in (torch.bfloat16, torch.float16):
                  --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json" ;;
     attentionmodel) run attention_model ${MODEL_LIMIT:-300} python3 bench/model.py --configs 1b \
                  --variants coda,coda@heads,coda@heads_repeated --out "$out/attention_model" ;;
-    copies) for c in 1b 8b; do for by in compiled map; do
+    copies) for c in ${COPIES_CONFIGS:-1b 8b}; do for by in compiled map; do
               run copies_${c}_$by ${PROFILE_LIMIT:-130} python3 bench/probes/model_step_profile.py --config $c \
                 --variants coda-fp8-tensorwise --steps 4 --weight-copies $by --out "$out/copies_${c}_$by.json"
             done; done ;;
