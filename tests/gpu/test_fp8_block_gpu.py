@@ -222,6 +222,22 @@ def test_per_tensor_weight_copies_by_the_map_kernel_are_the_torch_copies(halves)
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), fmt
 
 
+def test_a_blocks_weight_copies_by_the_map_kernel_together_are_the_compiled_copies():
+    """Fp8Weights.get_all with a runner (weight_copies_by = "map"): the four scales from one compiled
+    call, the codes from a map launch a weight, bit for bit the compiled copies, gate/up halves too."""
+    from coda_cutlass.nn.fp8 import RECIPES as ALL
+    from coda_cutlass.nn.fp8.weights import Fp8Weights
+    g = torch.Generator(device="cuda").manual_seed(3)
+    pairs = [(torch.nn.Parameter((torch.randn(r, 768, device="cuda", generator=g) * s).to(BF16)), h)
+             for r, s, h in ((1536, 7.0, False), (768, 0.01, False), (768, 300.0, False), (2048, 1.0, True))]
+    got = Fp8Weights(ALL["tensorwise"]).get_all(pairs, runner=KernelRunner(BF16))
+    want = Fp8Weights(ALL["tensorwise"]).get_all(pairs)
+    for a, b in zip(got, want):
+        assert torch.equal(a.scale, b.scale)
+        for x, y in ((a.w, b.w), (a.wt, b.wt)):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_a_blocks_weight_copies_compiled_together_are_the_copies_compiled_one_by_one(recipe):
     """Fp8Weights.get_all: a block's weights in one compiled graph (tensor_copies_all /
