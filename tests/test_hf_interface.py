@@ -64,6 +64,21 @@ def test_trainer_with_label_smoothing_trains_the_whole_model(tmp_path):
 
 
 @pytest.mark.parametrize("convert", ["patch_hf", "from_hf"])
+def test_trainer_label_smoothing_shifts_the_labels_as_for_the_transformers_model(convert, tmp_path):
+    """Trainer shifts the labels for its label smoother only for a model whose class name is a
+    transformers causal LM (_get_name); a coda model's class was not one, so it was trained and
+    evaluated on unshifted labels: each position taught to predict its own token."""
+    hf = hf_model()
+    losses = []
+    for model in (copy.deepcopy(hf), getattr(cnn, convert)(hf)):
+        trainer = transformers.Trainer(model=model, args=train_args(tmp_path, max_steps=1, label_smoothing_factor=0.1),
+                                       train_dataset=dataset(), eval_dataset=dataset(2))
+        losses.append((trainer.train().training_loss, trainer.evaluate()["eval_loss"]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert type(model).__name__.startswith("Coda") and repr(model).startswith(type(model).__name__)
+
+
+@pytest.mark.parametrize("convert", ["patch_hf", "from_hf"])
 def test_generate_gives_the_tokens_of_the_transformers_model(convert):
     hf = hf_model(pad_token_id=0, eos_token_id=1, bos_token_id=2).eval()
     ref = copy.deepcopy(hf)

@@ -429,6 +429,18 @@ class _CodaPreTrained(CodaCausalLM):
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
         pass
 
+    def _get_name(self) -> str:
+        """The transformers class's name: Trainer's label smoother (label_smoothing_factor, in
+        training and evaluation) shifts the labels only for a model whose name is a causal LM's of
+        transformers' auto mapping; under the coda class's name it smoothed unshifted labels."""
+        hf_class = getattr(self, "coda_hf_class", None)
+        return type(self).__name__ if hf_class is None else hf_class.__name__
+
+    def __repr__(self) -> str:
+        """Module's repr under the coda class's name (_get_name is the transformers class's)."""
+        text = super().__repr__()
+        return type(self).__name__ + text[len(self._get_name()):]
+
 
 _CLASSES: dict[str, type] = {}
 
