@@ -61,6 +61,27 @@ def test_non_integer_targets_are_refused(dtype):
         model(tokens, torch.ones(2, 8, dtype=dtype))
 
 
+@pytest.mark.parametrize("bad", [-1, V, 10**12])
+@pytest.mark.parametrize("with_targets", [False, True])
+def test_an_out_of_vocabulary_token_is_named(bad, with_targets):
+    """torch's embedding said "index out of range in self" (neither the token nor the vocabulary)."""
+    model = small_model()
+    tokens = torch.randint(0, V, (2, 8))
+    tokens[1, 2] = bad
+    targets = torch.randint(0, V, (2, 8)) if with_targets else None
+    with pytest.raises(IndexError, match=rf"token id {bad} \(at flat position 10\) is out of the vocabulary.*\[0, {V}\)"):
+        model(tokens, targets)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.int16, torch.uint8])
+def test_tokens_that_are_not_int64_or_int32_ids_are_refused(dtype):
+    """A float or bool tensor raised torch's embedding error ("Expected tensor for argument #1 'indices'")."""
+    model = small_model()
+    with pytest.raises(TypeError, match=rf"tokens \(input_ids\) must be integer token ids \(int64 or int32\), got {dtype}"):
+        model(torch.ones(2, 8, dtype=dtype))
+    assert torch.equal(model(torch.ones(2, 8, dtype=torch.int32)), model(torch.ones(2, 8, dtype=torch.int64)))
+
+
 @pytest.mark.parametrize("shape", [(16,), (2, 7), (2, 8, 1), (1, 8)])
 def test_targets_of_another_shape_are_refused(shape):
     model = small_model()
