@@ -230,6 +230,14 @@ def test_the_input_embeddings_are_the_models_embed_and_keep_no_state():
         model.set_input_embeddings(torch.nn.Embedding(48, 32))
 
 
+@pytest.mark.parametrize("convert", ["from_hf", "patch_hf"])
+def test_replacing_the_output_embeddings_is_refused_as_the_input_embeddings(convert):
+    """transformers' set_output_embeddings raised "object has no attribute 'lm_head'"."""
+    model = getattr(cnn, convert)(hf_model())
+    with pytest.raises(NotImplementedError, match="replacing the output embedding module is not supported.*coda.lm_head"):
+        model.set_output_embeddings(torch.nn.Linear(32, 48, bias=False))
+
+
 def test_ignore_fields_must_be_a_list_of_names_and_a_misspelt_name_is_said():
     hf = hf_model()
     with pytest.raises(TypeError, match="ignore_fields must be a list of config field names, got 'mlp_bias'"):

@@ -289,6 +289,12 @@ class CodaCausalLM:
                                   "embedding module is not supported; copy weights into coda.embed, or change the "
                                   "transformers model before from_hf / patch_hf")
 
+    def set_output_embeddings(self, new_embeddings: Any) -> None:
+        """Refused as set_input_embeddings is (transformers' own said "object has no attribute 'lm_head'")."""
+        raise NotImplementedError("coda models keep the LM head as coda.lm_head (a Parameter; the embedding's when "
+                                  "tied): replacing the output embedding module is not supported; copy weights into "
+                                  "coda.lm_head, or change the transformers model before from_hf / patch_hf")
+
     def resize_token_embeddings(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("coda models keep the embedding as coda.embed (a Parameter), not an nn.Embedding: "
                                   "resizing the vocabulary is not supported; call resize_token_embeddings on the "
