@@ -126,6 +126,12 @@ def test_patch_hf_runs_coda_in_place(tmp_path):
     same = cnn.patch_hf(hf)
     assert same is hf and isinstance(hf, transformers.LlamaForCausalLM) and hasattr(hf, "coda")
     assert not hasattr(hf, "model") and not hasattr(hf, "lm_head")      # the transformers weights are released
+    for name in ("model", "lm_head"):           # named as replaced, not a bare "has no attribute"
+        with pytest.raises(AttributeError, match=rf"no attribute '{name}': patch_hf replaced the transformers "
+                                                 r"submodules \(model, lm_head\) by model.coda"):
+            getattr(hf, name)
+    with pytest.raises(AttributeError, match=r"no attribute 'no_such_thing'$"):
+        hf.no_such_thing
     tokens = torch.randint(0, 48, (2, 10))
     check_model(twin, hf, tokens, tokens)
     hf.save_pretrained(tmp_path)

@@ -279,6 +279,20 @@ class CodaCausalLM:
         return hf.train(self.training)
 
     # ------------------------------------------------------------------ pieces transformers asks for
+    def __getattr__(self, name: str) -> Any:
+        """A transformers submodule patch_hf replaced (``model.model``, ``model.lm_head``) is named as
+        such; it raised AttributeError "object has no attribute 'model'" saying nothing of why."""
+        try:
+            return super().__getattr__(name)            # type: ignore[misc]
+        except AttributeError:
+            replaced = self.__dict__.get("coda_replaced", ())
+            if name not in replaced:
+                raise
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}': patch_hf replaced the "
+                             f"transformers submodules ({', '.join(replaced)}) by model.coda, a coda LlamaModel "
+                             "(coda.embed, coda.blocks, coda.norm, coda.lm_head); model.to_hf() gives a "
+                             "transformers model of these weights")
+
     def get_input_embeddings(self) -> nn.Module:
         """The embedding lookup (nn.embedding.InputEmbedding: its weight is coda.embed), which the
         forward calls: its forward hooks run (NEFTune, enable_input_require_grads)."""
@@ -518,9 +532,11 @@ def patch_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[
     cls = type(hf_model)
     coda, family, tied = build_coda_model(hf_model, attention=attention, ignore_fields=ignore_fields,
                                           compute_dtype=compute_dtype, free=True, fp8=fp8)
-    for name, _ in list(hf_model.named_children()):
+    replaced = tuple(name for name, _ in hf_model.named_children())
+    for name in replaced:
         delattr(hf_model, name)
     hf_model.__class__ = coda_class(cls)
+    hf_model.coda_replaced = replaced
     hf_model._init_coda(coda, family, tied, cls)
     _generate_without_cache(hf_model)
     coda.train(hf_model.training)
