@@ -192,8 +192,8 @@ def chunk_lm_head(model: Any, args: argparse.Namespace) -> None:
 def build_variants(fields: dict[str, Any], names: list[str], args: argparse.Namespace) -> dict[str, Variant]:
     import transformers
     import coda_cutlass.nn as cnn
-    cfg = transformers.LlamaConfig(**fields, max_position_embeddings=max(8192, args.seq), rms_norm_eps=1e-5,
-                                   attn_implementation="sdpa")
+    fields = {**fields, "max_position_embeddings": max(fields.get("max_position_embeddings", 8192), args.seq)}
+    cfg = transformers.LlamaConfig(**fields, rms_norm_eps=1e-5, attn_implementation="sdpa")
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)      # initialised in place on the device, in bf16 (3B: seconds, not minutes)
