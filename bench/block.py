@@ -354,8 +354,8 @@ def device_breakdown(wl: Workload, names: list[str], iters: int, backward: bool 
         tot = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
         kernels: dict[str, float] = {}
         for ev in prof.events():
-            if ev.device_type != torch.autograd.DeviceType.CUDA:
-                continue
+            if ev.device_type != torch.autograd.DeviceType.CUDA or getattr(ev, "is_user_annotation", False):
+                continue    # kernels only: a record_function range's GPU span is not one
             us = ev.time_range.elapsed_us() / iters
             name = ev.name
             kernels[name] = kernels.get(name, 0.0) + us

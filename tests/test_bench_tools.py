@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 
@@ -62,6 +64,24 @@ def test_model_bench_builds_its_variants_and_writes_its_report_without_a_gpu(tmp
                                    "transformers": "5"}, tmp_path / "results.md")
     text = (tmp_path / "results.md").read_text()
     assert "coda vs eager 1.100x" in text and "| quick (2 layers, 1 x 16) |" in text
+
+
+@pytest.mark.parametrize("config", ["1b", "3b", "8b"])
+def test_model_bench_builds_each_shipped_configs_model_kind(config):
+    """Every config's own fields (the 1B and 3B ones carry max_position_embeddings and the llama3 RoPE)
+    build, at tiny widths: the thirtieth session's fields gave LlamaConfig max_position_embeddings twice
+    (a TypeError before the first step on the GPU)."""
+    import argparse
+
+    import torch
+    pytest.importorskip("transformers")
+    import model as bench_model
+    fields = dict(bench_model.CONFIGS[config], hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+    variants = bench_model.build_variants(fields, ["coda"], argparse.Namespace(seq=16, compile_mode=None, device="cpu"))
+    hf = variants["coda"].model
+    assert hf.config.max_position_embeddings == bench_model.CONFIGS[config].get("max_position_embeddings", 8192)
+    assert float(variants["coda"].step(torch.randint(0, 256, (1, 16)))) > 0
 
 
 def test_model_bench_attention_inputs_variant_steps_like_its_base_and_is_reported_against_it(tmp_path):
