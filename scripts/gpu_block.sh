@@ -24,16 +24,16 @@
 #              same call under torch.compile
 #   attentionmodel  the 1B bf16 model with each attention input form (bench/model.py coda@heads, coda@heads_repeated)
 #   copies    stepprofile's figures for "tensorwise" at 1B and 8B widths with the weight copies compiled and by the
-#             map kernel (nn/fp8/tensorwise.py weight_copies_by; 30th session: the copies were 15 ms of the 1B step)
+#             map kernel (nn/fp8/tensorwise.py weight_copies_by; 31st session: map kernels cheaper, host time 30 ms against 18)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
-# A 30-minute device session (30th session's plan for the next), calls each under 10 minutes, back to back (a
-# machine idle 30 s is given back): 1. fp8tests (TESTS_LIMIT=560: ~320 s; the 30th session's new GPU tests: the
-# scale_by map kernel, the model's dloss path, the tensorwise no-grad forward); 2. fp8block (that forward was
-# 6.70 ms against 3.69 of kernels) + stepprofile (1B: the step's kernel time by kind); 3. fp8model +
-# modelcompile (MODEL_CONFIGS=1b,3b,8b: the one-pass dloss scaling, ~1% at 1B by arithmetic); 4. copies, a call
-# of its own (if the map kernel's copies win at both widths, make them the default); 5. attention
-# (coda's attention call 2394-2527 us a 8B block against torch.compile's 2192, head-major copies not the cause).
+# A 30-minute device session (31st session's plan for the next), calls each under 10 minutes, back to back (a
+# machine idle 30 s is given back; the 31st session got an H100 after 37 minutes of failed starts): 1. on an
+# H200, MODEL_CONFIGS=1b,3b,8b MODEL_VARIANTS=liger,compile,coda modelcompile (on the H100 1B was 1.10x Liger,
+# 3B 1.049x; do the H200's 1.03-1.04x move with the one-pass dloss scaling?); 2. fp8block (the evaluation
+# forward's fix: 6.70 ms against 3.69 of kernels before) + stepprofile with --variants coda,liger,coda-fp8-tensorwise
+# (the probe now counts kernels only); 3. fp8tests with the in-sequence tuning test (left out in the 31st) and
+# hostprofile (the FP8 1B step is host-bound: the weight copies' 18 ms of host time a step).
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \

@@ -95,8 +95,9 @@ def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Te
 # weight, bit for bit the same codes). In the twenty-sixth session the map path was host-bound (8B
 # block: 3.4 ms of wall time against 1.16; a 1B model stepped 38% slower); since its scale comes from
 # one compiled call it took 1.34 ms against 1.70 (70B: 3.39 against 5.13) on the H200 in the
-# thirtieth, where the copies were 15 ms of the 1B model's 111 ms step. The default stays until the
-# model's step is measured with it (bench/probes/model_step_profile.py --weight-copies map).
+# thirtieth. In a whole 1B step (H100, thirty-first; a block's four scales in one compiled call) its
+# kernels took 2.8 ms against 5.7 but its launches 30 ms of host time against 18, in a step that is
+# host-bound already, so "compiled" stays the default.
 WEIGHT_COPIES = ("compiled", "map")
 weight_copies_by = "compiled"
 
