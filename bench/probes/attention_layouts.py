@@ -159,8 +159,11 @@ def main() -> None:
             continue
         ok[name] = fn
         ref = grads if ref is None else ref
-        err = max(float((a.float() - b.float()).abs().max()) for a, b in zip(grads, ref))
-        print(f"{name}: dq, dk, dv within {err:.3g} of the first variant's")
+        # per gradient: the largest difference, and it over the first variant's largest value (the
+        # thirty-first session saw torch.compile's differ by 17.8 on the H100, the eager ones by 2.4e-4)
+        errs = [(float((a.float() - b.float()).abs().max()), float(b.float().abs().max())) for a, b in zip(grads, ref)]
+        print(f"{name}: " + ", ".join(f"{g} within {e:.3g} ({e / max(m, 1e-30):.2g} of its largest {m:.3g})"
+                                      for g, (e, m) in zip(("dq", "dk", "dv"), errs)) + " of the first variant's")
     if args.device != "cuda":
         print(f"ran once each: {', '.join(ok)}")
         return
