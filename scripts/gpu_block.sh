@@ -23,8 +23,9 @@
 #              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends; the
 #              same call under torch.compile
 #   attentionmodel  the 1B bf16 model with each attention input form (bench/model.py coda@heads, coda@heads_repeated)
-#   copies    stepprofile's figures for "tensorwise" at 1B and 8B widths with the weight copies compiled and by the
-#             map kernel (nn/fp8/tensorwise.py weight_copies_by; 31st session: map kernels cheaper, host time 30 ms against 18)
+#   copies    stepprofile's figures for "tensorwise" at 1B and 8B widths with the compiled weight copies a call a block
+#             and 8 blocks to a call (nn/fp8/tensorwise.py copies_blocks_per_call; 31st session: the map kernel's
+#             copies cost less device time but 30 ms of host time a step against 18, the step is host-bound)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
 # A 30-minute device session (31st session's plan for the next), calls each under 10 minutes, back to back (a
@@ -33,7 +34,8 @@
 # 3B 1.049x; do the H200's 1.03-1.04x move with the one-pass dloss scaling?); 2. fp8block (the evaluation
 # forward's fix: 6.70 ms against 3.69 of kernels before) + stepprofile with --variants coda,liger,coda-fp8-tensorwise
 # (the probe now counts kernels only); 3. fp8tests with the in-sequence tuning test (left out in the 31st) and
-# hostprofile (the FP8 1B step is host-bound: the weight copies' 18 ms of host time a step).
+# hostprofile (the FP8 1B step is host-bound: the weight copies' 18 ms of host time a step); 4. copies (8 blocks'
+# copies to a call against 1; if 8 wins at 1B and 8B, make it the default and time bench/model.py's FP8 rows).
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
@@ -97,9 +99,9 @@ for dt in (torch.bfloat16, torch.float16):
                  --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json" ;;
     attentionmodel) run attention_model ${MODEL_LIMIT:-300} python3 bench/model.py --configs 1b \
                  --variants coda,coda@heads,coda@heads_repeated --out "$out/attention_model" ;;
-    copies) for c in ${COPIES_CONFIGS:-1b 8b}; do for by in compiled map; do
-              run copies_${c}_$by ${PROFILE_LIMIT:-130} python3 bench/probes/model_step_profile.py --config $c \
-                --variants coda-fp8-tensorwise --steps 4 --weight-copies $by --out "$out/copies_${c}_$by.json"
+    copies) for c in ${COPIES_CONFIGS:-1b 8b}; do for per in 1 8; do
+              run copies_${c}_$per ${PROFILE_LIMIT:-130} python3 bench/probes/model_step_profile.py --config $c \
+                --variants coda-fp8-tensorwise --steps 8 --copies-per-call $per --out "$out/copies_${c}_$per.json"
             done; done ;;
     hostprofile) run hostprofile ${PROFILE_LIMIT:-300} python3 bench/probes/model_step_profile.py --config 1b \
                    --variants coda,coda-fp8-tensorwise --steps 4 --host-profile 45 --out "$out/hostprofile.json" ;;

@@ -534,3 +534,48 @@ def test_a_compiled_helper_that_fails_to_compile_runs_eagerly_with_one_notice(mo
     assert (captured.err + captured.out).count("torch.compile failed (RuntimeError: cannot build this graph)") == 1
     ident = lambda x: x  # noqa: E731
     assert compiled.on_device(ident, torch.zeros(1), "k", "cpu") is ident     # on the CPU: the function itself
+
+
+def test_a_model_makes_its_blocks_weight_copies_together_with_the_same_results(monkeypatch):
+    """nn.fp8.tensorwise.copies_blocks_per_call = 2 on a 3-block "tensorwise" model (a blockwise block
+    between: left to itself): the tensorwise blocks' copies come from one call per 2 blocks before the
+    first block (again after an optimizer step, none while fresh), no block makes its own, and the
+    losses and every gradient over two optimizer steps are bit for bit those of per-block copies."""
+    from coda_cutlass.nn.fp8 import tensorwise, weights
+    calls: dict[str, list[int]] = {"blocks": [], "block": []}
+
+    def counted(fn: Any, key: str) -> Any:
+        def call(ws: list, *a: Any, **k: Any) -> Any:
+            calls[key].append(len(ws))
+            return fn(ws, *a, **k)
+        return call
+    monkeypatch.setattr(weights, "blocks_tensor_copies", counted(weights.blocks_tensor_copies, "blocks"))
+    monkeypatch.setattr(weights, "tensor_copies_all", counted(weights.tensor_copies_all, "block"))
+    tok = torch.randint(0, 512, (1, 128), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for per_call in (1, 2):
+        monkeypatch.setattr(tensorwise, "copies_blocks_per_call", per_call)
+        torch.manual_seed(0)
+        m = LlamaModel(512, 256, 4, 2, 1, 512, head_dim=128, fp8=["tensorwise", "blockwise", "tensorwise",
+                                                                  "tensorwise"], dtype=BF16)
+        for b in m.blocks:
+            draw_weights(b)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        calls = {"blocks": [], "block": []}
+        out = []
+        for _ in range(2):
+            loss = m(tok, tok)
+            loss.backward()
+            out += [loss.detach()] + [p.grad.clone() for p in m.parameters()]
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            m(tok, tok)                      # after the last step: copies made
+            m(tok, tok)                      # fresh copies: nothing made
+        results[per_call] = (out, calls)
+    assert results[1][1] == {"blocks": [], "block": [4, 4, 4, 4, 4, 4, 4, 4, 4]}   # 3 blocks x 3 forwards
+    assert results[2][1] == {"blocks": [8, 4, 8, 4, 8, 4], "block": []}
+    assert all(torch.equal(a, b) for a, b in zip(results[1][0], results[2][0]))
+    monkeypatch.setattr(tensorwise, "copies_blocks_per_call", 0)
+    with pytest.raises(ConfigError, match="copies_blocks_per_call must be a whole number"):
+        m(tok, tok)

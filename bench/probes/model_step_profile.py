@@ -49,8 +49,14 @@ def main() -> None:
                     help="also the N Python functions with the most host time per step (cProfile)")
     ap.add_argument("--weight-copies", choices=tensorwise.WEIGHT_COPIES, default=tensorwise.weight_copies_by,
                     help="how the \"tensorwise\" blocks remake their weight copies (nn/fp8/tensorwise.py)")
+    ap.add_argument("--copies-per-call", type=int, default=tensorwise.copies_blocks_per_call, metavar="N",
+                    help="blocks whose compiled weight copies one call makes (nn/fp8/tensorwise.py "
+                         "copies_blocks_per_call; 1: a call a block)")
     args = ap.parse_args()
+    if args.copies_per_call < 1:
+        ap.error(f"--copies-per-call must be >= 1, got {args.copies_per_call}")
     tensorwise.weight_copies_by = args.weight_copies
+    tensorwise.copies_blocks_per_call = args.copies_per_call
     args.compile_mode, args.ce_chunk_mib = None, None
     names = [n for n in args.variants.split(",") if n]
     fields = dict(bench_model.QUICK if args.config == "quick" else bench_model.CONFIGS[args.config])
@@ -74,6 +80,8 @@ def main() -> None:
     # one at a time, and a block's four together (what the blocks call since the twenty-sixth session)
     fp8_weights.Fp8Weights.get = marked(fp8_weights.Fp8Weights.get)
     fp8_weights.Fp8Weights.get_all = marked(fp8_weights.Fp8Weights.get_all)
+    # and several blocks' before the model's first block (--copies-per-call above 1)
+    tensorwise.make_tensor_copies_together = marked(tensorwise.make_tensor_copies_together)
 
     out = {}
     for name, v in variants.items():

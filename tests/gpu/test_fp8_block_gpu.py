@@ -160,6 +160,23 @@ def test_fp8_model_trains_on_the_gpu_like_the_bf16_model(recipe):
     assert all(abs(a - b) < 0.03 * bf[0] for a, b in zip(bf, f8)), (bf, f8)
 
 
+def test_a_models_weight_copies_made_together_train_bit_for_bit_as_each_blocks_own(monkeypatch):
+    """nn.fp8.tensorwise.copies_blocks_per_call = 8: a 3-block "tensorwise" model's copies from one
+    compiled call before its first block (a graph of its own) train to the same losses and parameters,
+    bit for bit, as the blocks' own calls."""
+    from coda_cutlass.nn.fp8 import tensorwise
+    tok = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    runs = {}
+    for per_call in (1, 8):
+        monkeypatch.setattr(tensorwise, "copies_blocks_per_call", per_call)
+        torch.manual_seed(3)
+        m = LlamaModel(1024, 512, 3, 4, 2, 1024, head_dim=128, fp8="tensorwise", device="cuda", dtype=BF16)
+        runs[per_call] = (losses(m, tok, torch.optim.AdamW(m.parameters(), lr=1e-3), 4),
+                          [p.detach().clone() for p in m.parameters()])
+    assert runs[1][0] == runs[8][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[1][1], runs[8][1]))
+
+
 @pytest.mark.parametrize("recipe", ("blockwise", "blockwise_g16"))
 def test_scale_statistics_of_the_kernels_bound_the_operands_they_scale(recipe):
     """track_fp8_stats() on the GPU: the statistics come from the scales the kernels wrote (their

@@ -117,6 +117,19 @@ def tensor_copies_all(ws: list[torch.Tensor], dtype: torch.dtype, halves: tuple[
     return _on_device(_tensor_copies_all, ws[0], dtype, pow2)([w.contiguous() for w in ws], dtype, halves, pow2)
 
 
+def _blocks_tensor_copies(ws: list[torch.Tensor], dtype: torch.dtype, halves: tuple[bool, ...],
+                          pow2: bool) -> list[tuple[torch.Tensor, ...]]:
+    return _tensor_copies_all(ws, dtype, halves, pow2)
+
+
+def blocks_tensor_copies(ws: list[torch.Tensor], dtype: torch.dtype, halves: tuple[bool, ...],
+                         pow2: bool) -> list[tuple[torch.Tensor, ...]]:
+    """``tensor_copies_all`` of several blocks' weights at once (a model's, before its first block),
+    a graph of its own: its lists are longer than a block's, and Dynamo recompiles per list length
+    against a limit per function."""
+    return _on_device(_blocks_tensor_copies, ws[0], dtype, pow2)([w.contiguous() for w in ws], dtype, halves, pow2)
+
+
 def weight_tiles_all(ws: list[torch.Tensor], dtype: torch.dtype) -> list[tuple[torch.Tensor, ...]]:
     """``weight_tiles`` of several weights in one compiled call on a GPU (as ``tensor_copies_all``)."""
     return _on_device(_tiles_all, ws[0], dtype)([w.contiguous() for w in ws], dtype)

@@ -16,16 +16,26 @@ from .autograd import Fp8BlockFunction
 from .functional import check_tokens
 from .paths import BlockwisePath, Path, TensorwisePath
 from .recipe import Fp8Recipe
-from .tensorwise import new_scales
+from .tensorwise import make_copies_together, new_scales
 from .weights import Fp8Weights
 
-__all__ = ["check_block", "check_compute_dtype", "first_norm_fp8", "hands_fp8", "new_path", "run"]
+__all__ = ["check_block", "check_compute_dtype", "first_norm_fp8", "hands_fp8", "make_weight_copies", "new_path",
+           "run"]
 
 
 def new_path(recipe: Fp8Recipe) -> Path:
     """A block's per-recipe state: its FP8 weight copies (and delayed scales)."""
     weights = Fp8Weights(recipe)
     return TensorwisePath(weights, new_scales(recipe)) if recipe.scaling == "tensor" else BlockwisePath(weights)
+
+
+def make_weight_copies(blocks: Any) -> None:
+    """Before a model's first block: its per-tensor FP8 blocks' stale weight copies, several blocks'
+    in one call where ``nn.fp8.tensorwise.copies_blocks_per_call`` says so (else each block makes its
+    own in its forward)."""
+    tensorwise = [(b, b.fp8_path().weights) for b in blocks if b.fp8 is not None and b.fp8.scaling == "tensor"]
+    if tensorwise:
+        make_copies_together(tensorwise)
 
 
 def hands_fp8(recipe: Fp8Recipe | None, nxt: Fp8Recipe | None) -> bool | Fp8Recipe:

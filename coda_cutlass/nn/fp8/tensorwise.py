@@ -27,7 +27,7 @@ from ..stats import row_mean, rstd
 from .delayed import DelayedScales
 from .functional import check_tokens, dgamma_of
 from .kernels import programs
-from .weights import Fp8Weight, Fp8Weights
+from .weights import Fp8Weight, Fp8Weights, make_tensor_copies_together
 
 # the tensors a block quantises, by name -> the recipe's format for them
 ACTIVATIONS = ("h", "o", "h1", "y", "h2")
@@ -100,13 +100,36 @@ def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Te
 # host-bound already, so "compiled" stays the default.
 WEIGHT_COPIES = ("compiled", "map")
 weight_copies_by = "compiled"
+# How many blocks' compiled copies one call makes: above 1, a model makes its blocks' stale copies
+# before its first block, that many blocks' in a call (make_copies_together), not a call a block. The
+# 1B "tensorwise" step is host-bound (H100, thirty-first session: 104.5 ms of wall time for ~97 of
+# kernels) and the copies' calls are ~18 ms of its host time, about 0.7 ms a call, half of it the call
+# itself. 1 (each block its own, as measured) until a step is timed with more.
+copies_blocks_per_call = 1
+
+
+def weight_pairs(w: Any) -> list[tuple[torch.Tensor, bool]]:
+    """A block's (or BlockWeights') weights as the copies take them: (W, halves) for qkv, o, down and
+    the gate/up weight, whose W^T columns go gate rows first (``halves``)."""
+    return [(w.qkv, False), (w.o, False), (w.down, False), (w.gate_up, True)]
+
+
+def make_copies_together(blocks: list[tuple[Any, Fp8Weights]]) -> None:
+    """Before a model's first block: the (block, its copies' cache) pairs' stale compiled copies,
+    ``copies_blocks_per_call`` blocks' in a call (nothing at 1, or with the map kernel's copies)."""
+    if not isinstance(copies_blocks_per_call, int) or isinstance(copies_blocks_per_call, bool) \
+            or copies_blocks_per_call < 1:
+        raise ConfigError("nn.fp8.tensorwise.copies_blocks_per_call must be a whole number >= 1, got "
+                          f"{copies_blocks_per_call!r}")
+    if copies_blocks_per_call > 1 and weight_copies_by == "compiled":
+        make_tensor_copies_together([(wq, weight_pairs(b)) for b, wq in blocks], copies_blocks_per_call)
 
 
 def weight_copies(step: Any, w: Any, wq: Fp8Weights) -> tuple[Fp8Weight, ...]:
     """(qkv, o, down, gate/up) FP8 copies, remade as ``weight_copies_by`` says."""
     if weight_copies_by not in WEIGHT_COPIES:
         raise ConfigError(f"nn.fp8.tensorwise.weight_copies_by must be one of {WEIGHT_COPIES}, got {weight_copies_by!r}")
-    pairs = [(w.qkv, False), (w.o, False), (w.down, False), (w.gate_up, True)]
+    pairs = weight_pairs(w)
     if weight_copies_by == "map":
         return tuple(wq.get_all(pairs, runner=step.runner))
     return tuple(wq.get_all(pairs))

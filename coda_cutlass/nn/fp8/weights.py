@@ -21,6 +21,7 @@ the down-proj dX epilogue (epilogues/fp8_tensorwise.py: swiglu_backward_t).
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...quantization import quantize_tiles
 from ..precision import no_autocast
-from .copies import tensor_copies, tensor_copies_all, tensor_scale, tensor_scales_all, weight_tiles, weight_tiles_all
+from .copies import (blocks_tensor_copies, tensor_copies, tensor_copies_all, tensor_scale, tensor_scales_all, weight_tiles,
+                     weight_tiles_all)
 from .kernels import programs
 from .recipe import Fp8Recipe
 
@@ -169,6 +171,26 @@ class PinnedWeights:
             for (w, h), entry in zip(missing, self.source.get_all(missing, runner=runner)):
                 self.used[(id(w), h)] = entry
         return [self.used[(id(w), h)] for w, h in ws]
+
+
+def make_tensor_copies_together(caches: list[tuple[Fp8Weights, list[tuple[torch.Tensor, bool]]]], per_call: int) -> None:
+    """Per-tensor copies of several caches' stale weights (a model's blocks, each cache with its
+    (W, halves) pairs), ``per_call`` caches' weights in one compiled call on a GPU: the copies each
+    cache's ``get_all`` makes (the same function of each weight), with a call's host cost (guards, a
+    launch per kernel) shared by more weights. Weights of one format, scale kind and device go
+    together; the rest stays to ``get_all``."""
+    groups: dict[tuple, list[tuple[Fp8Weights, list[tuple[torch.Tensor, bool]]]]] = collections.defaultdict(list)
+    for cache, ws in caches:
+        stale = [(w, h) for w, h in ws if cache._cached(w, h) is None]
+        if stale and cache.recipe.scaling == "tensor" and cache._batchable([w for w, _ in stale]):
+            groups[(cache.recipe.weight, cache.recipe.pow2, stale[0][0].device)].append((cache, stale))
+    for (fmt, pow2, device), items in groups.items():
+        for k in range(0, len(items), per_call):
+            flat = [(cache, w, h) for cache, ws in items[k:k + per_call] for w, h in ws]
+            with torch.no_grad(), no_autocast(device):
+                made = blocks_tensor_copies([w.detach() for _, w, _ in flat], fmt, tuple(h for *_, h in flat), pow2)
+            for (cache, w, h), (q, scale, qt) in zip(flat, made):
+                cache._cache[(id(w), h)] = (_stamp(w), Fp8Weight(q, scale, qt, scale))
 
 
 def _stamp(w: torch.Tensor) -> tuple:
