@@ -536,6 +536,23 @@ def test_a_compiled_helper_that_fails_to_compile_runs_eagerly_with_one_notice(mo
     assert compiled.on_device(ident, torch.zeros(1), "k", "cpu") is ident     # on the CPU: the function itself
 
 
+def test_one_changed_weight_is_copied_again_by_the_map_kernel(monkeypatch):
+    """weight_copies_by = "map": a block whose one weight changed remakes that copy alone, by the map
+    kernel still (get_all's one-weight path kept the runner)."""
+    from coda_cutlass.nn.fp8 import tensorwise
+    monkeypatch.setattr(tensorwise, "weight_copies_by", "map")
+    x = torch.randn(1, 256, 256).to(BF16)
+    blk = _block(3)
+    run = RecordingRunner()
+    blk.runner = run
+    with torch.no_grad():
+        blk(x)
+        before = len([m for m in run.maps if m[0] == "weight.quant"])
+        blk.o.mul_(1.0)                                   # a new version: o's copies are stale
+        blk(x)
+    assert before == 4 and len([m for m in run.maps if m[0] == "weight.quant"]) == 5
+
+
 def test_a_model_makes_its_blocks_weight_copies_together_with_the_same_results(monkeypatch):
     """nn.fp8.tensorwise.copies_blocks_per_call = 2 on a 3-block "tensorwise" model (a blockwise block
     between: left to itself): the tensorwise blocks' copies come from one call per 2 blocks before the

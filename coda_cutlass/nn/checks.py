@@ -101,7 +101,7 @@ def check_kernel_runner(runner: KernelRunner, device: torch.device, dtype: torch
                           "(the default runners follow the module)")
 
 
-def check_tokens(tokens: Any, vocab: int) -> None:
+def check_token_ids(tokens: Any, vocab: int) -> None:
     """Token ids (``input_ids`` of the from_hf models) as the embedding takes them: an int64 or int32
     tensor of values in [0, vocab). torch's lookup said "index out of range in self" with neither the
     token nor the vocabulary; like the targets' check, asynchronous on a GPU (a device-side assert)."""
@@ -110,10 +110,12 @@ def check_tokens(tokens: Any, vocab: int) -> None:
     if tokens.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"tokens (input_ids) must be integer token ids (int64 or int32), got {tokens.dtype}")
     t = tokens.reshape(-1)
+    if t.is_cuda:       # four small launches, no synchronisation
+        torch._assert_async(((t >= 0) & (t < vocab)).all(),
+                            f"a token id is out of the vocabulary: token ids are in [0, {vocab})")
+        return
     bad = (t < 0) | (t >= vocab)
-    if t.is_cuda:
-        torch._assert_async(~bad.any(), f"a token id is out of the vocabulary: token ids are in [0, {vocab})")
-    elif bool(bad.any()):
+    if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise IndexError(f"token id {int(t[i])} (at flat position {i}) is out of the vocabulary: token ids are in "
                          f"[0, {vocab})")

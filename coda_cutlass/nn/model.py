@@ -21,7 +21,7 @@ from .. import epilogues as E
 from . import masks
 from ..errors import ConfigError
 from .block import LlamaBlock
-from .checks import check_model_args, check_tokens, check_vocab_for_kernels, checked_targets, refuse_double_backward
+from .checks import check_model_args, check_token_ids, check_vocab_for_kernels, checked_targets, refuse_double_backward
 from .checkpointing import check_stack
 from .embedding import InputEmbedding
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
@@ -296,7 +296,7 @@ class LlamaModel(nn.Module):
                attention_mask: torch.Tensor | None = None) -> tuple[Step, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The final norm's inputs: (step, x, h = x * g_final, r = rstd(x)), all (B * S, D).
         ``position_ids`` and ``attention_mask`` as transformers takes them (nn.masks)."""
-        check_tokens(tokens, self.embed.shape[0])
+        check_token_ids(tokens, self.embed.shape[0])
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
         if not len(self.blocks):

@@ -161,20 +161,27 @@ def test_fp8_model_trains_on_the_gpu_like_the_bf16_model(recipe):
 
 
 def test_a_models_weight_copies_made_together_train_bit_for_bit_as_each_blocks_own(monkeypatch):
-    """nn.fp8.tensorwise.copies_blocks_per_call = 8: a 3-block "tensorwise" model's copies from one
-    compiled call before its first block (a graph of its own) train to the same losses and parameters,
-    bit for bit, as the blocks' own calls."""
-    from coda_cutlass.nn.fp8 import tensorwise
+    """nn.fp8.tensorwise.copies_blocks_per_call = 2: a 3-block "tensorwise" model's copies from a
+    compiled call per two blocks before its first block (graphs of their own: 8 and 4 weights) train to
+    the same losses and parameters, bit for bit, as the blocks' own calls."""
+    from coda_cutlass.nn.fp8 import tensorwise, weights
+    made: list[int] = []
+
+    def counted(ws: list, *a: object, _fn=weights.blocks_tensor_copies, **k: object) -> object:
+        made.append(len(ws))
+        return _fn(ws, *a, **k)
+    monkeypatch.setattr(weights, "blocks_tensor_copies", counted)
     tok = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
     runs = {}
-    for per_call in (1, 8):
+    for per_call in (1, 2):
         monkeypatch.setattr(tensorwise, "copies_blocks_per_call", per_call)
         torch.manual_seed(3)
         m = LlamaModel(1024, 512, 3, 4, 2, 1024, head_dim=128, fp8="tensorwise", device="cuda", dtype=BF16)
         runs[per_call] = (losses(m, tok, torch.optim.AdamW(m.parameters(), lr=1e-3), 4),
                           [p.detach().clone() for p in m.parameters()])
-    assert runs[1][0] == runs[8][0]
-    assert all(torch.equal(a, b) for a, b in zip(runs[1][1], runs[8][1]))
+    assert made == [8, 4] * 4                         # 4 steps, none while the copies were fresh
+    assert runs[1][0] == runs[2][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[1][1], runs[2][1]))
 
 
 @pytest.mark.parametrize("recipe", ("blockwise", "blockwise_g16"))

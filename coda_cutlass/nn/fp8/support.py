@@ -4,6 +4,7 @@ check of what the FP8 path covers, and a block's call."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from ...errors import ConfigError
 from ..functional import BlockWeights, first_norm
 from ..precision import cast, no_autocast
+from ..sharding import is_dtensor
 from . import functional as blockwise
 from .autograd import Fp8BlockFunction
 from .functional import check_tokens
@@ -29,11 +31,14 @@ def new_path(recipe: Fp8Recipe) -> Path:
     return TensorwisePath(weights, new_scales(recipe)) if recipe.scaling == "tensor" else BlockwisePath(weights)
 
 
-def make_weight_copies(blocks: Any) -> None:
+def make_weight_copies(blocks: Iterable[Any]) -> None:
     """Before a model's first block: its per-tensor FP8 blocks' stale weight copies, several blocks'
     in one call where ``nn.fp8.tensorwise.copies_blocks_per_call`` says so (else each block makes its
-    own in its forward)."""
-    tensorwise = [(b, b.fp8_path().weights) for b in blocks if b.fp8 is not None and b.fp8.scaling == "tensor"]
+    own in its forward). Blocks sharded by FSDP2 are left to themselves: their parameters are gathered
+    only for their own forward, so their shards here are neither the weights nor what the copies'
+    stamps will see."""
+    tensorwise = [(b, b.fp8_path().weights) for b in blocks
+                  if b.fp8 is not None and b.fp8.scaling == "tensor" and not is_dtensor(b.qkv)]
     if tensorwise:
         make_copies_together(tensorwise)
 

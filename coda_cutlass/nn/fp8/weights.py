@@ -30,8 +30,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...quantization import quantize_tiles
 from ..precision import no_autocast
-from .copies import (blocks_tensor_copies, tensor_copies, tensor_copies_all, tensor_scale, tensor_scales_all, weight_tiles,
-                     weight_tiles_all)
+from .copies import (blocks_tensor_copies, tensor_copies, tensor_copies_all, tensor_scale, tensor_scales_all,
+                     weight_tiles, weight_tiles_all)
 from .kernels import programs
 from .recipe import Fp8Recipe
 
@@ -131,7 +131,17 @@ class Fp8Weights:
                 w, h = ws[i]
                 self._cache[(id(w), h)] = (_stamp(w), entry)
                 out[i] = entry
-        return [hit if hit is not None else self.get(w, halves=h) for hit, (w, h) in zip(out, ws)]
+        return [hit if hit is not None else self.get(w, halves=h, runner=runner) for hit, (w, h) in zip(out, ws)]
+
+    def stale_batch(self, ws: list[tuple[torch.Tensor, bool]]) -> list[tuple[torch.Tensor, bool]]:
+        """The (W, halves) pairs whose copies must be made again, when one batched call can make them
+        (else none: ``get_all`` makes them)."""
+        stale = [(w, h) for w, h in ws if self._cached(w, h) is None]
+        return stale if stale and self._batchable([w for w, _ in stale]) else []
+
+    def store(self, w: torch.Tensor, halves: bool, entry: Fp8Weight) -> None:
+        """Copies of W made outside the cache (``make_tensor_copies_together``), stamped as ``get``'s."""
+        self._cache[(id(w), halves)] = (_stamp(w), entry)
 
     def _cached(self, w: torch.Tensor, halves: bool) -> Fp8Weight | None:
         """W's copies if made since W last (possibly) changed."""
@@ -173,16 +183,19 @@ class PinnedWeights:
         return [self.used[(id(w), h)] for w, h in ws]
 
 
-def make_tensor_copies_together(caches: list[tuple[Fp8Weights, list[tuple[torch.Tensor, bool]]]], per_call: int) -> None:
+def make_tensor_copies_together(caches: list[tuple[Fp8Weights, list[tuple[torch.Tensor, bool]]]],
+                                per_call: int) -> None:
     """Per-tensor copies of several caches' stale weights (a model's blocks, each cache with its
     (W, halves) pairs), ``per_call`` caches' weights in one compiled call on a GPU: the copies each
     cache's ``get_all`` makes (the same function of each weight), with a call's host cost (guards, a
     launch per kernel) shared by more weights. Weights of one format, scale kind and device go
     together; the rest stays to ``get_all``."""
-    groups: dict[tuple, list[tuple[Fp8Weights, list[tuple[torch.Tensor, bool]]]]] = collections.defaultdict(list)
+    # (format, power-of-two scales, device) -> the caches' stale pairs
+    groups: dict[tuple[torch.dtype, bool, torch.device], list[tuple[Fp8Weights, list[tuple[torch.Tensor, bool]]]]] = \
+        collections.defaultdict(list)
     for cache, ws in caches:
-        stale = [(w, h) for w, h in ws if cache._cached(w, h) is None]
-        if stale and cache.recipe.scaling == "tensor" and cache._batchable([w for w, _ in stale]):
+        stale = cache.stale_batch(ws) if cache.recipe.scaling == "tensor" else []
+        if stale:
             groups[(cache.recipe.weight, cache.recipe.pow2, stale[0][0].device)].append((cache, stale))
     for (fmt, pow2, device), items in groups.items():
         for k in range(0, len(items), per_call):
@@ -190,7 +203,7 @@ def make_tensor_copies_together(caches: list[tuple[Fp8Weights, list[tuple[torch.
             with torch.no_grad(), no_autocast(device):
                 made = blocks_tensor_copies([w.detach() for _, w, _ in flat], fmt, tuple(h for *_, h in flat), pow2)
             for (cache, w, h), (q, scale, qt) in zip(flat, made):
-                cache._cache[(id(w), h)] = (_stamp(w), Fp8Weight(q, scale, qt, scale))
+                cache.store(w, h, Fp8Weight(q, scale, qt, scale))
 
 
 def _stamp(w: torch.Tensor) -> tuple:
