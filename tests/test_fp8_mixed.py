@@ -90,6 +90,22 @@ def test_fp16_parameters_computing_in_bf16_run_in_fp8():
     assert torch.isfinite(loss) and all(p.grad.dtype == F16 for p in m.parameters())
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_fp32_compute_dtype_with_fp8_is_refused_when_made_naming_compute_dtype(recipe):
+    # an explicit compute_dtype wins over autocast, so such a block could never run; it was made and
+    # refused only at its first call, by a message telling a bf16 model to use dtype=torch.bfloat16
+    match = r"compute_dtype=torch\.float32 makes this block compute in fp32(.|\n)*compute_dtype=torch\.bfloat16"
+    with pytest.raises(ConfigError, match=match):
+        _model(recipe, compute_dtype=torch.float32)
+    with pytest.raises(ConfigError, match=match):
+        _block(recipe, dtype=torch.float32, compute_dtype=torch.float32)
+    m = _model(None, compute_dtype=torch.float32)
+    with pytest.raises(ConfigError, match=match):
+        m.fp8 = recipe
+    assert m.fp8 is None
+    _model(recipe, dtype=torch.float32, compute_dtype=BF16)        # fp32 masters computing in bf16 run
+
+
 # ---------------------------------------------------------------- mixed models
 
 MIXES = [(None, "tensorwise"), ("tensorwise", None), ("tensorwise", "blockwise"), ("blockwise", "tensorwise"),

@@ -94,6 +94,13 @@ def check_block(block: Any, recipe: Fp8Recipe | None) -> Fp8Recipe | None:
     dtype = block.compute_dtype or block.qkv.dtype
     if dtype == torch.float16:
         check_compute_dtype(recipe, dtype)
+    if block.compute_dtype == torch.float32:
+        # an explicit compute_dtype wins over autocast (nn.precision), so this block could never run:
+        # refused now, naming the setting (the call's check would blame the parameters' dtype)
+        raise ConfigError(f"fp8={recipe.name!r}: FP8 blocks compute in bf16 around their FP8 GEMMs, but "
+                          "compute_dtype=torch.float32 makes this block compute in fp32 (autocast does not change "
+                          "an explicit compute_dtype); use compute_dtype=torch.bfloat16, or compute_dtype=None "
+                          "with bf16 parameters; fp32 training runs with fp8=None")
     d = block.dims
     unsupported = [name for name, on in (
         ("qkv_bias", block.qkv_bias is not None), ("qk_norm", block.q_norm is not None),
