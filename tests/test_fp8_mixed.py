@@ -189,6 +189,17 @@ def test_per_layer_recipes_are_checked_before_any_block_is_made():
         _model(["blockwise", "nonsense"])
 
 
+def test_a_misspelt_recipe_name_is_refused_with_the_name_meant_and_its_layer():
+    with pytest.raises(ConfigError, match=r"got 'tensorwize' \(did you mean 'tensorwise'\?\)"):
+        _block("tensorwize")
+    with pytest.raises(ConfigError, match=r"got 'Blockwise' \(did you mean 'blockwise'\?\)"):
+        _model("Blockwise")
+    with pytest.raises(ConfigError, match=r"^fp8\[1\] \(layer 1\): .*got 'blockwise-g16' \(did you mean 'blockwise_g16'\?\)"):
+        _model(["blockwise", "blockwise-g16"])
+    with pytest.raises(ConfigError, match=r"got 'fp8'$"):          # nothing close: no guess
+        _block("fp8")
+
+
 # ---------------------------------------------------------------- changing a block's recipe
 
 def _run_block(b, seed=0):

@@ -92,7 +92,13 @@ def per_layer_recipes(fp8: Any, n_layers: int) -> list[Fp8Recipe | None]:
         if len(fp8) != n_layers:
             raise ConfigError(f"fp8: one recipe per layer: {n_layers} layers, {len(fp8)} recipes given; pass one "
                               "recipe (name, Fp8Recipe or None) for every layer, or a list with one per layer")
-        return [as_recipe(r) for r in fp8]
+        recipes = []
+        for i, r in enumerate(fp8):
+            try:
+                recipes.append(as_recipe(r))
+            except ConfigError as e:       # which entry of a long list is wrong
+                raise ConfigError(f"fp8[{i}] (layer {i}): {e}") from None
+        return recipes
     return [as_recipe(fp8)] * n_layers
 
 

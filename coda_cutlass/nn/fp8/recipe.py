@@ -20,6 +20,7 @@ granularity and format), so the block code takes a recipe, never flags.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -153,4 +154,7 @@ def as_recipe(fp8: Any) -> Fp8Recipe | None:
         return fp8
     if isinstance(fp8, str) and fp8 in RECIPES:
         return RECIPES[fp8]
-    raise ConfigError(f"fp8 must be None (bf16), an Fp8Recipe or one of {sorted(RECIPES)}, got {fp8!r}")
+    # a misspelt name ("tensorwize", "Blockwise") gets the name it was probably meant to be
+    close = difflib.get_close_matches(fp8.lower(), RECIPES, n=1) if isinstance(fp8, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"fp8 must be None (bf16), an Fp8Recipe or one of {sorted(RECIPES)}, got {fp8!r}{hint}")
