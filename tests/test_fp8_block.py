@@ -10,6 +10,7 @@ from block to block, and what the path does not cover is refused by name."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -140,6 +141,15 @@ def test_what_the_fp8_path_does_not_cover_is_refused_by_name():
         Fp8Recipe("mine", scaling="tensor", margin=-1)
     with pytest.raises(ConfigError, match=r"wgrad_group must be one of \(1, 16\), got 8"):
         Fp8Recipe("mine", wgrad_group=8)
+    for wrong in (16.0, True):          # 16.0 was accepted (it equals 16)
+        with pytest.raises(ConfigError, match=rf"wgrad_group must be one of \(1, 16\), got {wrong!r}"):
+            Fp8Recipe("mine", wgrad_group=wrong)
+    # a blockwise recipe derived from "tensorwise" by dataclasses.replace carries the history and
+    # margin __post_init__ filled in: the refusal says how to drop them (it blamed the user for them)
+    with pytest.raises(ConfigError, match=r"dataclasses\.replace(.|\n)*history=None, margin=None"):
+        dataclasses.replace(RECIPES["tensorwise"], scaling="block", fast_accum=False)
+    assert dataclasses.replace(RECIPES["tensorwise"], scaling="block", fast_accum=False, history=None,
+                               margin=None) == dataclasses.replace(RECIPES["blockwise"], name="tensorwise")
     with pytest.raises(ConfigError, match="wgrad_group applies to blockwise scaling"):
         Fp8Recipe("mine", scaling="tensor", wgrad_group=16)
     with pytest.raises(ConfigError, match="compute in bf16"):

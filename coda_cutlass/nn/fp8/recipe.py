@@ -83,7 +83,9 @@ class Fp8Recipe:
                 raise ConfigError(f"FP8 recipe {self.name!r}: {' and '.join(given)} "
                                   f"{'apply' if len(given) > 1 else 'applies'} to delayed per-tensor "
                                   "scaling (scaling='tensor'); blockwise scales come from each block's own amax, "
-                                  "so they would be ignored: leave them out")
+                                  "so they would be ignored: leave them out (a recipe made by dataclasses.replace "
+                                  "from a per-tensor one carries its history and margin: pass history=None, "
+                                  "margin=None)")
         else:       # defaults of the delayed scales (a frozen dataclass: set once, here)
             object.__setattr__(self, "history", DEFAULT_HISTORY if self.history is None else self.history)
             object.__setattr__(self, "margin", 0 if self.margin is None else self.margin)
@@ -97,7 +99,8 @@ class Fp8Recipe:
         if self.fast_accum and self.scaling == "block":
             raise ConfigError(f"FP8 recipe {self.name!r}: fast_accum needs per-tensor scaling (the blockwise "
                               "mainloop applies its scales while it adds into fp32)")
-        if isinstance(self.wgrad_group, bool) or self.wgrad_group not in WGRAD_GROUPS:
+        # an int, as history and margin (16.0 compares equal to 16 and would go on into the kernels' options)
+        if type(self.wgrad_group) is not int or self.wgrad_group not in WGRAD_GROUPS:
             raise ConfigError(f"FP8 recipe {self.name!r}: wgrad_group must be one of {WGRAD_GROUPS}, got "
                               f"{self.wgrad_group!r}")
         if self.wgrad_group != 1 and self.scaling != "block":
