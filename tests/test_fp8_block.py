@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from coda_cutlass.errors import CallError, ConfigError
+from coda_cutlass.errors import ArgumentError, CallError, ConfigError
 from coda_cutlass.nn import LlamaBlock, LlamaModel
 from coda_cutlass.nn.fp8.recipe import RECIPES, Fp8Recipe, as_recipe
 from coda_cutlass.nn.fp8.weights import Fp8Weights
@@ -219,6 +219,19 @@ def test_blockwise_blocks_report_their_operands_scales_when_asked():
     tok = torch.randint(0, 512, (1, 128))
     m(tok, tok).backward()
     assert set(m.fp8_stats()) == {0} and m.fp8_stats()[0]["dz"]["nonfinite_runs"] == 0
+
+
+def test_the_statistics_switch_takes_true_or_false_only():
+    # a truthy "off" turned the statistics on; None turned them off
+    m = LlamaModel(512, 256, 1, 2, 1, 512, head_dim=128, fp8="blockwise", dtype=BF16)
+    for wrong in ("off", None, 1):
+        with pytest.raises(ArgumentError, match=f"on must be True or False, got {wrong!r}"):
+            m.track_fp8_stats(wrong)
+        with pytest.raises(ArgumentError, match="on must be True or False"):
+            m.blocks[0].track_fp8_stats(wrong)
+    tok = torch.randint(0, 512, (1, 128))
+    m(tok, tok).backward()
+    assert m.fp8_stats() == {}                      # still off
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import ArgumentError, ConfigError
 from ..partials import cached_tensor
 from .activations import activation as find_activation
 from .attention import Attention
@@ -77,6 +77,12 @@ class BlockFunction(torch.autograd.Function):
 
 
 DEFAULT_ROPE_THETA = 500000.0     # Llama 3's RoPE base, when no RoPE setting is given
+
+
+def check_switch(on: Any) -> None:
+    """track_fp8_stats' ``on``: True or False (a truthy "off" or "no" turned the statistics on)."""
+    if not isinstance(on, bool):
+        raise ArgumentError(f"track_fp8_stats: on must be True or False, got {on!r}")
 
 
 class LlamaBlock(nn.Module):
@@ -426,6 +432,7 @@ class LlamaBlock(nn.Module):
         """Blockwise recipes: keep per-step scale statistics of every quantised operand for
         ``fp8_stats`` (off by default: a few small reductions per operand and step). Per-tensor
         recipes keep their amax histories anyway."""
+        check_switch(on)
         if self.fp8 is None:
             if not on:                  # off is kept for when a recipe comes back (the switch outlives bf16)
                 self._fp8_tracking = False

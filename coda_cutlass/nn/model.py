@@ -20,7 +20,7 @@ from torch import nn
 from .. import epilogues as E
 from . import masks
 from ..errors import ConfigError
-from .block import LlamaBlock
+from .block import LlamaBlock, check_switch
 from .checks import check_model_args, check_token_ids, check_vocab_for_kernels, checked_targets, refuse_double_backward
 from .checkpointing import check_stack
 from .embedding import InputEmbedding
@@ -259,6 +259,7 @@ class LlamaModel(nn.Module):
 
     def track_fp8_stats(self, on: bool = True) -> None:
         """Every FP8 block keeps per-step scale statistics for ``fp8_stats`` (LlamaBlock.track_fp8_stats)."""
+        check_switch(on)
         if on and all(b.fp8 is None for b in self.blocks):     # as a bf16 block refuses it: nothing to track
             raise ConfigError("track_fp8_stats: every block of this model runs in 16 bits (fp8=None); there are no "
                               "FP8 operands (set model.fp8 to a recipe first)")
