@@ -119,6 +119,9 @@ def main() -> int:
     text = corpus()
     if args.seq + 1 >= text.numel():     # each sample is seq + 1 bytes drawn from inside the corpus
         ap.error(f"--seq {args.seq} is longer than the corpus allows ({text.numel()} bytes: at most {text.numel() - 2})")
+    repeated = sorted({r for r in args.fp8 if args.fp8.count(r) > 1})
+    if repeated:        # each recipe's curve is stored under its name: a repeat would train again, reported once
+        ap.error(f"--fp8 {', '.join(repeated)} given more than once (each recipe trains once)")
     if args.fp8 and (args.batch * args.seq) % 128:
         ap.error(f"--fp8 needs --batch x --seq to be a multiple of 128 tokens (FP8 operands are quantised in "
                  f"128-token blocks), got {args.batch} x {args.seq} = {args.batch * args.seq}")

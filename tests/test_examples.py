@@ -50,6 +50,7 @@ def test_finetune_hf_refuses_bad_options_before_training(tmp_path, args, match):
     (["--fp8", "bogus"], "invalid choice: 'bogus'"),
     (["--out-is-a-file"], "exists and is not a folder"),
     (["--fp8", "tensorwise", "--batch", "2", "--seq", "100"], "a multiple of 128 tokens (FP8 operands are quantised in 128-token blocks), got 2 x 100 = 200"),
+    (["--fp8", "tensorwise", "--fp8", "blockwise", "--fp8", "tensorwise"], "--fp8 tensorwise given more than once"),
     (["--lr", "0"], "--lr must be a positive number, got 0.0"),
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
     (["--device", "tpu"], "--device 'tpu' is not a torch device"),
