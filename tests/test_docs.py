@@ -120,3 +120,17 @@ def test_every_doc_is_linked_from_the_readme_or_another_doc():
                                   "WRITING_EPILOGUES.md"])
 def test_docs_are_there(name):
     assert (REPO / "docs" / name).stat().st_size > 1000
+
+
+def test_the_guides_train_llama_commands_name_the_required_out_folder():
+    """A `examples/train_llama.py --...` command quoted in the user guides runs as written: --out is
+    required (NN.md and FP8.md quoted --fp8 commands without it; RESULTS.md's are records of runs)."""
+    command = re.compile(r"`(?:python )?examples/train_llama\.py(\s[^`]*)`")
+    bad = []
+    for doc in ("README.md", "docs/NN.md", "docs/FP8.md"):
+        text = (REPO / doc).read_text()
+        for m in command.finditer(text):
+            args = m.group(1).split()
+            if args and "--out" not in args:
+                bad.append(f"{doc}:{text.count(chr(10), 0, m.start()) + 1}: {' '.join(args)}")
+    assert not bad, "train_llama.py commands without --out:\n" + "\n".join(bad)
