@@ -103,7 +103,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", type=Path, required=True, help="folder for loss.json / loss.png (created)")
     ap.add_argument("--fp8", action="append", default=[], metavar="RECIPE", choices=sorted(RECIPES),
-                    help="also train the coda model with this FP8 recipe (coda_cutlass.nn.fp8.RECIPES); its PASS bar "
+                    help=f"also train the coda model with this FP8 recipe: {', '.join(sorted(RECIPES))} "
+                         "(coda_cutlass.nn.fp8.RECIPES; repeatable); its PASS bar "
                          "(1.25x eager bf16's distance to fp32) is for runs of 200 steps or more")
     ap.add_argument("--no-torchao", dest="torchao", action="store_false",
                     help="leave out the torchao float8 tensorwise twin (trained by default with --fp8 on a GPU)")

@@ -66,6 +66,14 @@ def test_train_llama_refuses_bad_options_before_training(tmp_path, args, match):
     assert not (tmp_path / "o").exists() and f.read_text() == "x"     # refused before anything is written
 
 
+def test_train_llama_help_names_the_fp8_recipes():
+    # --fp8's metavar hid argparse's choices: --help never said which recipes there are
+    run = subprocess.run([sys.executable, str(REPO / "examples" / "train_llama.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0
+    assert "blockwise, blockwise_g16, tensorwise" in " ".join(run.stdout.split()), run.stdout
+
+
 def test_train_llama_short_fp8_runs_are_not_judged(tmp_path):
     run = subprocess.run([sys.executable, str(REPO / "examples" / "train_llama.py"), "--device", "cpu", "--steps", "2",
                           "--batch", "2", "--seq", "128", "--fp8", "tensorwise", "--no-torchao", "--out",
