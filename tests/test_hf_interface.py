@@ -425,3 +425,20 @@ def test_the_fp8_recipe_is_read_and_assigned_on_the_hf_model(how):
     tokens = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
     model(input_ids=tokens, labels=tokens).loss.backward()
     assert sorted(model.fp8_stats()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("how", ["from_hf", "patch_hf"])
+def test_generate_on_fp8_blocks_is_refused_up_front_and_to_hf_generates(how):
+    """generate() on a model with FP8 blocks ran its first step (128 tokens) and stopped at 129 with
+    the blocks' multiple-of-128 CallError; it is refused before any step, naming to_hf(), whose
+    transformers model generates (greedy: the bf16 model's tokens)."""
+    dims = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 128, "vocab_size": 256, "num_hidden_layers": 2}
+    hf = hf_model(**dims).to(torch.bfloat16)
+    bf16 = cnn.from_hf(copy.deepcopy(hf))
+    model = cnn.from_hf(hf, fp8=[None, "tensorwise"]) if how == "from_hf" else cnn.patch_hf(hf, fp8=[None, "tensorwise"])
+    prompt = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match=r"generate\(\): this model's blocks run in FP8 \(tensorwise\).*to_hf"):
+        model.generate(prompt, max_new_tokens=2, do_sample=False)
+    got = model.to_hf().generate(prompt, max_new_tokens=2, do_sample=False)
+    assert torch.equal(got, bf16.generate(prompt, max_new_tokens=2, do_sample=False))

@@ -278,6 +278,18 @@ class CodaCausalLM:
                                f"unexpected {sorted(unexpected)})")
         return hf.train(self.training)
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' generate(), refused up front on FP8 blocks: they take token counts in
+        multiples of 128 and generation adds one token a step, so it stopped with a CallError at its
+        second step."""
+        recipes = sorted({b.fp8.name for b in self.coda.blocks if b.fp8 is not None})
+        if recipes:
+            raise ConfigError(f"generate(): this model's blocks run in FP8 ({', '.join(recipes)}), which takes token "
+                              "counts in multiples of 128, and generation adds one token a step; generate with "
+                              "model.to_hf() (a transformers model of these weights, in their dtype) or a copy "
+                              "with fp8=None")
+        return super().generate(*args, **kwargs)   # type: ignore[misc]
+
     # ------------------------------------------------------------------ pieces transformers asks for
     def __getattr__(self, name: str) -> Any:
         """A transformers submodule patch_hf replaced (``model.model``, ``model.lm_head``) is named as
