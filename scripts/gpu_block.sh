@@ -35,7 +35,9 @@
 # forward's fix: 6.70 ms against 3.69 of kernels before) + stepprofile with --variants coda,liger,coda-fp8-tensorwise
 # (the probe now counts kernels only); 3. fp8tests with the in-sequence tuning test (left out in the 31st) and
 # hostprofile (the FP8 1B step is host-bound: the weight copies' 18 ms of host time a step); 4. copies (8 blocks'
-# copies to a call against 1; if 8 wins at 1B and 8B, make it the default and time bench/model.py's FP8 rows).
+# copies to a call against 1; if 8 wins at 1B and 8B, make it the default and time bench/model.py's FP8 rows);
+# 5. attention (PROBE_LIMIT=120, 8b only): torch.compile's gradients of the same SDPA call differed from eager by
+# up to 17.8 on the H100 (eager forms within 2.4e-4); the probe now prints each gradient's relative difference.
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
