@@ -23,8 +23,8 @@
 #              output) cost ~0.3 ms a block against separate q, k, v (27th session); forced SDPA backends; the
 #              same call under torch.compile
 #   attentionmodel  the 1B bf16 model with each attention input form (bench/model.py coda@heads, coda@heads_repeated)
-#   copies    stepprofile's figures for "tensorwise" at 1B and 8B widths with the compiled weight copies a call a block
-#             and 8 blocks to a call (nn/fp8/tensorwise.py copies_blocks_per_call; 31st session: the map kernel's
+#   copies    stepprofile's figures for "tensorwise" at 1B and 8B widths with the compiled weight copies a call a block,
+#             8 blocks to a call, and that with the amax folds together (tensorwise.py copies_blocks_per_call, folds_together; 31st session: the map kernel's
 #             copies cost less device time but 30 ms of host time a step against 18, the step is host-bound)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
@@ -35,7 +35,8 @@
 # forward's fix: 6.70 ms against 3.69 of kernels before) + stepprofile with --variants coda,liger,coda-fp8-tensorwise
 # (the probe now counts kernels only); 3. fp8tests with the in-sequence tuning test (left out in the 31st) and
 # hostprofile (the FP8 1B step is host-bound: the weight copies' 18 ms of host time a step); 4. copies (8 blocks'
-# copies to a call against 1; if 8 wins at 1B and 8B, make it the default and time bench/model.py's FP8 rows);
+# copies to a call against 1, then with the folds together; what wins at 1B and 8B becomes the default, then
+# time bench/model.py's FP8 rows);
 # 5. attention (PROBE_LIMIT=120, 8b only): torch.compile's gradients of the same SDPA call differed from eager by
 # up to 17.8 on the H100 (eager forms within 2.4e-4); the probe now prints each gradient's relative difference.
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
@@ -101,9 +102,10 @@ for dt in (torch.bfloat16, torch.float16):
                  --out $out/attention_8b.json && python3 bench/probes/attention_layouts.py --width 1b --out $out/attention_1b.json" ;;
     attentionmodel) run attention_model ${MODEL_LIMIT:-300} python3 bench/model.py --configs 1b \
                  --variants coda,coda@heads,coda@heads_repeated --out "$out/attention_model" ;;
-    copies) for c in ${COPIES_CONFIGS:-1b 8b}; do for per in 1 8; do
-              run copies_${c}_$per ${PROFILE_LIMIT:-130} python3 bench/probes/model_step_profile.py --config $c \
-                --variants coda-fp8-tensorwise --steps 8 --copies-per-call $per --out "$out/copies_${c}_$per.json"
+    copies) for c in ${COPIES_CONFIGS:-1b 8b}; do for how in "1" "8" "8 --folds-together"; do
+              tag=$(echo $how | tr -d ' -')
+              run copies_${c}_$tag ${PROFILE_LIMIT:-130} python3 bench/probes/model_step_profile.py --config $c \
+                --variants coda-fp8-tensorwise --steps 8 --copies-per-call $how --out "$out/copies_${c}_$tag.json"
             done; done ;;
     hostprofile) run hostprofile ${PROFILE_LIMIT:-300} python3 bench/probes/model_step_profile.py --config 1b \
                    --variants coda,coda-fp8-tensorwise --steps 4 --host-profile 45 --out "$out/hostprofile.json" ;;

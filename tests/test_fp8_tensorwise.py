@@ -596,3 +596,48 @@ def test_a_model_makes_its_blocks_weight_copies_together_with_the_same_results(m
     monkeypatch.setattr(tensorwise, "copies_blocks_per_call", 0)
     with pytest.raises(ConfigError, match="copies_blocks_per_call must be a whole number"):
         m(tok, tok)
+
+
+def test_a_model_folds_its_blocks_delayed_scales_together_with_the_same_results(monkeypatch):
+    """nn.fp8.tensorwise.folds_together: the tensorwise blocks' amax folds in one call before the
+    first block of each training forward (from the second step: the first has nothing to fold), none
+    in evaluation forwards; a block whose own parameters are frozen folds in its own call. Losses,
+    gradients and the scale statistics over three steps and an evaluation forward are bit for bit
+    those of a fold a block."""
+    from coda_cutlass.nn.fp8 import delayed, tensorwise
+    calls: list[int] = []
+
+    def counted(histories: list, *a: Any) -> Any:
+        calls.append(len(histories))
+        return fold_all(histories, *a)
+    fold_all = delayed._folds
+    monkeypatch.setattr(delayed, "_folds", counted)
+    tok = torch.randint(0, 512, (1, 128), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for together in (False, True):
+        monkeypatch.setattr(tensorwise, "folds_together", together)
+        torch.manual_seed(0)
+        m = LlamaModel(512, 256, 4, 2, 1, 512, head_dim=128, fp8=["tensorwise", "blockwise", "tensorwise",
+                                                                  "tensorwise"], dtype=BF16)
+        for b in m.blocks:
+            draw_weights(b)
+        for p in m.blocks[3].parameters():
+            p.requires_grad_(False)
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+        calls.clear()
+        out = []
+        for _ in range(3):
+            loss = m(tok, tok)
+            loss.backward()
+            out += [loss.detach()] + [p.grad.clone() for p in m.parameters() if p.requires_grad]
+            opt.step()
+            opt.zero_grad()
+        with torch.no_grad():
+            out.append(m(tok, tok))
+        results[together] = (out, list(calls), m.fp8_stats())
+    assert results[False][1] == [] and results[True][1] == [2, 2]    # blocks 0 and 2; block 3 is frozen
+    assert all(torch.equal(a, b) for a, b in zip(results[False][0], results[True][0]))
+    assert results[False][2] == results[True][2]
+    monkeypatch.setattr(tensorwise, "folds_together", "yes")
+    with pytest.raises(ConfigError, match="folds_together must be True or False"):
+        m(tok, tok)

@@ -52,11 +52,15 @@ def main() -> None:
     ap.add_argument("--copies-per-call", type=int, default=tensorwise.copies_blocks_per_call, metavar="N",
                     help="blocks whose compiled weight copies one call makes (nn/fp8/tensorwise.py "
                          "copies_blocks_per_call; 1: a call a block)")
+    ap.add_argument("--folds-together", action="store_true",
+                    help="fold the blocks' delayed scales in one call before the first block "
+                         "(nn/fp8/tensorwise.py folds_together)")
     args = ap.parse_args()
     if args.copies_per_call < 1:
         ap.error(f"--copies-per-call must be >= 1, got {args.copies_per_call}")
     tensorwise.weight_copies_by = args.weight_copies
     tensorwise.copies_blocks_per_call = args.copies_per_call
+    tensorwise.folds_together = args.folds_together
     args.compile_mode, args.ce_chunk_mib = None, None
     names = [n for n in args.variants.split(",") if n]
     fields = dict(bench_model.QUICK if args.config == "quick" else bench_model.CONFIGS[args.config])

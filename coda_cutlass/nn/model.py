@@ -26,7 +26,7 @@ from .checkpointing import check_stack
 from .embedding import InputEmbedding
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs
 from .fp8.recipe import Fp8Recipe, as_recipe
-from .fp8.support import check_block, first_norm_fp8, hands_fp8, make_weight_copies
+from .fp8.support import begin_fp8_steps, check_block, first_norm_fp8, hands_fp8, make_weight_copies
 from .fp8.support import check_compute_dtype as check_compute_dtype_fp8
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast
 from .tuning import tune_module
@@ -316,6 +316,7 @@ class LlamaModel(nn.Module):
         x = cast(self.input_embedding(tokens).reshape(B * S, self.embed.shape[1]), step.dtype)
         if self.embed_scale is not None:        # in the compute dtype, as transformers' Gemma scales it
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        begin_fp8_steps(self.blocks, x)      # outside no_grad: it folds for training forwards only
         with torch.no_grad(), no_autocast(x.device):
             make_weight_copies(self.blocks)
             norm0 = first_norm if first.fp8 is None else first_norm_fp8

@@ -184,6 +184,30 @@ def test_a_models_weight_copies_made_together_train_bit_for_bit_as_each_blocks_o
     assert all(torch.equal(a, b) for a, b in zip(runs[1][1], runs[2][1]))
 
 
+def test_a_models_delayed_scales_folded_together_train_bit_for_bit_as_each_blocks_own(monkeypatch):
+    """nn.fp8.tensorwise.folds_together: a 3-block "tensorwise" model's amax folds in one compiled graph
+    before its first block train to the same losses, parameters and scale statistics, bit for bit, as
+    a compiled fold a block."""
+    from coda_cutlass.nn.fp8 import delayed, tensorwise
+    folds: list[int] = []
+
+    def counted(histories: list, *a: object, _fn=delayed._folds) -> object:
+        folds.append(len(histories))
+        return _fn(histories, *a)
+    monkeypatch.setattr(delayed, "_folds", counted)
+    tok = torch.randint(0, 1024, (2, 256), device="cuda", generator=torch.Generator(device="cuda").manual_seed(6))
+    runs = {}
+    for together in (False, True):
+        monkeypatch.setattr(tensorwise, "folds_together", together)
+        torch.manual_seed(3)
+        m = LlamaModel(1024, 512, 3, 4, 2, 1024, head_dim=128, fp8="tensorwise", device="cuda", dtype=BF16)
+        runs[together] = (losses(m, tok, torch.optim.AdamW(m.parameters(), lr=1e-3), 4),
+                          [p.detach().clone() for p in m.parameters()], m.fp8_stats())
+    assert folds == [3, 3, 3]                         # steps 2-4 (the first has nothing to fold)
+    assert runs[False][0] == runs[True][0] and runs[False][2] == runs[True][2]
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1]))
+
+
 @pytest.mark.parametrize("recipe", ("blockwise", "blockwise_g16"))
 def test_scale_statistics_of_the_kernels_bound_the_operands_they_scale(recipe):
     """track_fp8_stats() on the GPU: the statistics come from the scales the kernels wrote (their

@@ -80,6 +80,13 @@ def _fold(history: torch.Tensor, amax: torch.Tensor, slot: torch.Tensor, fmax: t
     return history, amax, tensor_scales(amax, fmax, 0, pow2)
 
 
+def _folds(histories: list[torch.Tensor], amaxes: list[torch.Tensor], slots: list[torch.Tensor],
+           fmaxes: list[torch.Tensor], parts: list[list[torch.Tensor]], owners: tuple[tuple[int, ...], ...]
+           ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``_fold`` of several blocks' scales in one graph (begin_steps_together)."""
+    return [_fold(*args) for args in zip(histories, amaxes, slots, fmaxes, parts, owners)]
+
+
 def _kept_amax(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """The amax behind each tensor's delayed scale: the largest finite, positive amax of its
     history; where there is none (every entry 0, inf or NaN) the previous ``amax`` stays, and with it
@@ -237,23 +244,53 @@ class DelayedScales:
         self._ensure(device)
         if not self._pending:
             return
-        idx = sorted(self._pending)
+        idx, parts, owners = self._fold_inputs()
         # every tensor's amax parts go to the device fold as their maxima, from one launch for all
         # (no index tensor from host values, whose copy would wait for the stream once per block and
         # step: a 16-layer "tensorwise" model was host-bound on it; no launch per tensor)
-        parts = _maxes([p for i in idx for p in self._pending[i]])
-        owners = tuple(i for i in idx for _ in self._pending[i])
+        parts = _maxes(parts)
         # pow2=False folds eagerly: a compiled division could round differently
         fold = (on_device(_fold, self._history, None, "FP8 scales: the amax fold") if self.recipe.pow2
                 else partial(_fold, pow2=False))
-        self._history, self._amax, self._scales = fold(self._history, self._amax, self._slots[self._slot],
-                                                       self._fmax_t, parts, owners)
+        self._folded(idx, fold(self._history, self._amax, self._slots[self._slot], self._fmax_t, parts, owners))
+
+    def _fold_inputs(self) -> tuple[list[int], list[torch.Tensor], tuple[int, ...]]:
+        """(the tensors with amaxes this step, their parts, each part's tensor)."""
+        idx = sorted(self._pending)
+        return idx, [p for i in idx for p in self._pending[i]], tuple(i for i in idx for _ in self._pending[i])
+
+    def _folded(self, idx: list[int], made: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """The fold's results in place, the step's bookkeeping done."""
+        self._history, self._amax, self._scales = made
         self._slot = (self._slot + 1) % self.recipe.history
         for i in idx:
             self._filled[i] = True
         self._pending.clear()
         self.steps += 1
         self._learn()
+
+    @staticmethod
+    def begin_steps_together(scales: list["DelayedScales"], device: torch.device) -> None:
+        """``begin_step`` of several blocks' scales (a model's, before its first block), with one
+        multi-tensor max over all their amax parts and one compiled fold: the same histories, amaxes
+        and scales as a ``begin_step`` each (a launch and a compiled call a block), whose own calls
+        then find nothing to fold. Recipes without power-of-two scales fold eagerly, one by one."""
+        ready = []
+        for sc in scales:
+            sc._ensure(device)
+            if sc._pending and sc.recipe.pow2:
+                ready.append((sc, *sc._fold_inputs()))
+        if not ready:
+            return
+        counts = [len(parts) for *_, parts, _ in ready]
+        maxes = iter(_maxes([p for *_, parts, _ in ready for p in parts]))
+        parts_of = [[next(maxes) for _ in range(n)] for n in counts]
+        fold = on_device(_folds, ready[0][0]._history, None, "FP8 scales: several blocks' amax folds")
+        made = fold([sc._history for sc, *_ in ready], [sc._amax for sc, *_ in ready],
+                    [sc._slots[sc._slot] for sc, *_ in ready], [sc._fmax_t for sc, *_ in ready], parts_of,
+                    tuple(owners for *_, owners in ready))
+        for (sc, idx, _, _), out in zip(ready, made):
+            sc._folded(idx, out)
 
     def _learn(self, start: bool = True) -> None:
         """Which tensors have a delayed scale, as far as the host can tell without waiting: on the

@@ -18,11 +18,11 @@ from .autograd import Fp8BlockFunction
 from .functional import check_tokens
 from .paths import BlockwisePath, Path, TensorwisePath
 from .recipe import Fp8Recipe
-from .tensorwise import make_copies_together, new_scales
+from .tensorwise import begin_steps, make_copies_together, new_scales
 from .weights import Fp8Weights
 
-__all__ = ["check_block", "check_compute_dtype", "first_norm_fp8", "hands_fp8", "make_weight_copies", "new_path",
-           "run"]
+__all__ = ["begin_fp8_steps", "check_block", "check_compute_dtype", "first_norm_fp8", "hands_fp8", "make_weight_copies",
+           "new_path", "run"]
 
 
 def new_path(recipe: Fp8Recipe) -> Path:
@@ -41,6 +41,21 @@ def make_weight_copies(blocks: Iterable[Any]) -> None:
                   if b.fp8 is not None and b.fp8.scaling == "tensor" and not is_dtensor(b.qkv)]
     if tensorwise:
         make_copies_together(tensorwise)
+
+
+def begin_fp8_steps(blocks: Iterable[Any], x: torch.Tensor) -> None:
+    """Before a model's first block, ``x`` the stream entering it: the per-tensor FP8 blocks' delayed
+    scales folded together (tensorwise.begin_steps), for the blocks whose own call would fold them
+    now (``run``: a training forward, a non-empty batch, not a checkpoint's recompute, and a
+    parameter of the block's own that requires a gradient), on ``x``'s device; the rest fold in their
+    own calls, as before."""
+    if not torch.is_grad_enabled() or x.shape[0] == 0 or torch._C._current_graph_task_id() != -1:
+        return
+    scales = [b.fp8_path().scales for b in blocks
+              if b.fp8 is not None and b.fp8.scaling == "tensor" and b.qkv.device == x.device
+              and any(t.requires_grad for t in (b.qkv, b.o, b.gate_up, b.down, b.attn_norm, b.mlp_norm))]
+    if scales:
+        begin_steps(scales, x.device)
 
 
 def hands_fp8(recipe: Fp8Recipe | None, nxt: Fp8Recipe | None) -> bool | Fp8Recipe:

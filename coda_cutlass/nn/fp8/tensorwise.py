@@ -108,6 +108,22 @@ weight_copies_by = "compiled"
 copies_blocks_per_call = 1
 
 
+# Whether a model folds its blocks' delayed scales together before its first block (one multi-tensor
+# max and one compiled fold for all, DelayedScales.begin_steps_together) rather than a fold a block in
+# each block's forward: the fold is the other compiled call a block and step, ~0.7 ms of host time
+# each in the host-bound 1B step. False (as measured) until a step is timed with it.
+folds_together = False
+
+
+def begin_steps(scales: list[DelayedScales], device: torch.device) -> None:
+    """Before a model's first training forward block: the blocks' scales folded together where
+    ``folds_together`` says so (else each block folds its own)."""
+    if not isinstance(folds_together, bool):
+        raise ConfigError(f"nn.fp8.tensorwise.folds_together must be True or False, got {folds_together!r}")
+    if folds_together:
+        DelayedScales.begin_steps_together(scales, device)
+
+
 def weight_pairs(w: Any) -> list[tuple[torch.Tensor, bool]]:
     """A block's (or BlockWeights') weights as the copies take them: (W, halves) for qkv, o, down and
     the gate/up weight, whose W^T columns go gate rows first (``halves``)."""
