@@ -49,10 +49,10 @@ def begin_fp8_steps(blocks: Iterable[Any], x: torch.Tensor) -> None:
     now (``run``: a training forward, a non-empty batch, not a checkpoint's recompute, and a
     parameter of the block's own that requires a gradient), on ``x``'s device; the rest fold in their
     own calls, as before."""
-    if not torch.is_grad_enabled() or x.shape[0] == 0 or torch._C._current_graph_task_id() != -1:
-        return
-    scales = [b.fp8_path().scales for b in blocks
-              if b.fp8 is not None and b.fp8.scaling == "tensor" and b.qkv.device == x.device
+    tensorwise = [b for b in blocks if b.fp8 is not None and b.fp8.scaling == "tensor"]
+    if not tensorwise or not torch.is_grad_enabled() or x.shape[0] == 0 or torch._C._current_graph_task_id() != -1:
+        return          # (a bf16 model stops at the first test)
+    scales = [b.fp8_path().scales for b in tensorwise if b.qkv.device == x.device
               and any(t.requires_grad for t in (b.qkv, b.o, b.gate_up, b.down, b.attn_norm, b.mlp_norm))]
     if scales:
         begin_steps(scales, x.device)
