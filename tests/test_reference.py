@@ -109,6 +109,26 @@ def test_kernel_and_reference_name_the_same_misspelling(fake_nvcc):
     assert "did you mean 'swizzle'?" in message(lambda: k._check_names({**norm_ops(), "swizle": 2}))
 
 
+@cc.epilogue
+def scaled(acc, g: cc.PerCol, eps: float = 1e-6):
+    return acc * g + eps
+
+
+def test_a_constant_passed_at_call_time_is_named_as_a_constant(fake_nvcc):
+    """``eps: float = 1e-6`` looks like an argument in the program's signature; passing eps= to the
+    call used to say only "unknown operand 'eps'", with no word of constants= or cc.Scalar."""
+    A, W = gemm_inputs()
+    g = torch.rand(24).to(bf)
+    got = message(lambda: cc.reference(scaled, A, W, g=g, eps=1e-5))
+    assert "'eps' is a compile-time constant of scaled (here 1e-06), not an operand" in got
+    assert "constants={'eps': ...}" in got and "cc.Scalar" in got and "unknown operand" not in got
+    assert "(here 0.5)" in message(lambda: cc.reference(scaled, A, W, g=g, eps=1e-5, constants={"eps": 0.5}))
+    k = cc.compile_epilogue(scaled, bf)
+    assert message(lambda: k._check_names({"g": g, "eps": 1e-5})) == got
+    assert "compile-time constant of scaled" in message(lambda: cc.map_reference(scaled, A, g=torch.rand(16).to(bf),
+                                                                                  eps=1e-5))
+
+
 def test_gemm_shape_rules_and_overlap_are_checked():
     A, W = gemm_inputs(N=20)
     assert "N = 20 is not a multiple of 8" in message(lambda: cc.reference(norm, A, W, **norm_ops(N=20)))

@@ -261,8 +261,10 @@ def trace(program: EpilogueProgram, constants: Mapping[str, float] | None = None
         outputs = _record_outputs(tracer, program, result, operands)
 
     nodes = [n for n in tracer.nodes if not (n.op == "reduce" and not n.attr("name"))]
+    # the constants' values ride along (not in the IR: they are baked into its nodes) so that a call
+    # passing one as an operand is told it is a compile-time constant, not just an unknown name
     prog = Program(name=program.name, operands=tuple(operands), nodes=renumber(nodes),
-                   outputs=tuple(outputs), source=program.source)
+                   outputs=tuple(outputs), source=program.source, meta={"constants": consts})
     return prog
 
 

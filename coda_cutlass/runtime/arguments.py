@@ -55,6 +55,7 @@ class CallSpec:
     uses_index: bool                             # element indices must stay exact in fp32
     positional: tuple[str, ...] = ("A", "W")     # the call's positional tensors (a map kernel: X)
     output_dtypes: tuple[tuple[str, DType], ...] = ()   # of tile outputs (what out= tensors hold)
+    constants: tuple[tuple[str, float | int], ...] = ()  # compile-time constants (not call arguments)
 
     @classmethod
     def of(cls, ir: Program, positional: tuple[str, ...] = ("A", "W")) -> "CallSpec":
@@ -79,6 +80,7 @@ class CallSpec:
             positional=positional,
             output_dtypes=tuple((n.attr("name"), n.dtype or F32) for n in ir.nodes     # (as the interpreter)
                                 if n.op == "store" and not n.attr("accumulate")),
+            constants=tuple(ir.meta.get("constants", {}).items()),
         )
 
     @property
@@ -98,7 +100,15 @@ class CallSpec:
         if not missing and not unknown:
             return
         parts = []
+        constants = dict(self.constants)
         for name in unknown:
+            if name in constants:
+                # a constant parameter (eps: float = 1e-6) looks like an argument in the program's
+                # signature, but its value is baked into the kernel: say so, and how to change it
+                parts.append(f"'{name}' is a compile-time constant of {self.program} (here {constants[name]!r}), "
+                             f"not an operand: set it with constants={{'{name}': ...}} (one kernel per value), or "
+                             "annotate it cc.Scalar to pass it at each call")
+                continue
             close = difflib.get_close_matches(name, missing + list(keywords), n=1, cutoff=0.6)
             if close:
                 if close[0] in missing:
