@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import coda_cutlass as cc
 from coda_cutlass.ir import Kind, format_program
@@ -186,6 +187,16 @@ def test_error_unsupported_torch_function():
     def f(acc):
         return torch.erf(acc)
     err(f, "not supported on traced epilogue values")
+
+
+@pytest.mark.parametrize("fn,name", [(torch.clamp, "torch.clamp"), (torch.erf, "torch.erf"),
+                                     (torch.special.erf, "torch.special.erf"),
+                                     (F.softplus, "torch.nn.functional.softplus"),
+                                     (F.leaky_relu, "torch.nn.functional.leaky_relu")])
+def test_unsupported_torch_function_is_named_as_the_user_calls_it(fn, name):
+    """torch's builtins have internal qualnames: torch.clamp was reported as
+    '_VariableFunctionsClass.clamp', torch.special.erf as 'special_erf'."""
+    err(lambda acc: fn(acc), f"torch function {name} is not supported on traced epilogue values")
 
 
 def test_error_captured_tensor():

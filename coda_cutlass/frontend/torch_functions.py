@@ -40,6 +40,18 @@ def gelu_op(approximate: str) -> str:
     return GELU_OPS[approximate]
 
 
+def public_name(func: Any) -> str:
+    """The name a user calls a torch function by (torch.clamp, torch.nn.functional.softplus): its
+    __qualname__ is an internal one for many (_VariableFunctionsClass.clamp, special_erf)."""
+    name = getattr(func, "__name__", None)
+    if name:
+        for prefix, module in (("torch", torch), ("torch.nn.functional", F), ("torch.special", torch.special)):
+            for attr in (name, name.removeprefix("special_")):
+                if getattr(module, attr, None) is func:
+                    return f"{prefix}.{attr}"
+    return getattr(func, "__qualname__", name or repr(func))
+
+
 def plain_call(func: Any, args: tuple, kwargs: dict) -> tuple[str, tuple]:
     """(IR op, arguments) of a supported torch call. Accepts torch's extra keyword arguments when
     they are harmless (inplace=False, out=None); refuses the rest, naming what is supported."""
@@ -50,9 +62,8 @@ def plain_call(func: Any, args: tuple, kwargs: dict) -> tuple[str, tuple]:
     if entry is None and any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
         raise EpilogueError(f"{name}: {CAPTURED_TENSOR}")
     if entry is None:
-        qual = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
         supported = sorted({getattr(f, "__name__", "?") for f in TORCH_OPS})
-        raise EpilogueError(f"torch function {qual} is not supported on traced epilogue values; "
+        raise EpilogueError(f"torch function {public_name(func)} is not supported on traced epilogue values; "
                             f"supported: {', '.join(supported)} (or the cc.* functions)")
     op, arity = entry
     kwargs = dict(kwargs)
