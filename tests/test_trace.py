@@ -171,6 +171,13 @@ def test_error_python_control_flow():
     err(f, "use cc.where")
 
 
+def test_error_builtin_max_min_suggests_cc_maximum():
+    """max(acc, 0.0) (a ReLU) compares and takes the truth value: the message spoke only of
+    if/while/and/or/not and suggested cc.where."""
+    err(lambda acc: max(acc, 0.0), r"max\(\)/min\(\).*cc\.maximum/cc\.minimum")
+    err(lambda acc: min(acc, 1.0), r"max\(\)/min\(\).*cc\.maximum/cc\.minimum")
+
+
 def test_error_math_module():
     def f(acc):
         return math.exp(acc)

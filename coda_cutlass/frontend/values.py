@@ -198,8 +198,11 @@ class Value:
     # Python control flow and conversions cannot see traced values
     def __bool__(self) -> bool:
         raise self.tracer.error(
-            "a traced value has no Python truth value (if/while/and/or/not on it); "
-            "the epilogue runs on the GPU, so use cc.where(cond, a, b) instead", node=self.label)
+            # max()/min() end here too (they compare, then ask the result's truth value): name them,
+            # since max(x, 0.0) is the usual way to write a ReLU in Python
+            "a traced value has no Python truth value (if/while/and/or/not, or the builtins max()/min() on it); "
+            "the epilogue runs on the GPU, so use cc.where(cond, a, b) instead (cc.maximum/cc.minimum for "
+            "max/min)", node=self.label)
 
     def _no_number(self, *_: Any) -> Any:
         raise self.tracer.error(
