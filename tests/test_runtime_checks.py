@@ -69,6 +69,9 @@ def test_scalar_checks():
         checks.check_scalar("s", "2")
     with pytest.raises(cc.CallError, match="number"):
         checks.check_scalar("s", True)
+    # a meta tensor reached .item() and torch's "cannot be called on meta tensors" RuntimeError
+    with pytest.raises(cc.CallError, match="s: a runtime scalar on meta has no value to read"):
+        checks.check_scalar("s", torch.tensor(1.5, device="meta"))
 
 
 def test_gemm_checks_on_cpu_tensors():

@@ -209,6 +209,9 @@ def check_scalar(name: str, v: Any) -> float:
             raise CallError(f"{name}: a runtime scalar must be a Python number or a 1-element tensor")
         if v.is_cuda:
             raise CallError(f"{name}: a CUDA tensor as a scalar would need a device sync; pass a Python number")
+        if v.device.type != "cpu":    # a meta tensor has no value: .item() raised torch's own RuntimeError
+            raise CallError(f"{name}: a runtime scalar on {v.device} has no value to read; pass a Python number "
+                            "or a CPU tensor (a GPU-resident scale is a cc.DeviceScalar)")
         return float(v.item())
     if isinstance(v, bool) or not isinstance(v, Real):
         raise CallError(f"{name}: expected a number, got {type(v).__name__}")
