@@ -270,8 +270,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return main(quick=args.quick)
 
 
+def _positive_int(text: str) -> int:
+    """An option's whole number >= 1 (``--jobs 0`` was taken, and ignored under --sources-only)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def parser() -> Parser:
-    p = Parser(prog="python -m coda_cutlass", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # the docstring's reST literals (``x``) print as `x` in a terminal
+    p = Parser(prog="python -m coda_cutlass", description=(__doc__ or "").replace("``", "`"),
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     common = argparse.ArgumentParser(add_help=False)      # --debug also after the command
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -292,7 +305,7 @@ def parser() -> Parser:
     s = sub.add_parser("prebuild", parents=[common], help="compile and export prebuilt kernels")
     s.add_argument("file")
     s.add_argument("--out", required=True)
-    s.add_argument("--jobs", type=int, default=None)
+    s.add_argument("--jobs", type=_positive_int, default=None, help="parallel nvcc builds (default: the CPUs')")
     s.add_argument("--all-candidates", action="store_true",
                    help="build every autotuning candidate configuration (tuning then needs no nvcc)")
     s.add_argument("--sources-only", action="store_true",

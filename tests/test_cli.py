@@ -37,6 +37,18 @@ def test_prebuild_sources_only(tmp_path, capsys):
     assert len(cus) == library_programs() and (tmp_path / "include" / "coda" / "functors.hpp").is_file()
 
 
+def test_help_prints_plain_literals_and_jobs_must_be_positive(tmp_path, capsys):
+    """--help showed the docstring's reST ``literals``; --jobs 0 was taken (and ignored with
+    --sources-only)."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["prebuild", "coda_cutlass.epilogues", "--sources-only", "--jobs", "0", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--jobs: must be at least 1, got 0" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_prebuild_and_cache_export(fake_nvcc, tmp_path, capsys):
     out = tmp_path / "pre"
     assert main(["prebuild", "coda_cutlass.epilogues", "--out", str(out)]) == 0
