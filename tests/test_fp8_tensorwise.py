@@ -641,3 +641,38 @@ def test_a_model_folds_its_blocks_delayed_scales_together_with_the_same_results(
     monkeypatch.setattr(tensorwise, "folds_together", "yes")
     with pytest.raises(ConfigError, match="folds_together must be True or False"):
         m(tok, tok)
+
+
+@pytest.mark.parametrize("case", ["a block listed twice", "a refused call", "checkpointing switched on"])
+def test_folding_together_keeps_what_a_fold_a_block_gives_in_the_edge_cases(monkeypatch, case):
+    """folds_together against a fold a block, where they parted before a review: a block object listed
+    twice in the model folded twice per step; a call refused by the blocks (129 tokens) had folded
+    every block first; a block checkpointed after some steps (its first pass runs without autograd and
+    folds in its recompute) was folded in the forward."""
+    from coda_cutlass.nn.fp8 import tensorwise
+    from coda_cutlass.nn.parallel import checkpoint_blocks
+    tok = torch.randint(0, 512, (1, 128), generator=torch.Generator().manual_seed(4))
+    states = {}
+    for together in (False, True):
+        monkeypatch.setattr(tensorwise, "folds_together", together)
+        torch.manual_seed(0)
+        m = LlamaModel(512, 256, 2, 2, 1, 512, head_dim=128, fp8="tensorwise", dtype=BF16)
+        for b in m.blocks:
+            draw_weights(b)
+        if case == "a block listed twice":
+            m.blocks.append(m.blocks[0])
+        losses = []
+        for step in range(4):
+            if case == "checkpointing switched on" and step == 2:
+                checkpoint_blocks(m)
+            loss = m(tok, tok)
+            loss.backward()
+            losses.append(loss.detach())
+            if case == "a refused call" and step == 1:
+                with pytest.raises(Exception, match="128"):
+                    m(torch.cat([tok, tok[:, :1]], 1), torch.cat([tok, tok[:, :1]], 1))
+                after_refusal = (m.fp8_stats(), [b.fp8_path().scales.steps for b in m.blocks])
+        states[together] = (losses, m.fp8_stats(), [b.fp8_path().scales.steps for b in m.blocks],
+                            after_refusal if case == "a refused call" else None)
+    assert all(torch.equal(a, b) for a, b in zip(states[False][0], states[True][0]))
+    assert states[False][1:] == states[True][1:]

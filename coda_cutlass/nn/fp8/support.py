@@ -37,7 +37,7 @@ def make_weight_copies(blocks: Iterable[Any]) -> None:
     own in its forward). Blocks sharded by FSDP2 are left to themselves: their parameters are gathered
     only for their own forward, so their shards here are neither the weights nor what the copies'
     stamps will see."""
-    tensorwise = [(b, b.fp8_path().weights) for b in blocks
+    tensorwise = [(b, b.fp8_path().weights) for b in _unique(list(blocks))
                   if b.fp8 is not None and b.fp8.scaling == "tensor" and not is_dtensor(b.qkv)]
     if tensorwise:
         make_copies_together(tensorwise)
@@ -49,13 +49,23 @@ def begin_fp8_steps(blocks: Iterable[Any], x: torch.Tensor) -> None:
     now (``run``: a training forward, a non-empty batch, not a checkpoint's recompute, and a
     parameter of the block's own that requires a gradient), on ``x``'s device; the rest fold in their
     own calls, as before."""
-    tensorwise = [b for b in blocks if b.fp8 is not None and b.fp8.scaling == "tensor"]
+    tensorwise = _unique([b for b in blocks if b.fp8 is not None and b.fp8.scaling == "tensor"])
     if not tensorwise or not torch.is_grad_enabled() or x.shape[0] == 0 or torch._C._current_graph_task_id() != -1:
         return          # (a bf16 model stops at the first test)
-    scales = [b.fp8_path().scales for b in tensorwise if b.qkv.device == x.device
+    # the calls' own refusals first: a refused call changes no scale (run)
+    check_tokens(x.shape[0])
+    for b in tensorwise:
+        check_compute_dtype(b.fp8, x.dtype)
+    # a checkpointed block's first pass runs without autograd and folds in its recompute
+    scales = [b.fp8_path().scales for b in tensorwise if b.qkv.device == x.device and not b.activation_checkpointing
               and any(t.requires_grad for t in (b.qkv, b.o, b.gate_up, b.down, b.attn_norm, b.mlp_norm))]
     if scales:
         begin_steps(scales, x.device)
+
+
+def _unique(blocks: list[Any]) -> list[Any]:
+    """Each block once (a model may list one block object twice: one fold, one set of copies)."""
+    return list({id(b): b for b in blocks}.values())
 
 
 def hands_fp8(recipe: Fp8Recipe | None, nxt: Fp8Recipe | None) -> bool | Fp8Recipe:
