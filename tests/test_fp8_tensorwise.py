@@ -553,6 +553,16 @@ def test_one_changed_weight_is_copied_again_by_the_map_kernel(monkeypatch):
     assert before == 4 and len([m for m in run.maps if m[0] == "weight.quant"]) == 5
 
 
+def _mixed_model() -> LlamaModel:
+    """Four blocks, the second blockwise, the rest tensorwise, weights drawn larger than the init's."""
+    torch.manual_seed(0)
+    m = LlamaModel(512, 256, 4, 2, 1, 512, head_dim=128, fp8=["tensorwise", "blockwise", "tensorwise", "tensorwise"],
+                   dtype=BF16)
+    for b in m.blocks:
+        draw_weights(b)
+    return m
+
+
 def test_a_model_makes_its_blocks_weight_copies_together_with_the_same_results(monkeypatch):
     """nn.fp8.tensorwise.copies_blocks_per_call = 2 on a 3-block "tensorwise" model (a blockwise block
     between: left to itself): the tensorwise blocks' copies come from one call per 2 blocks before the
@@ -572,11 +582,7 @@ def test_a_model_makes_its_blocks_weight_copies_together_with_the_same_results(m
     results = {}
     for per_call in (1, 2):
         monkeypatch.setattr(tensorwise, "copies_blocks_per_call", per_call)
-        torch.manual_seed(0)
-        m = LlamaModel(512, 256, 4, 2, 1, 512, head_dim=128, fp8=["tensorwise", "blockwise", "tensorwise",
-                                                                  "tensorwise"], dtype=BF16)
-        for b in m.blocks:
-            draw_weights(b)
+        m = _mixed_model()
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         calls = {"blocks": [], "block": []}
         out = []
@@ -616,11 +622,7 @@ def test_a_model_folds_its_blocks_delayed_scales_together_with_the_same_results(
     results = {}
     for together in (False, True):
         monkeypatch.setattr(tensorwise, "folds_together", together)
-        torch.manual_seed(0)
-        m = LlamaModel(512, 256, 4, 2, 1, 512, head_dim=128, fp8=["tensorwise", "blockwise", "tensorwise",
-                                                                  "tensorwise"], dtype=BF16)
-        for b in m.blocks:
-            draw_weights(b)
+        m = _mixed_model()
         for p in m.blocks[3].parameters():
             p.requires_grad_(False)
         opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
