@@ -32,6 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import model as bench_model  # noqa: E402  (bench/model.py)
 
+from coda_cutlass.nn.fp8 import support as fp8_support  # noqa: E402
 from coda_cutlass.nn.fp8 import tensorwise  # noqa: E402
 from coda_cutlass.nn.fp8 import weights as fp8_weights  # noqa: E402
 
@@ -85,7 +86,7 @@ def main() -> None:
     fp8_weights.Fp8Weights.get = marked(fp8_weights.Fp8Weights.get)
     fp8_weights.Fp8Weights.get_all = marked(fp8_weights.Fp8Weights.get_all)
     # and several blocks' before the model's first block (--copies-per-call above 1)
-    tensorwise.make_tensor_copies_together = marked(tensorwise.make_tensor_copies_together)
+    fp8_support.make_tensor_copies_together = marked(fp8_support.make_tensor_copies_together)
 
     out = {}
     for name, v in variants.items():

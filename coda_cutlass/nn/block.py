@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from ..errors import ArgumentError, ConfigError
+from ..errors import ConfigError
 from ..partials import cached_tensor
 from .activations import activation as find_activation
 from .attention import Attention
@@ -29,7 +29,8 @@ from .functional import BlockDims, BlockWeights, Step, block_backward, block_for
 from .fp8 import support as fp8_support
 from .fp8.recipe import Fp8Recipe, as_recipe
 from .hf.layer import block_from_hf, block_to_hf
-from .checks import check_block_args, check_kernel_runner, check_rope_args, check_stream, refuse_double_backward
+from .checks import (check_block_args, check_kernel_runner, check_rope_args, check_stream, check_switch,
+                     refuse_double_backward)
 from .precision import cast, check_compute_dtype, compute_dtype, no_autocast, runner_for
 from .rope import Rope, column_frequencies
 from .runner import KernelRunner, Runner
@@ -77,12 +78,6 @@ class BlockFunction(torch.autograd.Function):
 
 
 DEFAULT_ROPE_THETA = 500000.0     # Llama 3's RoPE base, when no RoPE setting is given
-
-
-def check_switch(on: Any) -> None:
-    """track_fp8_stats' ``on``: True or False (a truthy "off" or "no" turned the statistics on)."""
-    if not isinstance(on, bool):
-        raise ArgumentError(f"track_fp8_stats: on must be True or False, got {on!r}")
 
 
 class LlamaBlock(nn.Module):

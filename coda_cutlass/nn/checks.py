@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CallError, ConfigError, DeviceError
+from ..errors import ArgumentError, CallError, ConfigError, DeviceError
 from .runner import KernelRunner
 
 
@@ -99,6 +99,12 @@ def check_kernel_runner(runner: KernelRunner, device: torch.device, dtype: torch
         raise ConfigError(f"the block's runner is a KernelRunner for {runner.dtype} but this call computes in "
                           f"{dtype} (moved with .to() / .half()?); set block.runner = KernelRunner({dtype}) or None "
                           "(the default runners follow the module)")
+
+
+def check_switch(on: Any) -> None:
+    """track_fp8_stats' ``on``: True or False (a truthy "off" or "no" turned the statistics on)."""
+    if not isinstance(on, bool):
+        raise ArgumentError(f"track_fp8_stats: on must be True or False, got {on!r}")
 
 
 def check_token_ids(tokens: Any, vocab: int) -> None:

@@ -20,8 +20,9 @@ from torch import nn
 from .. import epilogues as E
 from . import masks
 from ..errors import ConfigError
-from .block import LlamaBlock, check_switch
-from .checks import check_model_args, check_token_ids, check_vocab_for_kernels, checked_targets, refuse_double_backward
+from .block import LlamaBlock
+from .checks import (check_model_args, check_switch, check_token_ids, check_vocab_for_kernels, checked_targets,
+                     refuse_double_backward)
 from .checkpointing import check_stack
 from .embedding import InputEmbedding
 from .functional import Step, first_norm, lm_head_backward, lm_head_forward, lm_head_fused, lm_head_programs

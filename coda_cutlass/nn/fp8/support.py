@@ -18,8 +18,9 @@ from .autograd import Fp8BlockFunction
 from .functional import check_tokens
 from .paths import BlockwisePath, Path, TensorwisePath
 from .recipe import Fp8Recipe
-from .tensorwise import begin_steps, make_copies_together, new_scales
-from .weights import Fp8Weights
+from .delayed import DelayedScales
+from .tensorwise import copies_per_call, folding_together, new_scales, weight_pairs
+from .weights import Fp8Weights, make_tensor_copies_together
 
 __all__ = ["begin_fp8_steps", "check_block", "check_compute_dtype", "first_norm_fp8", "hands_fp8", "make_weight_copies",
            "new_path", "run"]
@@ -37,21 +38,25 @@ def make_weight_copies(blocks: Iterable[Any]) -> None:
     own in its forward). Blocks sharded by FSDP2 are left to themselves: their parameters are gathered
     only for their own forward, so their shards here are neither the weights nor what the copies'
     stamps will see."""
-    tensorwise = [(b, b.fp8_path().weights) for b in _unique(list(blocks))
-                  if b.fp8 is not None and b.fp8.scaling == "tensor" and not is_dtensor(b.qkv)]
-    if tensorwise:
-        make_copies_together(tensorwise)
+    tensorwise = [b for b in _unique(list(blocks)) if b.fp8 is not None and b.fp8.scaling == "tensor"
+                  and not is_dtensor(b.qkv)]
+    per_call = copies_per_call() if tensorwise else 1
+    if per_call > 1:
+        make_tensor_copies_together([(b.fp8_path().weights, weight_pairs(b)) for b in tensorwise], per_call)
 
 
 def begin_fp8_steps(blocks: Iterable[Any], x: torch.Tensor) -> None:
     """Before a model's first block, ``x`` the stream entering it: the per-tensor FP8 blocks' delayed
-    scales folded together (tensorwise.begin_steps), for the blocks whose own call would fold them
+    scales folded together where ``nn.fp8.tensorwise.folds_together`` says so (else each block folds
+    its own in its call), for the blocks whose own call would fold them
     now (``run``: a training forward, a non-empty batch, not a checkpoint's recompute, and a
     parameter of the block's own that requires a gradient), on ``x``'s device; the rest fold in their
     own calls, as before."""
     tensorwise = _unique([b for b in blocks if b.fp8 is not None and b.fp8.scaling == "tensor"])
     if not tensorwise or not torch.is_grad_enabled() or x.shape[0] == 0 or torch._C._current_graph_task_id() != -1:
         return          # (a bf16 model stops at the first test)
+    if not folding_together():
+        return
     # the calls' own refusals first: a refused call changes no scale (run)
     check_tokens(x.shape[0])
     for b in tensorwise:
@@ -60,7 +65,7 @@ def begin_fp8_steps(blocks: Iterable[Any], x: torch.Tensor) -> None:
     scales = [b.fp8_path().scales for b in tensorwise if b.qkv.device == x.device and not b.activation_checkpointing
               and any(t.requires_grad for t in (b.qkv, b.o, b.gate_up, b.down, b.attn_norm, b.mlp_norm))]
     if scales:
-        begin_steps(scales, x.device)
+        DelayedScales.begin_steps_together(scales, x.device)
 
 
 def _unique(blocks: list[Any]) -> list[Any]:

@@ -27,7 +27,7 @@ from ..stats import row_mean, rstd
 from .delayed import DelayedScales
 from .functional import check_tokens, dgamma_of
 from .kernels import programs
-from .weights import Fp8Weight, Fp8Weights, make_tensor_copies_together
+from .weights import Fp8Weight, Fp8Weights
 
 # the tensors a block quantises, by name -> the recipe's format for them
 ACTIVATIONS = ("h", "o", "h1", "y", "h2")
@@ -101,7 +101,7 @@ def quantize_map(step: Any, sc: DelayedScales, name: str, site: str, x: torch.Te
 WEIGHT_COPIES = ("compiled", "map")
 weight_copies_by = "compiled"
 # How many blocks' compiled copies one call makes: above 1, a model makes its blocks' stale copies
-# before its first block, that many blocks' in a call (make_copies_together), not a call a block. The
+# before its first block, that many blocks' in a call (support.make_weight_copies), not a call a block. The
 # 1B "tensorwise" step is host-bound (H100, thirty-first session: 104.5 ms of wall time for ~97 of
 # kernels) and the copies' calls are ~18 ms of its host time, about 0.7 ms a call, half of it the call
 # itself. 1 (each block its own, as measured) until a step is timed with more.
@@ -115,30 +115,26 @@ copies_blocks_per_call = 1
 folds_together = False
 
 
-def begin_steps(scales: list[DelayedScales], device: torch.device) -> None:
-    """Before a model's first training forward block: the blocks' scales folded together where
-    ``folds_together`` says so (else each block folds its own)."""
+def folding_together() -> bool:
+    """``folds_together``, checked."""
     if not isinstance(folds_together, bool):
         raise ConfigError(f"nn.fp8.tensorwise.folds_together must be True or False, got {folds_together!r}")
-    if folds_together:
-        DelayedScales.begin_steps_together(scales, device)
+    return folds_together
+
+
+def copies_per_call() -> int:
+    """How many blocks' compiled weight copies one call makes: ``copies_blocks_per_call``, checked, and 1
+    where the copies are not the compiled ones (the map kernel's go a launch a weight)."""
+    n = copies_blocks_per_call
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"nn.fp8.tensorwise.copies_blocks_per_call must be a whole number >= 1, got {n!r}")
+    return n if weight_copies_by == "compiled" else 1
 
 
 def weight_pairs(w: Any) -> list[tuple[torch.Tensor, bool]]:
     """A block's (or BlockWeights') weights as the copies take them: (W, halves) for qkv, o, down and
     the gate/up weight, whose W^T columns go gate rows first (``halves``)."""
     return [(w.qkv, False), (w.o, False), (w.down, False), (w.gate_up, True)]
-
-
-def make_copies_together(blocks: list[tuple[Any, Fp8Weights]]) -> None:
-    """Before a model's first block: the (block, its copies' cache) pairs' stale compiled copies,
-    ``copies_blocks_per_call`` blocks' in a call (nothing at 1, or with the map kernel's copies)."""
-    if not isinstance(copies_blocks_per_call, int) or isinstance(copies_blocks_per_call, bool) \
-            or copies_blocks_per_call < 1:
-        raise ConfigError("nn.fp8.tensorwise.copies_blocks_per_call must be a whole number >= 1, got "
-                          f"{copies_blocks_per_call!r}")
-    if copies_blocks_per_call > 1 and weight_copies_by == "compiled":
-        make_tensor_copies_together([(wq, weight_pairs(b)) for b, wq in blocks], copies_blocks_per_call)
 
 
 def weight_copies(step: Any, w: Any, wq: Fp8Weights) -> tuple[Fp8Weight, ...]:
