@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The Llama block work on a Hopper machine (each stage bounded in time):
 #   scripts/gpu_block.sh OUTDIR STAGE...      stages: build export tests train bench
+# Each device call first sources scripts/device_env.sh (the peers' wheels and the prebuilt kernels; it
+# says how to make them again on the build machine).
 #   build   the block's kernels: default configs (bf16, fp16) and the tuning candidates (bf16), in
 #           parallel; kernels found on $CODA_CUTLASS_PREBUILT_PATH are not rebuilt
 #   export  the kernel cache as prebuilt kernels, xz-compressed into OUTDIR (to carry to a later run)
