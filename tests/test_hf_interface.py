@@ -348,6 +348,18 @@ def test_tuples_and_parameter_counts_as_transformers():
         assert model.num_parameters(**kw) == hf.num_parameters(**kw), kw
 
 
+def test_logits_to_keep_as_transformers_takes_it():
+    """An int keeps the last positions (0: all); a 1-D tensor indexes the positions to keep, as
+    transformers' models take it (it raised "Boolean value of Tensor ... is ambiguous")."""
+    hf = hf_model().eval()
+    model = cnn.from_hf(hf)
+    tokens = torch.randint(0, 48, (2, 12))
+    with torch.no_grad():
+        for keep in (0, 1, 5, torch.tensor([0, 3, 11]), torch.tensor([7])):
+            ours, ref = (m(input_ids=tokens, logits_to_keep=keep).logits for m in (model, hf))
+            assert ours.shape == ref.shape and rel(ours, ref) < TOL, keep
+
+
 def test_shift_labels_and_ignore_index_as_transformers():
     """transformers' causal-LM loss takes labels already shifted (``shift_labels``: Trainer's context
     parallelism, padding-free collators) and another ignored label value (``ignore_index``)."""

@@ -170,7 +170,8 @@ class CodaCausalLM:
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
-                return_logits: bool | None = None, num_items_in_batch: Any = None, logits_to_keep: int = 0,
+                return_logits: bool | None = None, num_items_in_batch: Any = None,
+                logits_to_keep: int | torch.Tensor = 0,
                 inputs_embeds: Any = None, cache: Any = None, past_key_values: Any = None,
                 use_cache: bool | None = None, output_attentions: bool | None = None,
                 output_hidden_states: bool | None = None, return_dict: bool | None = None, **kwargs: Any) -> Any:
@@ -228,8 +229,8 @@ class CodaCausalLM:
                 loss = loss * (valid.clamp_min(1) / torch.as_tensor(num_items_in_batch, device=loss.device))
             else:                                   # the mean of no tokens: nan, as transformers' loss
                 loss = torch.where(valid > 0, loss, torch.full_like(loss, float("nan")))
-        if logits is not None and logits_to_keep:
-            logits = logits[:, -logits_to_keep:]
+        if logits is not None:
+            logits = _kept_logits(logits, logits_to_keep)
         from transformers.modeling_outputs import CausalLMOutputWithPast
         out = CausalLMOutputWithPast(loss=loss, logits=logits)
         if return_dict is None:
@@ -378,6 +379,14 @@ class CodaCausalLM:
     @property
     def is_activation_checkpointing(self) -> bool:
         return any(b.activation_checkpointing for b in self.coda.blocks)
+
+
+def _kept_logits(logits: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+    """transformers' ``logits_to_keep``: an int keeps the last ``keep`` positions (0: all), a 1-D
+    tensor indexes the positions to keep."""
+    if isinstance(keep, torch.Tensor):
+        return logits[:, keep.to(logits.device)]
+    return logits[:, -keep:] if keep else logits
 
 
 def _check_coda_modules(coda: Any) -> None:
