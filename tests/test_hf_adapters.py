@@ -182,6 +182,24 @@ def test_a_wrapper_around_a_coda_block_is_refused_by_name():
         model(input_ids=tokens)
 
 
+def test_a_peft_wrapper_around_coda_is_named_where_peft_first_asks_for_the_input_embeddings():
+    """peft.get_peft_model(model, LoraConfig(target_parameters=["embed"])) wraps ``coda`` and then calls
+    enable_input_require_grads(), i.e. get_input_embeddings(): that raised a bare AttributeError
+    ("'ParamWrapper' object has no attribute 'input_embedding'") before the forward could name it."""
+    class ParamWrapper(nn.Module):
+        __module__ = "peft.tuners.lora.layer"
+
+        def __init__(self, base: nn.Module):
+            super().__init__()
+            self.base_layer = base
+
+    model = cnn.from_hf(hf_model())
+    model.coda = ParamWrapper(model.coda)
+    for call in (model.get_input_embeddings, model.enable_input_require_grads):
+        with pytest.raises(TypeError, match=r"coda is a .*ParamWrapper, not a coda LlamaModel.*merge_and_unload"):
+            call()
+
+
 def test_resizing_the_vocabulary_says_to_resize_the_transformers_model_first():
     model = cnn.from_hf(hf_model())
     with pytest.raises(NotImplementedError, match=r"resize_token_embeddings on the transformers model before from_hf"):

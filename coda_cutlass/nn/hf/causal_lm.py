@@ -309,6 +309,7 @@ class CodaCausalLM:
     def get_input_embeddings(self) -> nn.Module:
         """The embedding lookup (nn.embedding.InputEmbedding: its weight is coda.embed), which the
         forward calls: its forward hooks run (NEFTune, enable_input_require_grads)."""
+        _check_coda_modules(self.coda)     # PEFT wraps coda, then asks for this (enable_input_require_grads)
         return self.coda.input_embedding
 
     def set_input_embeddings(self, value: Any) -> None:
