@@ -200,6 +200,23 @@ def test_a_peft_wrapper_around_coda_is_named_where_peft_first_asks_for_the_input
             call()
 
 
+def test_hooks_on_a_coda_block_are_refused_not_skipped():
+    """The model calls its blocks' run(), not their forward: a forward hook on model.coda.blocks[i] (an
+    adapter, a steering vector, an activation probe) was silently never called, the loss that of the
+    model without it. Refused by name; the hooks FSDP2 puts on a block (it wraps run) are not."""
+    model = cnn.from_hf(hf_model())
+    tokens = torch.randint(0, 48, (2, 8))
+    adapter = nn.Linear(64, 64, bias=False)
+    for register in (lambda b: b.register_forward_hook(lambda m, i, out: out + adapter(out)),
+                     lambda b: b.register_forward_pre_hook(lambda m, i: None),
+                     lambda b: b.register_full_backward_hook(lambda m, gi, go: None)):
+        handle = register(model.coda.blocks[1])
+        with pytest.raises(TypeError, match=r"blocks\[1\] has a .*hook, which would never be called"):
+            model(input_ids=tokens, labels=tokens)
+        handle.remove()
+    model(input_ids=tokens, labels=tokens).loss.backward()
+
+
 def test_resizing_the_vocabulary_says_to_resize_the_transformers_model_first():
     model = cnn.from_hf(hf_model())
     with pytest.raises(NotImplementedError, match=r"resize_token_embeddings on the transformers model before from_hf"):

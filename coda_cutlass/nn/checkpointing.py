@@ -66,3 +66,22 @@ def check_stack(blocks: Any, block_class: type) -> None:
                             "run(), which a wrapper around forward never sees (torch's checkpoint_wrapper would "
                             "checkpoint nothing); for activation checkpointing use "
                             "coda_cutlass.nn.parallel.checkpoint_blocks(model)")
+        hooks = stack_skipped_hooks(b)
+        if hooks:
+            raise TypeError(f"blocks[{i}] has a {' and a '.join(hooks)}, which would never be called: the model calls "
+                            "its blocks' run(), not their forward, so module hooks on a block in a model do nothing "
+                            "(an adapter or probe there would be silently skipped); remove it (handle.remove()), "
+                            "or hook the model itself")
+
+
+# FSDP2's fully_shard registers a block's forward hooks; shard_model has them called around run too
+# (register_fsdp_forward_method)
+_HOOKS_AROUND_RUN = ("torch.distributed.fsdp.",)
+
+
+def stack_skipped_hooks(block: Any) -> list[str]:
+    """The kinds of module hook on ``block`` that a stack's call of its run() would skip."""
+    kinds = {"forward pre-hook": block._forward_pre_hooks, "forward hook": block._forward_hooks,
+             "backward hook": block._backward_hooks, "backward pre-hook": block._backward_pre_hooks}
+    return [kind for kind, hooks in kinds.items()
+            if any(not (getattr(h, "__module__", None) or "").startswith(_HOOKS_AROUND_RUN) for h in hooks.values())]
