@@ -337,6 +337,19 @@ def test_errors_name_what_is_wrong():
         cnn.from_hf(transformers.LlamaForSequenceClassification(hf.config))
 
 
+@pytest.mark.parametrize("convert", [cnn.from_hf, cnn.patch_hf])
+def test_hidden_states_asked_for_in_the_config_are_refused_not_dropped(convert):
+    """transformers reads output_hidden_states from the config when the call does not pass it (a model
+    loaded or configured for distillation): the coda model returned the logits without them, silently."""
+    model = convert(hf_model("llama", output_hidden_states=True))
+    tokens = torch.randint(0, 48, (1, 8))
+    with pytest.raises(ValueError, match=r"config\.output_hidden_states=True.*not supported by coda models"):
+        model(input_ids=tokens)
+    assert model(input_ids=tokens, output_hidden_states=False).logits.shape == (1, 8, 48)   # the call's own word
+    model.config.output_hidden_states = False
+    assert model(input_ids=tokens).hidden_states is None
+
+
 def test_tuples_and_parameter_counts_as_transformers():
     hf = hf_model()
     model = cnn.from_hf(hf)

@@ -199,6 +199,9 @@ class CodaCausalLM:
         for name, value in (("output_attentions", output_attentions), ("output_hidden_states", output_hidden_states)):
             if value:
                 raise ValueError(f"{name}=True is not supported by coda models")
+            if value is None and getattr(self.config, name, False):    # transformers reads the config then
+                raise ValueError(f"config.{name}=True is not supported by coda models (they return neither hidden "
+                                 f"states nor attentions); set model.config.{name} = False")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         where = {"position_ids": position_ids, "attention_mask": attention_mask}
