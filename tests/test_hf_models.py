@@ -64,6 +64,25 @@ def test_tied_embeddings_share_one_parameter():
     assert len(list(model.parameters())) == 2 + 6 * 2        # embed, norm, 6 per block
 
 
+@pytest.mark.parametrize("convert", [cnn.from_hf, cnn.patch_hf])
+def test_tie_weights_ties_again_what_load_state_dict_assign_untied(convert, tmp_path):
+    """load_state_dict(assign=True) (loading into a model made on the meta device) puts the embedding and
+    the head in as two tensors, as it does for transformers' models, whose tie_weights() then ties them
+    again. coda's tie_weights did nothing: the head trained on its own and save_pretrained, writing the
+    tied model's embedding alone, lost it."""
+    model = convert(hf_model(tie_word_embeddings=True))
+    other = hf_model(tie_word_embeddings=True, seed=7)
+    model.load_state_dict(other.state_dict(), assign=True)
+    model.tie_weights()
+    assert model.coda.lm_head is model.coda.embed and len(list(model.parameters())) == 2 + 6 * 2
+    tokens = torch.randint(0, 48, (2, 8))
+    with torch.no_grad():
+        assert abs(model(input_ids=tokens, labels=tokens).loss - other(input_ids=tokens, labels=tokens).loss) < 1e-4
+    untied = cnn.from_hf(hf_model())               # an untied model stays so
+    untied.tie_weights()
+    assert untied.coda.lm_head is not untied.coda.embed
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma"])
 def test_a_head_untied_by_hand_stays_untied_whatever_the_config_says(model_type, tmp_path):
     """The usual recipe unties the head without editing config.tie_word_embeddings: transformers then

@@ -472,7 +472,12 @@ class _CodaPreTrained(CodaCausalLM):
         pass
 
     def tie_weights(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        """A tied model's head is its embedding Parameter again, as transformers' tie_weights makes it
+        after load_state_dict(assign=True) put the two in as separate tensors (else the head trained on
+        its own, and save_pretrained, writing the embedding alone, lost it). An untied model stays so."""
+        coda = self.__dict__.get("_modules", {}).get("coda")     # None while transformers' __init__ runs
+        if getattr(self, "coda_tied", False) and isinstance(coda, LlamaModel) and coda.lm_head is not coda.embed:
+            coda.lm_head = coda.embed
 
     def _get_name(self) -> str:
         """The transformers class's name: Trainer's label smoother (label_smoothing_factor, in
