@@ -387,3 +387,24 @@ def test_from_hf_models_under_shard_model(world_of_one, family, fields):
     assert abs(losses[0].item() - losses[1].item()) <= FP32_TOL * abs(losses[0].item())
     assert_close({n: p.grad.full_tensor() for n, p in sharded.named_parameters()},
                  {n: p.grad for n, p in plain.named_parameters()})
+
+
+def test_from_hf_model_saves_and_converts_after_shard_model(world_of_one, tmp_path):
+    """save_pretrained and to_hf of a sharded from_hf model gather its shards (every rank calls them,
+    as transformers asks of its own FSDP models; rank 0 writes): they failed inside the weight
+    layout conversion with "aten.index.Tensor got mixed torch.Tensor and DTensor"."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import hf_models
+    from coda_cutlass.nn import from_hf
+    hf = hf_models.draw(hf_models.transformers.AutoModelForCausalLM.from_config(hf_models.config("llama")))
+    plain = from_hf(hf)
+    sharded = shard_model(copy.deepcopy(plain))
+    want = hf.state_dict()
+    sharded.save_pretrained(tmp_path)
+    loaded = hf_models.transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    for got in (loaded.state_dict(), sharded.to_hf().state_dict()):
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert type(got[k]) is torch.Tensor and torch.equal(got[k], v), k

@@ -27,6 +27,7 @@ from torch import nn
 from ...errors import ConfigError
 from ..block import LlamaBlock
 from ..model import LlamaModel, per_layer_recipes
+from ..sharding import full_value
 from .checkpoint import from_hf_keys, hf_model_shapes, layer_paths, looks_like_hf, read_by_model, to_hf_keys
 from .family import Family
 from .fields import UnsupportedConfig, head_dim
@@ -242,18 +243,22 @@ class CodaCausalLM:
 
     # ------------------------------------------------------------------ checkpoints
     def hf_state_dict(self, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The weights as a transformers state dict of the original class (standard layout)."""
+        """The weights as a transformers state dict of the original class (standard layout). Under
+        FSDP2 the shards are gathered (an all-gather per tensor: every rank calls this, in the same
+        order), since the layout conversion permutes rows across the shards."""
         if state_dict is None:
-            state = {k: v for k, v in self.coda.state_dict().items() if isinstance(v, torch.Tensor)}
+            state = {k: full_value(v) for k, v in self.coda.state_dict().items() if isinstance(v, torch.Tensor)}
         else:                                       # e.g. gathered by Trainer / accelerate: our own keys
-            state = {k[len("coda."):] if k.startswith("coda.") else k: v for k, v in state_dict.items()
+            state = {k[len("coda."):] if k.startswith("coda.") else k: full_value(v) for k, v in state_dict.items()
                      if isinstance(v, torch.Tensor)}
         return to_hf_keys(state, self.coda_family, self.config, self.coda_tied)
 
     def save_pretrained(self, save_directory: Any, state_dict: dict[str, torch.Tensor] | None = None,
                         **kwargs: Any) -> None:
         """Write a transformers checkpoint of the original class (config.json + safetensors) that
-        ``AutoModelForCausalLM.from_pretrained`` loads back to the same tensors."""
+        ``AutoModelForCausalLM.from_pretrained`` loads back to the same tensors. A model sharded by
+        FSDP2 is saved by calling this on every rank (its shards are gathered; rank 0 writes), as
+        transformers saves its own sharded models."""
         config = copy.deepcopy(self.config)
         config.architectures = [self.coda_hf_class.__name__]
         with torch.device("meta"):      # in the weights' dtype: config.json's "dtype" is read from the shell
