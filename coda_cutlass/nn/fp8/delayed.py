@@ -189,13 +189,22 @@ class DelayedScales:
     def state(self) -> dict[str, Any]:
         """The histories as plain data (tensors on the CPU), for a checkpoint: ``load_state`` takes
         it back, so a resumed run continues with the same scales instead of calibrating again."""
-        if self._history is None:     # before the first step: the same entries, empty (a distributed
-            n = len(self.names)         # checkpoint loads into the state dict's structure as it is)
+        # The same entries and shapes at every step: a distributed checkpoint loads into the state
+        # dict's structure as it stands (before the first step, or with other tensors pending), so
+        # this step's amaxes are a tensor with a flag per tensor, not a dict of those pending.
+        n = len(self.names)
+        pending = torch.zeros(n)
+        if self._pending:
+            idx = sorted(self._pending)
+            pending[idx] = torch.stack([amax_of(self._pending[i]) for i in idx]).cpu()
+        flags = [i in self._pending for i in range(n)]
+        if self._history is None:
             return {"names": list(self.names), "history": torch.zeros(n, self.recipe.history), "slot": 0,
-                    "amax": torch.zeros(n), "filled": [False] * n, "steps": 0, "pending": {}}
+                    "amax": torch.zeros(n), "filled": [False] * n, "steps": 0, "pending": pending,
+                    "pending_set": flags}
         return {"names": list(self.names), "history": self._history.cpu().clone(), "slot": self._slot,
                 "amax": self._amax.cpu().clone(), "filled": list(self._filled), "steps": self.steps,
-                "pending": {self.names[i]: float(amax_of(a)) for i, a in self._pending.items()}}
+                "pending": pending, "pending_set": flags}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Take back what ``state`` returned (the same tensor names). A history of another length
@@ -231,8 +240,13 @@ class DelayedScales:
         self._slot, self.steps = kept % length, int(state["steps"])
         self._filled = [bool(f) for f in state["filled"]]
         self._known = [a > 0 for a in amax.tolist()]              # host values: no device read
-        self._pending = {self._index[n]: [torch.tensor(a, dtype=torch.float32, device=device)]
-                         for n, a in state["pending"].items()}
+        pending = state["pending"]
+        if isinstance(pending, dict):       # checkpoints before the flags: {name: amax} of those pending
+            self._pending = {self._index[n]: [torch.tensor(a, dtype=torch.float32, device=device)]
+                             for n, a in pending.items()}
+        else:
+            amaxes = pending.detach().to(device=device, dtype=torch.float32, copy=True)
+            self._pending = {i: [amaxes[i]] for i, on in enumerate(state["pending_set"]) if on}
 
     def _scale_of(self, amax: torch.Tensor, fmax: torch.Tensor) -> torch.Tensor:
         """Scales for amaxes; ``fmax`` already over 2^margin (self._fmax_t)."""
