@@ -408,3 +408,20 @@ def test_from_hf_model_saves_and_converts_after_shard_model(world_of_one, tmp_pa
         assert got.keys() == want.keys()
         for k, v in want.items():
             assert type(got[k]) is torch.Tensor and torch.equal(got[k], v), k
+
+
+def test_from_hf_save_pretrained_writes_on_rank_zero_only(tmp_path, monkeypatch):
+    """Every rank of a sharded model calls save_pretrained (to gather the shards); only rank 0 writes
+    (transformers 5.25 checks the rank itself; save_pretrained passes is_main_process for those that
+    do not, where every rank wrote the same files at once)."""
+    pytest.importorskip("transformers")
+    import hf_models
+    from coda_cutlass.nn import from_hf
+    model = from_hf(hf_models.draw(hf_models.transformers.AutoModelForCausalLM.from_config(hf_models.config("llama"))))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 1)
+    model.save_pretrained(tmp_path / "rank1")
+    assert not (tmp_path / "rank1").exists() or not any((tmp_path / "rank1").iterdir())
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
+    model.save_pretrained(tmp_path / "rank0")
+    assert (tmp_path / "rank0" / "model.safetensors").exists() and (tmp_path / "rank0" / "config.json").exists()

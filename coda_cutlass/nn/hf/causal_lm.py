@@ -22,6 +22,7 @@ import inspect
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...errors import ConfigError
@@ -257,8 +258,9 @@ class CodaCausalLM:
                         **kwargs: Any) -> None:
         """Write a transformers checkpoint of the original class (config.json + safetensors) that
         ``AutoModelForCausalLM.from_pretrained`` loads back to the same tensors. A model sharded by
-        FSDP2 is saved by calling this on every rank (its shards are gathered; rank 0 writes), as
-        transformers saves its own sharded models."""
+        FSDP2 is saved by calling this on every rank (its shards are gathered; rank 0 writes, unless
+        ``is_main_process`` says otherwise), as transformers saves its own sharded models."""
+        kwargs.setdefault("is_main_process", not dist.is_initialized() or dist.get_rank() == 0)
         config = copy.deepcopy(self.config)
         config.architectures = [self.coda_hf_class.__name__]
         with torch.device("meta"):      # in the weights' dtype: config.json's "dtype" is read from the shell
