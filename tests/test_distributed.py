@@ -425,3 +425,33 @@ def test_from_hf_save_pretrained_writes_on_rank_zero_only(tmp_path, monkeypatch)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda *a: 0)
     model.save_pretrained(tmp_path / "rank0")
     assert (tmp_path / "rank0" / "model.safetensors").exists() and (tmp_path / "rank0" / "config.json").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_sharded_from_hf_model_loads_a_transformers_state_dict(world_of_one, family):
+    """load_state_dict of a transformers state dict (what Trainer's resume or a user's checkpoint
+    hands over) into a from_hf model under shard_model: the converted full tensors are sharded as the
+    parameters are. It failed with torch's "mixed torch.Tensor and DTensor"."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import hf_models
+    from coda_cutlass.nn import from_hf
+    hf = hf_models.draw(hf_models.transformers.AutoModelForCausalLM.from_config(hf_models.config(family)))
+    want = copy.deepcopy(hf.state_dict())
+    other = hf_models.draw(hf_models.transformers.AutoModelForCausalLM.from_config(hf_models.config(family)))
+    sharded = shard_model(from_hf(other))
+    result = sharded.load_state_dict(want)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
+    got = sharded.hf_state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    # one shard of a checkpoint, a layer given in part: the rest of the layer keeps its (gathered) values
+    part = {k: v + 1 for k, v in want.items() if k.endswith("layers.0.self_attn.q_proj.weight")}
+    result = sharded.load_state_dict(part, strict=False)
+    assert "model.layers.0.self_attn.k_proj.weight" in result.missing_keys
+    got = sharded.hf_state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], part.get(k, v)), k

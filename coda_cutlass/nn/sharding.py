@@ -31,6 +31,16 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def sharded_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` (a whole tensor) sharded as ``like`` is, on its mesh and placements, when ``like`` is a
+    DTensor (load_state_dict of whole tensors into a sharded model: torch copies DTensor into DTensor
+    only); else ``full`` itself."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements)
+
+
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a possibly sharded parameter (an all-gather for a sharded DTensor)."""
     return t.full_tensor() if is_dtensor(t) else t

@@ -28,7 +28,7 @@ from torch import nn
 from ...errors import ConfigError
 from ..block import LlamaBlock
 from ..model import LlamaModel, per_layer_recipes
-from ..sharding import full_value
+from ..sharding import full_value, sharded_like
 from .checkpoint import from_hf_keys, hf_model_shapes, layer_paths, looks_like_hf, read_by_model, to_hf_keys
 from .family import Family
 from .fields import UnsupportedConfig, head_dim
@@ -463,7 +463,7 @@ def _hf_state_to_coda(module: Any, state_dict: dict, prefix: str, local_metadata
         if k in shapes or read_by_model(k, family):
             del state_dict[full]
     for k, v in module.coda.state_dict().items():           # the settings (RoPE, window) stay as they are
-        state_dict[f"{prefix}coda.{k}"] = converted.get(k, v)
+        state_dict[f"{prefix}coda.{k}"] = sharded_like(converted[k], v) if k in converted else v
 
 
 class _CodaPreTrained(CodaCausalLM):

@@ -14,6 +14,7 @@ import torch
 
 from .family import Family
 from .fields import head_dim
+from ..sharding import full_value
 from .layer import BLOCK_PARAMS, kernel_weights, standard_layout
 
 
@@ -47,8 +48,8 @@ def hf_layer_keys(family: Family, i: int) -> list[str]:
 
 def hf_model_shapes(model: Any, family: Family, config: Any, tied: bool) -> dict[str, torch.Size]:
     """The shape of each transformers key of a coda LlamaModel's checkpoint: ``to_hf_keys`` of meta
-    copies of its parameters (nothing is computed)."""
-    meta = {n: p.detach().to("meta") for n, p in model.named_parameters()}
+    copies of its parameters (nothing is computed; a sharded parameter's whole shape)."""
+    meta = {n: torch.empty(p.shape, dtype=p.dtype, device="meta") for n, p in model.named_parameters()}
     return {k: t.shape for k, t in to_hf_keys(meta, family, config, tied).items()}
 
 
@@ -97,9 +98,10 @@ def from_hf_keys(state: Mapping[str, torch.Tensor], family: Family, config: Any,
 
 
 def layer_paths(block: Any, family: Family) -> dict[str, torch.Tensor]:
-    """A coda block's weights under the family's transformers layer paths (standard layout)."""
+    """A coda block's weights under the family's transformers layer paths (standard layout; whole
+    tensors, gathered under FSDP2)."""
     d = block.dims
-    w = standard_layout(dict(block.named_parameters()), d.q_width, d.kv_width, d.head_dim)
+    w = standard_layout({n: full_value(p) for n, p in block.named_parameters()}, d.q_width, d.kv_width, d.head_dim)
     return family.from_standard(w)
 
 
