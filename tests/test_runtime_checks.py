@@ -105,3 +105,18 @@ def test_column_halves_of_one_matrix_are_not_an_overlap_but_shared_columns_are()
         check_no_overlap({"a": t[:, :128]}, {"b": t[1:, :128]})
     with pytest.raises(cc.CallError, match="overlaps"):
         check_no_overlap({"a": t[:, :128]}, {"b": t.t()})            # another stride: by extent
+
+
+def test_scalar_refuses_complex_and_bool_tensors():
+    # a complex tensor reached float(v.item()) and raised a bare TypeError; a bool tensor (a mask passed
+    # by mistake) was read as 1.0 while a Python bool is refused
+    @cc.epilogue
+    def scaled(acc, s: cc.Scalar):
+        return acc * s
+
+    A = torch.randn(8, 8, dtype=torch.bfloat16)
+    with pytest.raises(cc.CallError, match=r"s: a runtime scalar is a real number, got a torch.complex64 tensor"):
+        cc.reference(scaled, A, A, s=torch.tensor(1 + 2j))
+    with pytest.raises(cc.CallError, match=r"s: a runtime scalar is a real number, got a torch.bool tensor"):
+        checks.check_scalar("s", torch.tensor(True))
+    assert checks.check_scalar("s", torch.tensor(3)) == 3.0

@@ -207,6 +207,8 @@ def check_scalar(name: str, v: Any) -> float:
     if isinstance(v, torch.Tensor):
         if v.numel() != 1:
             raise CallError(f"{name}: a runtime scalar must be a Python number or a 1-element tensor")
+        if v.is_complex() or v.dtype == torch.bool:    # as a Python complex or bool: refused, not read as 1.0
+            raise CallError(f"{name}: a runtime scalar is a real number, got a {v.dtype} tensor")
         if v.is_cuda:
             raise CallError(f"{name}: a CUDA tensor as a scalar would need a device sync; pass a Python number")
         if v.device.type != "cpu":    # a meta tensor has no value: .item() raised torch's own RuntimeError
