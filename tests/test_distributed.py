@@ -345,6 +345,29 @@ def test_checkpointed_block_with_input_not_requiring_grad_still_trains_its_weigh
             assert q.grad is not None and torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=)"])
+def test_a_gradient_by_autograd_grad_through_checkpointed_blocks_is_refused_naming_the_checkpointing(how):
+    """The blocks' checkpoint is torch's reentrant one, which torch.autograd.grad and backward(inputs=)
+    cannot run through; torch's own error told the user to set use_reentrant=False, which they never
+    passed and cannot. The error names the blocks' checkpointing and the ways out."""
+    model = checkpoint_blocks(build())
+    loss = model(*global_batch(2))
+    with pytest.raises(RuntimeError, match=r"activation checkpointing.*checkpoint_blocks.*loss.backward\(\)"):
+        if how == "autograd.grad":
+            torch.autograd.grad(loss, [model.embed])
+        else:
+            loss.backward(inputs=[model.embed])
+    block = model.blocks[0]
+    x = torch.randn(1, 8, model.dims.dim, requires_grad=True)
+    with pytest.raises(RuntimeError, match="activation checkpointing"):
+        torch.autograd.grad(block(x).sum(), x)
+    block(x).sum().backward()               # a plain backward still runs
+    assert x.grad is not None and block.qkv.grad is not None
+    checkpoint_blocks(model, False)
+    (g,) = torch.autograd.grad(model(*global_batch(2)), [model.embed])     # without it: works
+    assert g.abs().sum() > 0
+
+
 def test_torch_checkpoint_wrapper_around_blocks_is_refused_not_ignored():
     """torch's checkpoint_wrapper wraps forward; the model calls run, which the wrapper hands to the
     block inside: it would checkpoint nothing. Refused, naming checkpoint_blocks."""

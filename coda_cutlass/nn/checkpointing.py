@@ -38,7 +38,23 @@ def recompute_in_backward(run: Callable[..., Any], step: Any, x: torch.Tensor, h
     h = h.detach() if isinstance(h, torch.Tensor) else h      # an FP8 block's h: its FP8 operand
     r = r.detach()
     g_next = None if g_next is None else g_next.detach()
-    return checkpoint(_pass, run, step, x, h, r, g_next, use_reentrant=True, preserve_rng_state=True)
+    out = checkpoint(_pass, run, step, x, h, r, g_next, use_reentrant=True, preserve_rng_state=True)
+    x2 = out[0] if isinstance(out, tuple) else out
+    if x2.requires_grad:        # runs before the checkpoint's backward, which would name use_reentrant
+        x2.register_hook(_refuse_partial_backward)
+    return out
+
+
+def _refuse_partial_backward(grad: torch.Tensor) -> torch.Tensor:
+    """torch's reentrant checkpoint cannot run under ``torch.autograd.grad`` or ``backward(inputs=)``;
+    its own error advises ``use_reentrant=False``, which the blocks' user never passed and cannot."""
+    if not torch.autograd._is_checkpoint_valid():
+        raise RuntimeError("a block with activation checkpointing (checkpoint_blocks(model), "
+                           "block.activation_checkpointing, gradient_checkpointing_enable()) recomputes its forward "
+                           "with torch's reentrant checkpoint, which torch.autograd.grad and backward(inputs=...) "
+                           "cannot run through; call loss.backward() and read the .grad of the parameters, or turn "
+                           "the checkpointing off (checkpoint_blocks(model, False))")
+    return grad
 
 
 def _pass(run: Callable[..., Any], step: Any, x: torch.Tensor, h: torch.Tensor, r: torch.Tensor,
