@@ -134,6 +134,26 @@ def test_a_tensor_is_calibrated_on_its_first_step_then_scaled_from_its_history()
     assert not stats["g"]["calibrated"] and stats["g"]["format"] == str(E5M2)
 
 
+@pytest.mark.parametrize("fmt", [E4M3, E5M2])
+def test_scales_of_amax_over_fp8_max_do_not_report_saturation(fmt):
+    """pow2=False: a steady tensor's scale is amax / fp8_max itself, fp32-rounded; its amax came out
+    a hair past scale * fp8_max and every step said "saturated" (the codes reach fp8_max at most by
+    rounding). Past the rounding boundary it is still reported."""
+    recipe = Fp8Recipe("exact", scaling="tensor", pow2=False, activation=fmt)
+    for amax in (15.0, 0.3, 123.4, 7.0, 1e-3):            # 15 / 448 rounds down in fp32
+        sc = DelayedScales(recipe, {"a": fmt})
+        k = FakeKernel()
+        k.amax = amax
+        for _ in range(3):
+            sc.begin_step(torch.device("cpu"))
+            sc.quantize("a", k, torch.device("cpu"))
+            assert sc.stats()["a"]["saturated"] is False, amax
+    k.amax = 123.4 * 1.1                                 # past fp8_max + half a step
+    sc.begin_step(torch.device("cpu"))
+    sc.quantize("a", k, torch.device("cpu"))
+    assert sc.stats()["a"]["saturated"] is True
+
+
 def test_an_overflow_saturates_for_a_step_and_a_non_finite_amax_leaves_the_scale_alone():
     """As Transformer Engine's delayed scaling: a tensor that outgrows its scale saturates for that
     step and moves the next scale; an inf or NaN amax stays in the history (stats show it) but the

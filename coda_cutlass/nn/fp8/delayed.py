@@ -393,7 +393,13 @@ class DelayedScales:
         last = {i: float(amax_of(a)) for i, a in self._pending.items()}
 
         def saturated(i: int) -> bool | None:     # the last step's values outgrew the scale it used
-            return None if i not in last else not last[i] <= scales[i] * self._fmax[i]
+            # past fp8_max by more than rounding to it: a pow2=False scale is amax / fp8_max rounded to
+            # fp32, so a steady amax lands a hair past scale * fp8_max with its code fp8_max all the same
+            if i not in last:
+                return None
+            fmax = float(self._fmax[i])
+            half_step = 2.0 ** math.floor(math.log2(fmax)) * torch.finfo(self.formats[self.names[i]]).eps / 2
+            return not last[i] <= scales[i] * (fmax + half_step)
 
         def calibrated(i: int) -> bool:
             return known[i] > 0 or (i in last and math.isfinite(last[i]) and last[i] > 0)
