@@ -190,3 +190,20 @@ def test_constant_tensors_of_new_shapes_do_not_pile_up(monkeypatch):
     for n in range(1000):
         partials.const_vector(n, 1.0, torch.device("cpu"))
     assert len(partials._CACHED) == 4
+
+
+@pytest.mark.parametrize("options", [{"qkv_bias": True}, {"qk_norm": True, "sandwich_norms": True}])
+def test_reset_parameters_resets_the_optional_parameters_too(options):
+    """reset_parameters puts every parameter back to its value at construction: the q/k/v bias, the
+    per-head q/k norms and the sandwich norms kept their trained values."""
+    block = LlamaBlock(64, 4, 2, 128, **options)
+    fresh = {n: p.detach().clone() for n, p in block.named_parameters()}
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.5)
+    block.reset_parameters()
+    for n, p in block.named_parameters():
+        if n in ("qkv", "o", "gate_up", "down"):      # drawn anew
+            assert not torch.equal(p, fresh[n] + 0.5), n
+        else:
+            assert torch.equal(p, fresh[n]), n

@@ -236,10 +236,15 @@ class LlamaBlock(nn.Module):
         return self
 
     def reset_parameters(self) -> None:
+        """Every parameter back to its value at construction: the weights drawn anew, the gains one, the
+        q/k/v bias zero (the optional ones too: they kept their trained values)."""
         for w in (self.qkv, self.o, self.gate_up, self.down):
             nn.init.normal_(w, std=1.0 / math.sqrt(w.shape[1]))
-        nn.init.ones_(self.attn_norm)
-        nn.init.ones_(self.mlp_norm)
+        for g in (self.attn_norm, self.mlp_norm, self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm):
+            if g is not None:
+                nn.init.ones_(g)
+        if self.qkv_bias is not None:
+            nn.init.zeros_(self.qkv_bias)
 
     def extra_repr(self) -> str:
         d = self.dims
