@@ -117,6 +117,8 @@ def main() -> int:
         device = torch.device(args.device)
     except RuntimeError:
         ap.error(f"--device {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)")
+    if device.type not in ("cpu", "cuda"):      # meta holds no values: the loss read would fail mid-run
+        ap.error(f"--device {args.device}: the example trains on cpu or cuda")
     text = corpus()
     if args.seq + 1 >= text.numel():     # each sample is seq + 1 bytes drawn from inside the corpus
         ap.error(f"--seq {args.seq} is longer than the corpus allows ({text.numel()} bytes: at most {text.numel() - 2})")

@@ -54,6 +54,7 @@ def test_finetune_hf_refuses_bad_options_before_training(tmp_path, args, match):
     (["--lr", "0"], "--lr must be a positive number, got 0.0"),
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
     (["--device", "tpu"], "--device 'tpu' is not a torch device"),
+    (["--device", "meta"], "--device meta: the example trains on cpu or cuda"),
     (["--seq", "10000000"], "--seq 10000000 is longer than the corpus allows"),
 ])
 def test_train_llama_refuses_bad_options_before_training(tmp_path, args, match):
