@@ -160,7 +160,9 @@ def main() -> None:
         ok[name] = fn
         ref = grads if ref is None else ref
         # per gradient: the largest difference, and it over the first variant's largest value (the
-        # thirty-first session saw torch.compile's differ by 17.8 on the H100, the eager ones by 2.4e-4)
+        # thirty-first session saw torch.compile's differ by 17.8 on the H100, the eager ones by 2.4e-4: torch
+        # 2.11's compiled backward of this call is wrong when the output's gradient has the output's own
+        # (B, S, H, D) strides, as here; whole compiled models are right, docs/results/session32/compile_gradients.md)
         errs = [(float((a.float() - b.float()).abs().max()), float(b.float().abs().max())) for a, b in zip(grads, ref)]
         print(f"{name}: " + ", ".join(f"{g} within {e:.3g} ({e / max(m, 1e-30):.2g} of its largest {m:.3g})"
                                       for g, (e, m) in zip(("dq", "dk", "dv"), errs)) + " of the first variant's")
