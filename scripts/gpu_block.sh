@@ -30,17 +30,15 @@
 #             copies cost less device time but 30 ms of host time a step against 18, the step is host-bound)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
-# A 30-minute device session (31st session's plan for the next), calls each under 10 minutes, back to back (a
-# machine idle 30 s is given back; the 31st session got an H100 after 37 minutes of failed starts): 1. on an
-# H200, MODEL_CONFIGS=1b,3b,8b MODEL_VARIANTS=liger,compile,coda modelcompile (on the H100 1B was 1.10x Liger,
-# 3B 1.049x; do the H200's 1.03-1.04x move with the one-pass dloss scaling?); 2. fp8block (the evaluation
-# forward's fix: 6.70 ms against 3.69 of kernels before) + stepprofile with --variants coda,liger,coda-fp8-tensorwise
-# (the probe now counts kernels only); 3. fp8tests with the in-sequence tuning test (left out in the 31st) and
-# hostprofile (the FP8 1B step is host-bound: the weight copies' 18 ms of host time a step); 4. copies (8 blocks'
-# copies to a call against 1, then with the folds together; what wins at 1B and 8B becomes the default, then
-# time bench/model.py's FP8 rows);
-# 5. attention (PROBE_LIMIT=120, 8b only): torch.compile's gradients of the same SDPA call differed from eager by
-# up to 17.8 on the H100 (eager forms within 2.4e-4); the probe now prints each gradient's relative difference.
+# A 30-minute device session (32nd session's plan for the next; it had four minutes of an H100 after 78 minutes
+# of failed starts), calls each under 10 minutes, back to back (a machine idle 30 s is given back; a warm machine
+# runs a 3B + 8B model comparison in 100 s): 1. on an H200, MODEL_CONFIGS=1b,3b,8b MODEL_VARIANTS=liger,compile,coda
+# modelcompile (3B: 1.039-1.049x Liger on the H100, 1.046x on the H200 in the 30th); 2. fp8tests with
+# TESTS_LIMIT=560 (the 31st session's six new tests passed in the 32nd; the rest and the in-sequence tuning test
+# have not run on this code); 3. fp8block + stepprofile --variants coda,liger,coda-fp8-tensorwise; 4. copies (8
+# blocks' copies to a call against 1, then with the folds together; what wins at 1B and 8B becomes the default,
+# then bench/model.py's FP8 rows). The attention probe's compiled rows time a wrong backward (torch 2.11, 32nd
+# session: docs/results/session32/compile_gradients.md); its eager rows repeat.
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
