@@ -197,14 +197,12 @@ class DelayedScales:
         if self._pending:
             idx = sorted(self._pending)
             pending[idx] = torch.stack([amax_of(self._pending[i]) for i in idx]).cpu()
-        flags = [i in self._pending for i in range(n)]
+        common = {"names": list(self.names), "pending": pending, "pending_set": [i in self._pending for i in range(n)]}
         if self._history is None:
-            return {"names": list(self.names), "history": torch.zeros(n, self.recipe.history), "slot": 0,
-                    "amax": torch.zeros(n), "filled": [False] * n, "steps": 0, "pending": pending,
-                    "pending_set": flags}
-        return {"names": list(self.names), "history": self._history.cpu().clone(), "slot": self._slot,
-                "amax": self._amax.cpu().clone(), "filled": list(self._filled), "steps": self.steps,
-                "pending": pending, "pending_set": flags}
+            return {**common, "history": torch.zeros(n, self.recipe.history), "slot": 0, "amax": torch.zeros(n),
+                    "filled": [False] * n, "steps": 0}
+        return {**common, "history": self._history.cpu().clone(), "slot": self._slot, "amax": self._amax.cpu().clone(),
+                "filled": list(self._filled), "steps": self.steps}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Take back what ``state`` returned (the same tensor names). A history of another length

@@ -12,9 +12,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..sharding import full_value
 from .family import Family
 from .fields import head_dim
-from ..sharding import full_value
 from .layer import BLOCK_PARAMS, kernel_weights, standard_layout
 
 
