@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -140,19 +140,24 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
                  verbose: bool | None = None, skip_failed: bool = False, **kwargs: Any) -> list[CompiledEpilogue]:
     """Compile several kernels in parallel (nvcc runs concurrently; results in input order).
 
-    Each item is a program, or a ``(program, options_dict)`` pair overriding the shared keyword
-    options. ``jobs`` defaults to the number of CPU cores (nvcc uses one core per kernel), capped by
+    Each item is a program, or a ``(program, options_dict)`` pair (tuple or list) overriding the
+    shared keyword options. ``jobs`` defaults to the number of CPU cores (nvcc uses one core per kernel), capped by
     memory.
     A failed build raises ``BuildError`` once all builds finish, unless ``skip_failed`` (then its
     entry is None).
     """
+    # One program passed bare raised a raw "not iterable" TypeError; a str or dict was iterated by name.
+    if callable(programs) or isinstance(programs, (str, bytes, Mapping)) or not isinstance(programs, Iterable):
+        hint = "; for one program: compile_many([program]) or cc.compile_epilogue(program)" if callable(programs) else ""
+        raise ArgumentError(f"compile_many takes a list of programs or (program, options dict) pairs, got "
+                            f"{type(programs).__name__}{hint}")
     # Generate everything first (each program lowered once) so program errors surface before any
     # compiler runs.
     jobs = parallel_jobs(jobs)
     lower_once = _LowerOnce()
     items: list[tuple[Any, dict[str, Any]]] = []
     for i, item in enumerate(programs):
-        if isinstance(item, tuple):
+        if isinstance(item, (tuple, list)):     # a [program, options] list too, as PREBUILD takes
             if len(item) != 2 or not isinstance(item[1], Mapping):
                 raise ConfigError(f"compile_many item {i}: expected a program or a (program, options dict) pair, "
                                   f"got {item!r:.200}")

@@ -177,3 +177,16 @@ def test_compile_many_names_a_malformed_item(items):
     items = [tuple(prog if x == "p" else x for x in item) for item in items]
     with pytest.raises(cc.ConfigError, match="compile_many item 0: expected a program or a \\(program, options"):
         cc.compile_many(items)
+
+
+def test_compile_many_names_a_bare_program_and_takes_list_pairs():
+    """compile_many(prog) raised Python's "'EpilogueProgram' object is not iterable", and a
+    [program, options] list (as PREBUILD takes) "unhashable type: 'list'"."""
+    prog = _stats()
+    with pytest.raises(cc.ArgumentError, match=r"a list of programs .*got EpilogueProgram; for one program: "
+                                               r"compile_many\(\[program\]\)"):
+        cc.compile_many(prog)
+    with pytest.raises(cc.ArgumentError, match="a list of programs .*got str"):
+        cc.compile_many("stats")
+    with pytest.raises(cc.ArgumentError, match=r"compile_many item 0 .*unknown options \['dtpe'\]"):
+        cc.compile_many([[prog, {"dtpe": torch.float16}]])      # taken as a pair: its options are read
