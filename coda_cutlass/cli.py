@@ -293,7 +293,8 @@ def parser() -> Parser:
     s.add_argument("--quick", action="store_true", help="smaller timing runs")
     s.set_defaults(fn=cmd_demo)
     s = sub.add_parser("emit", parents=[common], help="print the generated CUDA of FILE:PROGRAM")
-    s.add_argument("target", metavar="FILE:PROGRAM")
+    s.add_argument("target", metavar="FILE:PROGRAM",
+                   help="a .py file or module name, and a program in it (its variable or its name)")
     s.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"],
                    help="default: the program's PREBUILD entry, else bfloat16")
     s.add_argument("--weight-layout", default=None, choices=["nk", "kn"],
@@ -303,15 +304,20 @@ def parser() -> Parser:
     s.add_argument("--fast-accum", action="store_true", default=None, help="FP8 operands: fast-accumulation mainloop")
     s.set_defaults(fn=cmd_emit)
     s = sub.add_parser("prebuild", parents=[common], help="compile and export prebuilt kernels")
-    s.add_argument("file")
-    s.add_argument("--out", required=True)
+    s.add_argument("file", help="a .py file or module name: its PREBUILD list of (program, options) pairs, "
+                   "else every program in it")
+    s.add_argument("--out", required=True, metavar="DIR",
+                   help="where the <key>.so and <key>.json files go (coda_cutlass/prebuilt for a wheel, or a "
+                   "folder on $CODA_CUTLASS_PREBUILT_PATH)")
     s.add_argument("--jobs", type=_positive_int, default=None, help="parallel nvcc builds (default: the CPUs')")
     s.add_argument("--all-candidates", action="store_true",
                    help="build every autotuning candidate configuration (tuning then needs no nvcc)")
     s.add_argument("--sources-only", action="store_true",
                    help="write the generated .cu files (and headers) for CMakeLists.txt instead of compiling")
     s.set_defaults(fn=cmd_prebuild)
-    s = sub.add_parser("cache", parents=[common], help="show the kernel cache")
+    s = sub.add_parser("cache", parents=[common], help="show the kernel cache",
+                       description="Show the kernel cache ($CODA_CUTLASS_CACHE_DIR, else ~/.cache/coda-cutlass): "
+                       "its folder, kernel count, size and the kernels that spill registers.")
     s.add_argument("--export", metavar="DIR", help="copy every verified kernel out as a prebuilt kernel")
     s.set_defaults(fn=cmd_cache)
     return p

@@ -3,6 +3,7 @@ demo's CPU path."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 import coda_cutlass as cc
 
-from coda_cutlass.cli import main
+from coda_cutlass.cli import main, parser
 
 HERE = Path(__file__).resolve().parent
 
@@ -47,6 +48,17 @@ def test_help_prints_plain_literals_and_jobs_must_be_positive(tmp_path, capsys):
         main(["prebuild", "coda_cutlass.epilogues", "--sources-only", "--jobs", "0", "--out", str(tmp_path)])
     assert e.value.code == 2 and "--jobs: must be at least 1, got 0" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_every_argument_of_every_command_has_help():
+    """prebuild's FILE and --out and emit's FILE:PROGRAM printed no help at all, and cache's
+    --help did not say which folder it shows."""
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if action.help != argparse.SUPPRESS:
+                assert action.help, f"{name} {action.dest}: no help text"
+    assert "CODA_CUTLASS_CACHE_DIR" in sub.choices["cache"].format_help()
 
 
 def test_prebuild_and_cache_export(fake_nvcc, tmp_path, capsys):
