@@ -146,5 +146,6 @@ def compile_parallel(items: Sequence[tuple[Generated, dict[str, Any]]], *, jobs:
         return [None if isinstance(r, BuildError) else r for r in out]
     if failed:
         names = "\n".join(f"  {name}: {e.source_path} (log {e.log_path})" for name, e in failed)
-        raise BuildError(f"{len(failed)} of {total} kernels failed to build (the others are cached):\n{names}")
+        rest = " (the others are cached)" if len(failed) < total else ""     # (said so when none were)
+        raise BuildError(f"{len(failed)} of {total} kernels failed to build{rest}:\n{names}")
     return out  # type: ignore[return-value]

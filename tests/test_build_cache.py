@@ -190,6 +190,16 @@ def test_compile_without_gpu_builds_and_call_explains(fake):
             k(torch.zeros(8, 8, dtype=torch.bfloat16), torch.zeros(8, 8, dtype=torch.bfloat16))
 
 
+def test_compile_many_says_others_are_cached_only_when_some_built(fake, monkeypatch):
+    """When every build failed, the error still said "(the others are cached)"."""
+    import torch
+    monkeypatch.setenv("FAKE_NVCC_FAIL", "1")
+    progs = [cc.epilogue(lambda acc, c=float(i): acc + c, name=f"f{i}") for i in range(2)]
+    with pytest.raises(cc.BuildError, match="2 of 2 kernels failed to build") as e:
+        cc.compile_many(progs, torch.bfloat16, jobs=2)
+    assert "the others are cached" not in str(e.value)
+
+
 def test_compile_many_builds_in_parallel(fake, monkeypatch):
     import torch
     monkeypatch.setenv("FAKE_NVCC_SLEEP", "0.5")
