@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -235,10 +236,28 @@ def test_export_to_a_full_disk_leaves_no_temp_file(fake_nvcc, tmp_path):
 def test_relative_prebuilt_path_is_made_absolute_once(fake_nvcc, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CODA_CUTLASS_PREBUILT_PATH", f"good{os.pathsep}/abs")
-    first = prebuilt_mod.search_dirs()
+    with pytest.warns(RuntimeWarning, match="no such folder"):      # neither exists
+        first = prebuilt_mod.search_dirs()
     monkeypatch.chdir("/")
     assert prebuilt_mod.search_dirs() == first
     assert first[:2] == [tmp_path / "good", Path("/abs")]
+
+
+def test_prebuilt_path_entry_that_is_no_folder_is_named_once(fake_nvcc, monkeypatch, tmp_path):
+    # a misspelt folder or the .so itself was skipped silently: every kernel then built by JIT
+    so = tmp_path / "k.so"
+    so.write_bytes(b"")
+    (tmp_path / "pre").mkdir()
+    monkeypatch.setenv("CODA_CUTLASS_PREBUILT_PATH", os.pathsep.join([str(so), str(tmp_path / "pre"),
+                                                                     str(tmp_path / "prebuit")]))
+    with pytest.warns(RuntimeWarning) as record:
+        prebuilt_mod.search_dirs()
+    said = [str(w.message) for w in record]
+    assert len(said) == 2, said
+    assert f"{so}: a file, not a folder" in said[0] and f"{tmp_path / 'prebuit'}: no such folder" in said[1], said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prebuilt_mod.search_dirs()                  # once per value of the variable, not every lookup
 
 
 # ---------------------------------------------------------------- 8: export reads, never deletes

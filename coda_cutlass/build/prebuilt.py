@@ -29,6 +29,12 @@ def search_dirs() -> list[Path]:
     if env not in _DIRS_FROM_ENV:
         _DIRS_FROM_ENV[env] = tuple(Path(os.path.abspath(Path(p).expanduser()))
                                     for p in env.split(os.pathsep) if p.strip())
+        # a misspelt folder, or the .so itself, would otherwise mean a silent JIT build of every kernel
+        for d in _DIRS_FROM_ENV[env]:
+            if not d.is_dir():
+                what = "a file, not a folder" if d.exists() else "no such folder"
+                warn(f"$CODA_CUTLASS_PREBUILT_PATH entry {d}: {what}; no prebuilt kernels are found there "
+                     "(the variable lists folders of <key>.so and <key>.json files)", stacklevel=3)
     return [*_DIRS_FROM_ENV[env], PACKAGE_PREBUILT]
 
 
