@@ -39,6 +39,26 @@ def global_batch(world: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return tokens, targets
 
 
+# the FP8 scenarios' model: the smallest FP8 widths (128 wide, one head of 128), fp32 parameters
+# computing in bf16; each rank's batch is 128 tokens (FP8 blocks take multiples of 128)
+FP8_VOCAB, FP8_SEQ = 256, 128
+
+
+def build_fp8(recipe: Any, seed: int = 0) -> LlamaModel:
+    torch.manual_seed(seed)
+    return LlamaModel(FP8_VOCAB, 128, 2, 1, 1, 128, head_dim=128, fp8=recipe, dtype=torch.float32,
+                      compute_dtype=torch.bfloat16)
+
+
+def fp8_batch(rank: int, step: int, empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s (tokens, targets) of a step: other tokens on every rank (other amaxes);
+    ``empty``: no tokens at all."""
+    t = torch.randint(0, FP8_VOCAB, (1, FP8_SEQ + 1), generator=torch.Generator().manual_seed(3000 + 10 * step + rank))
+    if empty:
+        return t[:, :0], t[:, :0]
+    return t[:, :-1], t[:, 1:]
+
+
 def optimizer(params: Any) -> torch.optim.Optimizer:
     """SGD with momentum: its update is linear in the gradients, so steps of runs whose gradients
     agree to fp32 rounding agree as well (AdamW's first steps turn the sign of a gradient near zero

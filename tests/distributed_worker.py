@@ -7,6 +7,7 @@ gathered to OUT/<scenario>.pt, a failing rank its traceback to OUT/<scenario>.ra
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -21,8 +22,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from distributed_cases import LayoutCheckingRunner, build, global_batch, optimizer, rank_rows, resume_batch
+from distributed_cases import (LayoutCheckingRunner, build, build_fp8, fp8_batch, global_batch, optimizer, rank_rows,
+                               resume_batch)
 
+from coda_cutlass.nn.fp8 import RECIPES, tensorwise
+from coda_cutlass.nn.fp8.delayed import DelayedScales
 from coda_cutlass.nn.parallel import coda_blocks, shard_model
 
 BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -207,9 +211,118 @@ def dcp_load() -> dict[str, Any]:
     return {"loaded": loaded, "next": params(model)}
 
 
+# ---------------------------------------------------------------------------------------- FP8 amax reduction
+def tensorwise_recipe(reduce_amax: bool, pow2: bool = True) -> Any:
+    """"tensorwise" with or without reduce_amax; ``pow2=False``: scales amax / fp8_max, which any
+    difference of an amax moves (a power of two takes most in its stride)."""
+    return dataclasses.replace(RECIPES["tensorwise"], reduce_amax=reduce_amax, pow2=pow2)
+
+
+def scale_states(model: torch.nn.Module) -> list[list[dict[str, Any]]]:
+    """Every rank's scale state of every block (rank, then block): state() and the scales."""
+    mine = []
+    for b in coda_blocks(model):
+        sc = b.fp8_path().scales
+        mine.append({**sc.state(), "scales": sc._scales.cpu().clone()})
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _fp8_train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: list[int], empty_on: int = -1,
+               at: int = -1) -> torch.Tensor:
+    """Training steps on this rank's batches (``empty_on``'s batch of step ``at`` empty): every
+    rank's loss of each step, (ranks, steps)."""
+    losses = []
+    for s in steps:
+        loss = model(*fp8_batch(dist.get_rank(), s, empty=dist.get_rank() == empty_on and s == at))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().float())
+    return every_rank(torch.stack(losses))
+
+
+def fp8_reduced_scales() -> dict[str, Any]:
+    """"tensorwise" under DDP, every rank on its own tokens: with and without reduce_amax, and with
+    reduce_amax and checkpointed blocks (their folds, and so reductions, end their recomputes'
+    backwards, between DDP's gradient reductions)."""
+    from torch.nn.parallel import DistributedDataParallel
+    from coda_cutlass.nn.parallel import checkpoint_blocks
+    out = {}
+    for name, reduce, ckpt in (("reduced", True, False), ("own", False, False), ("checkpointed", True, True)):
+        model = build_fp8(tensorwise_recipe(reduce))
+        model = DistributedDataParallel(checkpoint_blocks(model) if ckpt else model)
+        losses = _fp8_train(model, optimizer(model.parameters()), [0, 1, 2])
+        out[name] = {"states": scale_states(model.module), "losses": losses}
+    return out
+
+
+def fp8_empty_batch() -> dict[str, Any]:
+    """A plain model per rank (the scales are reduced all the same), rank 1's second batch empty,
+    the blocks folding in their own calls and together (folds_together): no hang, and the step's
+    amaxes are rank 0's alone on both ranks."""
+    out = {}
+    for together in (False, True):
+        tensorwise.folds_together = together
+        try:
+            model = build_fp8("tensorwise")
+            _fp8_train(model, optimizer(model.parameters()), [0, 1, 2], empty_on=1, at=1)
+            out[together] = scale_states(model)
+        finally:
+            tensorwise.folds_together = False
+    return out
+
+
+def fp8_tensor_on_one_rank() -> dict[str, Any]:
+    """One block's scales directly: rank 0 records tensor a (3.0), rank 1 tensor b (NaN), no rank c."""
+    cpu = torch.device("cpu")
+    sc = DelayedScales(RECIPES["tensorwise"], {"a": torch.float8_e4m3fn, "b": torch.float8_e4m3fn,
+                                               "c": torch.float8_e5m2})
+    sc.begin_step(cpu)
+    sc.recording(cpu)
+    name, amax = ("a", 3.0) if dist.get_rank() == 0 else ("b", float("nan"))
+    sc.quantize(name, lambda s: ({}, torch.tensor(amax)), cpu)
+    sc.reduce_after_backward()              # outside a backward: at once
+    reduced = sc.state()
+    stats_before = sc.stats()
+    sc.begin_step(cpu)
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, {"reduced": reduced, "folded": sc.state(), "stats_before": stats_before,
+                                 "scales": sc._scales.clone()})
+    return {"ranks": out}
+
+
+def fp8_dcp_resume() -> dict[str, Any]:
+    """FSDP2, every rank on its own tokens: two steps, a DCP checkpoint, two more; then a model from
+    another seed loads the checkpoint and takes the same two steps. Every rank's losses of both,
+    with and without reduce_amax, and with it and scales without the rounding to powers of two."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    out = {}
+    for name, reduce, pow2 in (("reduced", True, True), ("own", False, True), ("reduced_exact", True, False)):
+        path = f"{os.environ['DCP_DIR']}_fp8_{name}"
+        model = shard_model(build_fp8(tensorwise_recipe(reduce, pow2)))
+        opt = optimizer(model.parameters())
+        _fp8_train(model, opt, [0, 1])
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        saved = scale_states(model)
+        straight = _fp8_train(model, opt, [2, 3])
+        model = shard_model(build_fp8(tensorwise_recipe(reduce, pow2), seed=1))
+        opt = optimizer(model.parameters())
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        out[name] = {"saved": saved, "straight": straight, "resumed": _fp8_train(model, opt, [2, 3])}
+    return out
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     f.__name__: f for f in (fsdp, fsdp_bf16, fsdp_shard_dim1, fsdp_checkpointed, fsdp_whole, accumulation, ddp,
-                            ddp_checkpointed, refuse_unregistered, refuse_cast_inputs, dcp_save, dcp_load)}
+                            ddp_checkpointed, refuse_unregistered, refuse_cast_inputs, dcp_save, dcp_load,
+                            fp8_reduced_scales, fp8_empty_batch, fp8_tensor_on_one_rank, fp8_dcp_resume)}
 
 
 def main(out: Path, names: list[str]) -> None:

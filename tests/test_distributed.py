@@ -1,7 +1,8 @@
 """coda models on PyTorch's distributed engines, on the CPU: 2 and 4 processes (gloo on 127.0.0.1)
 run the reference interpreter under FSDP2 and DDP (tests/distributed_worker.py, one launch per
 world size for all its scenarios), and every loss and gradient is compared with the same model in
-this process.
+this process. FP8 "tensorwise" models (2 ranks, each on its own tokens) reduce their delayed
+scales' amaxes over the ranks: every rank keeps one scale state, and a DCP resume is exact.
 
 Tolerances. fp32 parameters compute exactly: the distributed runs differ from one process only in
 the order of sums over tokens (the weight gradients, the loss mean, the ranks' average), so they
@@ -29,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from distributed_cases import LAYERS, build, global_batch, optimizer, rank_rows, resume_batch
+from distributed_cases import LAYERS, build, build_fp8, fp8_batch, global_batch, optimizer, rank_rows, resume_batch
 
 from coda_cutlass.nn import LlamaModel
 from coda_cutlass.nn.parallel import checkpoint_blocks, shard_model
@@ -38,7 +39,8 @@ WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 BF16 = torch.bfloat16
 FP32_TOL = 4e-6
 BOTH = ["fsdp", "fsdp_bf16", "fsdp_checkpointed", "accumulation", "ddp"]
-ONLY_2 = ["fsdp_shard_dim1", "fsdp_whole", "ddp_checkpointed", "refuse_unregistered", "refuse_cast_inputs", "dcp_save"]
+ONLY_2 = ["fsdp_shard_dim1", "fsdp_whole", "ddp_checkpointed", "refuse_unregistered", "refuse_cast_inputs", "dcp_save",
+          "fp8_reduced_scales", "fp8_empty_batch", "fp8_tensor_on_one_rank", "fp8_dcp_resume"]
 ONLY_4 = ["dcp_load"]
 TIMEOUT_S = 300
 
@@ -304,6 +306,108 @@ def test_full_state_dict_of_a_sharded_model_loads_with_load_state_dict(run2):
     model.load_state_dict(saved["full_state_dict"])            # strict: every key, the blocks' extra state
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), saved["saved"][name]), name
+
+
+# ---------------------------------------------------------------------------------------- FP8 amax reduction
+# "tensorwise" models (2 ranks, each on its own tokens; the reference interpreter): with reduce_amax
+# (the default) every step's amaxes are reduced over the ranks, so every rank keeps the same state
+SCALE_STATE = ("history", "amax", "scales", "pending", "pending_set", "slot", "steps")
+
+
+def _same(a: dict[str, Any], b: dict[str, Any], k: str) -> bool:
+    return torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(_same(a, b, k) for k in SCALE_STATE)
+
+
+def _assert_ranks_agree(states: list[list[dict[str, Any]]]) -> None:
+    """``states``: each rank's list of its blocks' states (distributed_worker.scale_states)."""
+    for block, (a, b) in enumerate(zip(*states)):
+        for k in SCALE_STATE:
+            assert _same(a, b, k), (block, k)
+
+
+@functools.lru_cache(maxsize=None)
+def _first_step_amaxes(rank: int) -> list[torch.Tensor]:
+    """Each block's amaxes of one process's first training step on ``rank``'s first batch (not yet
+    folded): what that rank records in its first step (the same weights, scales from its own data)."""
+    model = build_fp8("tensorwise")
+    model(*fp8_batch(rank, 0)).backward()
+    return [b.fp8_path().scales.state()["pending"] for b in model.blocks]
+
+
+def test_fp8_ranks_with_other_data_keep_one_scale_state(run2):
+    """Every rank's histories, amaxes, scales and not-yet-folded amaxes are the same after three
+    steps under DDP; each step's history column is the largest of the ranks' amaxes (the first
+    step's: one process's on each rank's batch). Without reduce_amax each rank keeps its own, as
+    before (its first column is its own batch's)."""
+    res = result(run2, "fp8_reduced_scales")
+    _assert_ranks_agree(res["reduced"]["states"])
+    for block, state in enumerate(res["reduced"]["states"][0]):
+        assert torch.equal(state["history"][:, 0], torch.maximum(_first_step_amaxes(0)[block],
+                                                                 _first_step_amaxes(1)[block])), block
+    own = res["own"]["states"]
+    assert not all(_same_state(a, b) for a, b in zip(*own))
+    for rank in (0, 1):
+        for block, state in enumerate(own[rank]):
+            assert torch.equal(state["history"][:, 0], _first_step_amaxes(rank)[block]), (rank, block)
+    assert not torch.equal(res["own"]["losses"], res["reduced"]["losses"])
+
+
+def test_fp8_checkpointed_blocks_reduce_their_amaxes_alike(run2):
+    """Checkpointed blocks fold (and reduce) at the end of each recompute's backward, among DDP's
+    gradient reductions: the ranks agree, and the losses are the uncheckpointed run's bit for bit."""
+    res = result(run2, "fp8_reduced_scales")
+    _assert_ranks_agree(res["checkpointed"]["states"])
+    assert torch.equal(res["checkpointed"]["losses"], res["reduced"]["losses"])
+
+
+def test_fp8_a_rank_with_an_empty_batch_still_reduces_with_the_others(run2):
+    """Rank 1's second batch is empty: it records no amax, yet steps, folds and reduces with rank 0
+    (it would otherwise wait in no collective while rank 0 waited in one), with the blocks folding
+    in their own calls or together (folds_together: one collective for all blocks); the step's
+    amaxes are rank 0's on both ranks."""
+    res = result(run2, "fp8_empty_batch")
+    for together in (False, True):
+        _assert_ranks_agree(res[together])
+        for state in res[together][0]:
+            assert state["steps"] == 2 and state["history"][:, 1].max() > 0
+    for a, b in zip(res[False][0], res[True][0]):
+        assert _same_state(a, b)
+
+
+def test_fp8_a_tensor_recorded_on_one_rank_only_is_folded_on_every_rank(run2):
+    """One block's scales: rank 0 records a (3.0), rank 1 records b as NaN, no rank records c. After
+    the reduction both ranks hold a's 3.0 and b's NaN as inf (MAX over ranks does not reliably keep a
+    NaN; inf makes no scale just as well), c not pending; the fold writes the same column on both."""
+    ranks = result(run2, "fp8_tensor_on_one_rank")["ranks"]
+    inf = float("inf")
+    for r in ranks:
+        assert torch.equal(r["reduced"]["pending"], torch.tensor([3.0, inf, 0.0]))
+        assert r["reduced"]["pending_set"] == [True, True, False]
+        assert [r["stats_before"][n]["last_amax"] for n in "abc"] == [3.0, inf, None]
+        assert torch.equal(r["folded"]["history"][:, 0], torch.tensor([3.0, inf, 0.0]))
+        assert torch.equal(r["folded"]["amax"], torch.tensor([3.0, 0.0, 0.0]))
+        assert r["folded"]["pending_set"] == [False] * 3 and r["folded"]["steps"] == 1
+    assert torch.equal(ranks[0]["scales"], ranks[1]["scales"])
+    assert ranks[0]["scales"][0].item() == 2.0 ** -7                  # pow2_up(3 / 448)
+
+
+def test_fp8_a_distributed_checkpoint_resumes_every_rank_exactly(run2):
+    """FSDP2, 2 ranks on their own tokens: the scale state DCP keeps (one copy, from whichever rank)
+    is every rank's, the not-yet-folded amaxes included (reduced at the end of the backward, before
+    the checkpoint), so the two steps after loading give the uninterrupted run's losses bit for bit;
+    also with scales that are not powers of two, which any amax of another rank would move.
+    Without reduce_amax the ranks' states differ and the resumed losses do too (the limit this
+    lifts; by hand before: 6.0149 against 6.0089)."""
+    res = result(run2, "fp8_dcp_resume")
+    for name in ("reduced", "reduced_exact"):
+        _assert_ranks_agree(res[name]["saved"])
+        assert torch.equal(res[name]["resumed"], res[name]["straight"]), name
+    assert not all(_same_state(a, b) for a, b in zip(*res["own"]["saved"]))
+    assert not torch.equal(res["own"]["resumed"], res["own"]["straight"])
 
 
 # ---------------------------------------------------------------------------------------- one process

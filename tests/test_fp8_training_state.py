@@ -1,13 +1,16 @@
 """FP8 training's state on the CPU: the weights' FP8 copies follow every way parameters change
 (fused optimizers, FSDP2's re-gathers, ``.data`` edits with ``weights_changed()``); the delayed
 scales survive non-finite and zero amaxes, evaluation forwards, refused calls, copies, pickles and
-checkpoints of other lengths or recipes; autocast, a second backward and weights edited between
-forward and backward are handled or refused; recipes and token counts are checked with messages
-that say what to do. Tiny widths (the smallest FP8 block: 128 wide, one head of 128)."""
+checkpoints of other lengths or recipes, and are reduced over data-parallel ranks with one
+collective a backward (counted here; tests/test_distributed.py runs 2 ranks); autocast, a second
+backward and weights edited between forward and backward are handled or refused; recipes and token
+counts are checked with messages that say what to do. Tiny widths (the smallest FP8 block: 128
+wide, one head of 128)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import math
@@ -510,11 +513,15 @@ def test_blockwise_statistics_under_torch_checkpoint_count_each_micro_batch_once
     (dict(scaling="tensor", history=10 ** 7), r"history must be an int in 1\.\.1024"),
     (dict(scaling="tensor", pow2="no"), "pow2 must be True or False"),
     (dict(scaling="tensor", fast_accum=1), "fast_accum must be True or False"),
+    (dict(scaling="tensor", reduce_amax=1), "reduce_amax must be True or False"),
+    (dict(reduce_amax="no"), "reduce_amax must be True or False"),
 ])
 def test_recipe_options_that_would_be_ignored_or_misread_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Fp8Recipe("mine", **kwargs)
     assert Fp8Recipe("mine", scaling="tensor").history == 16 and RECIPES["tensorwise"].margin == 0
+    # the amaxes are reduced over ranks unless asked otherwise; blockwise scales have none delayed
+    assert all(r.reduce_amax for r in RECIPES.values()) and not Fp8Recipe("mine", reduce_amax=False).reduce_amax
 
 
 def test_a_recipe_named_like_another_takes_none_of_its_tuned_plans():
@@ -530,13 +537,103 @@ def test_a_recipe_named_like_another_takes_none_of_its_tuned_plans():
     mine = ctx(Fp8Recipe("tensorwise"))                             # blockwise scaling under that name
     assert mine != ctx("tensorwise") and mine != ctx("blockwise") and ":fp8-tensorwise-" in mine
     assert mine == ctx(Fp8Recipe("tensorwise"))                    # the same settings, the same key
-    # the delayed scales' history and margin pick no kernel: the built-in's plans still fit
-    assert ctx(Fp8Recipe("tensorwise", scaling="tensor", fast_accum=True, history=32, margin=1)) == ctx("tensorwise")
+    # the delayed scales' history, margin and amax reduction pick no kernel: the built-in's plans still fit
+    assert ctx(Fp8Recipe("tensorwise", scaling="tensor", fast_accum=True, history=32, margin=1,
+                         reduce_amax=False)) == ctx("tensorwise")
     assert ctx(Fp8Recipe("hybrid", scaling="tensor", gradient=torch.float8_e5m2)) != \
         ctx(Fp8Recipe("hybrid", scaling="tensor"))
     for bad in (5, "", "a:b", "a|b", None):
         with pytest.raises(ConfigError, match="FP8 recipe name must be a non-empty str"):
             Fp8Recipe(bad, scaling="tensor")
+
+
+def test_blockwise_recipes_ignore_reduce_amax_and_still_hand_operands_over():
+    """reduce_amax concerns the delayed scales only: blockwise blocks that differ in it alone hand
+    their neighbour its operand in FP8 (nn.fp8.support.hands_fp8), as equal recipes do."""
+    from coda_cutlass.nn.fp8.support import hands_fp8
+    bw = RECIPES["blockwise"]
+    mine = dataclasses.replace(bw, reduce_amax=False)
+    assert hands_fp8(bw, mine) is mine and hands_fp8(mine, bw) is bw
+    assert hands_fp8(RECIPES["tensorwise"], dataclasses.replace(RECIPES["tensorwise"], reduce_amax=False))
+
+
+class _AllReduceCounter:
+    """torch.distributed.all_reduce of a world of one rank (MAX: the tensor itself), counted, where
+    the scales are told the ranks reduce (nn/fp8/amax_reduce.py)."""
+
+    def __init__(self, monkeypatch):
+        from coda_cutlass.nn.fp8 import delayed
+        self.calls = []
+        monkeypatch.setattr(delayed, "ranks_reduce", lambda reduce_amax: reduce_amax)
+        monkeypatch.setattr(torch.distributed, "all_reduce",
+                            lambda t, op=None: self.calls.append((tuple(t.shape), op)))
+
+
+@pytest.mark.parametrize("how", ["own folds", "folds_together", "checkpointed"])
+def test_amaxes_reduced_over_ranks_take_one_collective_a_backward_and_fold_as_before(monkeypatch, how):
+    """A step's amaxes are reduced once its backward ends, every block's in one all-reduce (MAX) of
+    one amax a tensor; a reentrant checkpoint's recompute folds at the end of its own backward, so
+    each checkpointed block reduces there, with its fold. A forward without a backward leaves its
+    amaxes to the next step's begin, which reduces them first. Reduced over one rank, the histories,
+    scales and losses are those of a model that does not reduce, bit for bit (the reduced amaxes
+    fold as one part a tensor)."""
+    from coda_cutlass.nn.fp8 import tensorwise
+    from coda_cutlass.nn.parallel import checkpoint_blocks
+    monkeypatch.setattr(tensorwise, "folds_together", how == "folds_together")
+    batches = [_tokens(seed) for seed in range(3)]
+    runs = {}
+    for reduce in (False, True):
+        counter = _AllReduceCounter(monkeypatch)
+        m = _model(dataclasses.replace(RECIPES["tensorwise"], reduce_amax=reduce), dtype=torch.float32,
+                   compute_dtype=BF16)
+        if how == "checkpointed":
+            checkpoint_blocks(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses, per_step = [], []
+        for t in batches:
+            before = len(counter.calls)
+            losses += _train(m, opt, [t])
+            per_step.append(len(counter.calls) - before)
+        m(batches[0], batches[0])            # a training forward, no backward: its amaxes stay unreduced
+        before = len(counter.calls)
+        m(batches[1], batches[1]).backward()
+        begin_and_backward = len(counter.calls) - before
+        runs[reduce] = (losses, m.fp8_stats(), [b.fp8_path().scales.state() for b in m.blocks])
+        if not reduce:
+            assert counter.calls == []
+            continue
+        n = len(m.blocks[0].fp8_path().scales.names)
+        if how == "checkpointed":        # a block's recompute, then its reduction and fold: one each
+            assert per_step == [2, 2, 2] and begin_and_backward == 2
+            assert counter.calls[0] == ((n,), torch.distributed.ReduceOp.MAX)
+        else:                             # every block's amaxes in one, at the backward's end
+            assert per_step == [1, 1, 1] and counter.calls[0] == ((2 * n,), torch.distributed.ReduceOp.MAX)
+            # the forward without a backward's amaxes at the next begin: a block each in its own
+            # call, all blocks in one where the model folds them together
+            assert begin_and_backward == (2 if how == "folds_together" else 3)
+    assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
+    for a, b in zip(runs[True][2], runs[False][2]):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def test_a_model_outside_a_process_group_or_alone_in_one_reduces_nothing(monkeypatch):
+    """reduce_amax (the default) in one process, without a process group or in a world of one
+    (a gloo group of this process alone): no collective runs, the scales are as without it."""
+    import torch.distributed as dist
+    from coda_cutlass.nn.fp8.amax_reduce import ranks_reduce
+    assert not ranks_reduce(True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert not ranks_reduce(True)
+        monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("a collective in a world of one"))
+        xs, dy = _inputs(2)
+        b = _block("tensorwise")
+        for x in xs:
+            b(x).backward(dy)
+        assert b.fp8_path().scales.steps == 1 and b.fp8_stats()["h"]["calibrated"]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_fresh_blocks_scale_state_has_the_structure_of_a_trained_ones():

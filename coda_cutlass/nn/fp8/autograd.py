@@ -111,6 +111,7 @@ class Fp8BlockFunction(torch.autograd.Function):
         stash_put(ctx.step, dx, dxq)
         if ctx.fold_after:          # a checkpoint's recompute: its step ends with this backward
             ctx.path.begin_step(dx2.device)
+        ctx.path.backward_done()    # amaxes reduced over ranks: when the whole backward ends
         ctx.saved = ctx.wq = ctx.inputs = None
         w = ctx.weights
         grads = tuple(g[n].to(getattr(w, n).dtype) for n in WEIGHT_NAMES)

@@ -18,6 +18,20 @@ scale 1, which flushes small gradients to zero). Later, a tensor that outgrows i
 saturates at fp8_max for that step (as in Transformer Engine) and its amax moves the next step's
 scale. Forwards without autograd (evaluation, inference) use the scales as they are and record
 nothing (``FrozenScales``).
+
+With several data-parallel ranks (``Fp8Recipe.reduce_amax``, nn/fp8/amax_reduce.py) a step's
+amaxes are reduced (MAX) over the ranks before they are folded, so every rank folds the same amaxes
+and keeps the same histories, amaxes and scales: each rank sends a vector of one amax per tensor,
+-1 where it recorded none (so the tensors folded are those any rank recorded; a tensor no rank
+recorded gets 0 in its history, as in one process), and folds the result as one part per tensor.
+Every rank must reduce as often as the others, whatever its batch: the reduction follows the
+training forwards, which every rank runs alike (an empty batch's too), not the amaxes recorded. A
+training forward opens the block's step (``recording``); the end of the backward that follows closes
+it with the reduction (``reduce_after_backward``: one collective for all the blocks of that backward),
+so the amaxes not yet folded are the same on every rank by the time a checkpoint is taken; a step
+that begins with its predecessor still open (a forward without a backward; a checkpoint's recompute,
+whose fold ends its own backward) reduces first. In one process, or with ``reduce_amax=False``,
+nothing of this runs.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import torch
 
 from ...dtypes import FP8_MAX, as_dtype
 from ...errors import ConfigError
+from .amax_reduce import at_backward_end, max_over_ranks, ranks_reduce
 from .compiled import on_device
 from .recipe import Fp8Recipe
 
@@ -152,6 +167,11 @@ class DelayedScales:
         self._known = [False] * len(self.names)        # the host knows _amax > 0 (no calibrating launch)
         self._probe: Any = None                        # a GPU copy of _amax on its way to the host
         self._pending: dict[int, list[torch.Tensor]] = {}   # this step's amaxes (parts), not yet folded
+        # reducing over ranks (amax_reduce): the step's amaxes may still differ from the other ranks'
+        # (a training forward ran since the last reduction); after one, the (names,) reduced vector,
+        # -1 where no rank recorded the tensor (_pending then holds every tensor's amax, one part each)
+        self._unreduced = False
+        self._reduced: torch.Tensor | None = None
         self._slot = 0
         self.steps = 0
 
@@ -178,6 +198,7 @@ class DelayedScales:
         elif self._device != device:         # the block moved (or was copied): its histories move with it
             self._history, self._amax, self._scales = (t.to(device) for t in (self._history, self._amax, self._scales))
             self._pending = {i: [amax_of(a).to(device)] for i, a in self._pending.items()}
+            self._reduced = None if self._reduced is None else self._reduced.to(device)
             self._probe = None
         if self._device != device:
             self._device = device
@@ -192,12 +213,15 @@ class DelayedScales:
         # The same entries and shapes at every step: a distributed checkpoint loads into the state
         # dict's structure as it stands (before the first step, or with other tensors pending), so
         # this step's amaxes are a tensor with a flag per tensor, not a dict of those pending.
+        # Reducing over ranks, they are the same on every rank once the step's backward has reduced
+        # them (a checkpoint taken between a training forward and its backward keeps one rank's).
         n = len(self.names)
         pending = torch.zeros(n)
         if self._pending:
             idx = sorted(self._pending)
             pending[idx] = torch.stack([amax_of(self._pending[i]) for i in idx]).cpu()
-        common = {"names": list(self.names), "pending": pending, "pending_set": [i in self._pending for i in range(n)]}
+        flags = [i in self._pending for i in range(n)] if self._reduced is None else (self._reduced >= 0).tolist()
+        common = {"names": list(self.names), "pending": pending, "pending_set": flags}
         if self._history is None:
             return {**common, "history": torch.zeros(n, self.recipe.history), "slot": 0, "amax": torch.zeros(n),
                     "filled": [False] * n, "steps": 0}
@@ -250,10 +274,65 @@ class DelayedScales:
         """Scales for amaxes; ``fmax`` already over 2^margin (self._fmax_t)."""
         return tensor_scales(amax, fmax, 0, self.recipe.pow2)
 
+    def reduces(self) -> bool:
+        """Whether the amaxes are reduced over ranks now (the recipe's ``reduce_amax`` in a world of
+        several processes: amax_reduce.ranks_reduce)."""
+        return ranks_reduce(self.recipe.reduce_amax)
+
+    def recording(self, device: torch.device) -> None:
+        """A training forward through the block (its step's first, or a checkpoint's recompute), on
+        every rank alike, empty batch or not, where the amaxes are reduced: the step's amaxes now
+        differ between ranks until ``reduce_after_backward`` or the next ``begin_step`` reduces them."""
+        self._ensure(device)
+        self._unreduced = True
+
+    def reduce_after_backward(self) -> None:
+        """The block's backward is done (every rank runs it, empty batch or not): its step's amaxes
+        are reduced over the ranks when the whole backward ends, with the other blocks' of that
+        backward in one collective (amax_reduce.at_backward_end)."""
+        if self._unreduced:
+            at_backward_end(self, DelayedScales.reduce_together)
+
+    @staticmethod
+    def reduce_together(scales: list["DelayedScales"]) -> None:
+        """The unreduced amaxes of these blocks' scales reduced over the ranks, in one collective (a
+        device); every rank calls it alike (the same blocks, unreduced alike: the flag follows the
+        training forwards and backwards, never the amaxes recorded). Nothing waits for the host."""
+        todo = list({id(sc): sc for sc in scales if sc._unreduced}.values())
+        if not todo:
+            return
+        for sc, vec in zip(todo, max_over_ranks([sc._local_amaxes() for sc in todo])):
+            sc._take_reduced(vec)
+
+    def _local_amaxes(self) -> torch.Tensor:
+        """(names,) fp32: each tensor's amax this step on this rank (NaN as it came), -1 where none;
+        a launch or two (a tensor of one part takes its maximum as it is)."""
+        _, parts, owners = self._fold_inputs()
+        none = torch.full((), -1.0, dtype=torch.float32, device=self._device)
+        per: list[list[torch.Tensor]] = [[] for _ in self.names]
+        for p, i in zip(_maxes(parts), owners):
+            per[i].append(p)
+        return torch.stack([none if not v else v[0].float() if len(v) == 1 and v[0].dim() == 0 else amax_of(v)
+                            for v in per])
+
+    def _take_reduced(self, vec: torch.Tensor) -> None:
+        """The step's amaxes over every rank (``vec``: -1 where no rank recorded one) as this step's,
+        one part per tensor: a tensor no rank recorded gets 0, as the fold gives a tensor without
+        parts. The host's ``_filled`` learns only this rank's (it steers launches, never numbers)."""
+        for i in self._pending:
+            self._filled[i] = True
+        self._reduced = vec
+        amaxes = vec.clamp(min=0)
+        self._pending = {i: [amaxes[i]] for i in range(len(self.names))}
+        self._unreduced = False
+
     def begin_step(self, device: torch.device) -> None:
         """Fold the previous step's amaxes into the histories and make this step's scales (a
-        training forward calls it once; the backward uses the forward's scales)."""
+        training forward calls it once; the backward uses the forward's scales). Amaxes not yet
+        reduced over the ranks are reduced first (``recording``)."""
         self._ensure(device)
+        if self._unreduced:
+            DelayedScales.reduce_together([self])
         if not self._pending:
             return
         idx, parts, owners = self._fold_inputs()
@@ -275,9 +354,11 @@ class DelayedScales:
         """The fold's results in place, the step's bookkeeping done."""
         self._history, self._amax, self._scales = made
         self._slot = (self._slot + 1) % self.recipe.history
-        for i in idx:
-            self._filled[i] = True
+        if self._reduced is None:       # (reduced: this rank's were marked by _take_reduced)
+            for i in idx:
+                self._filled[i] = True
         self._pending.clear()
+        self._reduced = None
         self.steps += 1
         self._learn()
 
@@ -286,12 +367,12 @@ class DelayedScales:
         """``begin_step`` of several blocks' scales (a model's, before its first block), with one
         multi-tensor max over all their amax parts and one compiled fold: the same histories, amaxes
         and scales as a ``begin_step`` each (a launch and a compiled call a block), whose own calls
-        then find nothing to fold. Recipes without power-of-two scales fold eagerly, one by one."""
-        ready = []
+        then find nothing to fold. Recipes without power-of-two scales fold eagerly, one by one.
+        Amaxes not yet reduced over the ranks are reduced first, all blocks' in one collective."""
         for sc in scales:
             sc._ensure(device)
-            if sc._pending and sc.recipe.pow2:
-                ready.append((sc, *sc._fold_inputs()))
+        DelayedScales.reduce_together(scales)
+        ready = [(sc, *sc._fold_inputs()) for sc in scales if sc._pending and sc.recipe.pow2]
         if not ready:
             return
         counts = [len(parts) for *_, parts, _ in ready]
@@ -388,7 +469,8 @@ class DelayedScales:
         hist = self._history[:, order].tolist()
         scales = self._scales.tolist()
         known = self._amax.tolist()
-        last = {i: float(amax_of(a)) for i, a in self._pending.items()}
+        anywhere = None if self._reduced is None else (self._reduced >= 0).tolist()
+        last = {i: float(amax_of(a)) for i, a in self._pending.items() if anywhere is None or anywhere[i]}
 
         def saturated(i: int) -> bool | None:     # the last step's values outgrew the scale it used
             # past fp8_max by more than rounding to it: a pow2=False scale is amax / fp8_max rounded to

@@ -47,6 +47,18 @@ class Path:
     def begin_step(self, device: torch.device) -> None:
         """A training forward begins (the delayed scales move on)."""
 
+    def reduces_amax(self) -> bool:
+        """Whether the ranks reduce this block's amaxes together (per-tensor scaling, reduce_amax, a
+        world of several processes: nn/fp8/amax_reduce.py); then every training forward and backward
+        tells the scales (``recording``, ``backward_done``), whatever the batch."""
+        return False
+
+    def recording(self, device: torch.device) -> None:
+        """A training forward runs through the block (reducing amaxes over ranks)."""
+
+    def backward_done(self) -> None:
+        """The block's backward of a training forward is done."""
+
     def track_stats(self, on: bool) -> None:
         """Keep per-step scale statistics while ``on`` (blockwise; per-tensor scaling keeps its amax
         histories anyway)."""
@@ -130,6 +142,16 @@ class TensorwisePath(Path):
 
     def begin_step(self, device):
         self.scales.begin_step(device)
+
+    def reduces_amax(self):
+        return self.scales.reduces()
+
+    def recording(self, device):
+        if self.scales.reduces():
+            self.scales.recording(device)
+
+    def backward_done(self):
+        self.scales.reduce_after_backward()
 
     def stats(self):
         return self.scales.stats()

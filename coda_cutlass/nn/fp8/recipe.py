@@ -15,7 +15,9 @@ granularity and format), so the block code takes a recipe, never flags.
   quantised tensor's scale comes from the largest finite amax of its last ``history`` steps, which the
   epilogue that quantises it reports beside the codes; a tensor's first step runs its producing
   kernel twice, the first time only for the amax (nn/fp8/delayed.py), so no step quantises with
-  a guessed scale. The transposed copies keep the scale. Every GEMM is a per-tensor FP8 GEMM.
+  a guessed scale. The transposed copies keep the scale. Every GEMM is a per-tensor FP8 GEMM. With
+  several data-parallel ranks the amaxes are reduced over them (``reduce_amax``, as Transformer
+  Engine's ``reduce_amax=True``), so every rank keeps the same scales.
 """
 
 from __future__ import annotations
@@ -55,7 +57,12 @@ class Fp8Recipe:
     of 1 x 128 runs; the weight-gradient GEMMs then run ``scaling="block_16x128"``.
     ``fast_accum`` ("tensor"): the FP8 GEMMs accumulate in the tensor cores' own precision instead
     of adding into fp32 every 128 of K (measured on the H200: 1.2x faster, and a GEMM error of
-    ~3e-3 at K = 14336 against FP8's own ~5e-2; docs/RESULTS.md). Blockwise GEMMs always promote."""
+    ~3e-3 at K = 14336 against FP8's own ~5e-2; docs/RESULTS.md). Blockwise GEMMs always promote.
+    ``reduce_amax`` ("tensor"; blockwise scales have nothing delayed to reduce and ignore it): in a
+    torch.distributed world of several processes, each step's amaxes are reduced (MAX) over the
+    default process group before they are folded, so every rank keeps the same histories and scales
+    (Transformer Engine's DelayedScaling does so by default); False: each rank folds its own
+    (nn/fp8/delayed.py). It picks no kernel."""
     name: str
     scaling: str = "block"
     activation: torch.dtype = E4M3
@@ -66,6 +73,7 @@ class Fp8Recipe:
     margin: int | None = None           # "tensor": 0 when not given
     fast_accum: bool = False
     wgrad_group: int = 1
+    reduce_amax: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c in self.name for c in ":|"):
@@ -74,7 +82,8 @@ class Fp8Recipe:
         if self.scaling not in SCALINGS:
             raise ConfigError(f"FP8 recipe {self.name!r}: scaling {self.scaling!r} is not supported; one of "
                               f"{', '.join(map(repr, SCALINGS))}")
-        for what, value in (("pow2", self.pow2), ("fast_accum", self.fast_accum)):
+        for what, value in (("pow2", self.pow2), ("fast_accum", self.fast_accum),
+                            ("reduce_amax", self.reduce_amax)):
             if not isinstance(value, bool):
                 raise ConfigError(f"FP8 recipe {self.name!r}: {what} must be True or False, got {value!r}")
         if self.scaling == "block":
@@ -122,7 +131,7 @@ class Fp8Recipe:
         name when the recipe's kernels are those of the built-in recipe of that name, else the name
         with a digest of the settings that pick the kernels, so a recipe of one's own named like
         another (a built-in with another scaling, say) never takes plans tuned, or shipped, for other
-        kernels. The delayed scales' history and margin pick no kernel."""
+        kernels. The delayed scales' history, margin and reduce_amax pick no kernel."""
         built_in = RECIPES.get(self.name)
         if built_in is not None and built_in._kernel_settings() == self._kernel_settings():
             return self.name

@@ -51,9 +51,10 @@ def begin_fp8_steps(blocks: Iterable[Any], x: torch.Tensor) -> None:
     its own in its call), for the blocks whose own call would fold them
     now (``run``: a training forward, a non-empty batch, not a checkpoint's recompute, and a
     parameter of the block's own that requires a gradient), on ``x``'s device; the rest fold in their
-    own calls, as before."""
+    own calls, as before. Where the ranks reduce their amaxes (nn/fp8/amax_reduce.py) an empty batch
+    folds too, as the blocks' own calls then do."""
     tensorwise = _unique([b for b in blocks if b.fp8 is not None and b.fp8.scaling == "tensor"])
-    if not tensorwise or not torch.is_grad_enabled() or x.shape[0] == 0 or torch._C._current_graph_task_id() != -1:
+    if not tensorwise or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
         return          # (a bf16 model stops at the first test)
     if not folding_together():
         return
@@ -63,7 +64,8 @@ def begin_fp8_steps(blocks: Iterable[Any], x: torch.Tensor) -> None:
         check_compute_dtype(b.fp8, x.dtype)
     # a checkpointed block's first pass runs without autograd and folds in its recompute
     scales = [b.fp8_path().scales for b in tensorwise if b.qkv.device == x.device and not b.activation_checkpointing
-              and any(t.requires_grad for t in (b.qkv, b.o, b.gate_up, b.down, b.attn_norm, b.mlp_norm))]
+              and any(t.requires_grad for t in (b.qkv, b.o, b.gate_up, b.down, b.attn_norm, b.mlp_norm))
+              and (x.shape[0] > 0 or b.fp8_path().reduces_amax())]
     if scales:
         DelayedScales.begin_steps_together(scales, x.device)
 
@@ -86,8 +88,11 @@ def hands_fp8(recipe: Fp8Recipe | None, nxt: Fp8Recipe | None) -> bool | Fp8Reci
         if nxt == recipe:
             return True
         # this block's down GEMM runs with the next recipe's options (its h2 in that recipe's groups):
-        # only where the two differ in nothing else (its weight's format, above all)
-        return nxt if dataclasses.replace(nxt, name=recipe.name, wgrad_group=recipe.wgrad_group) == recipe else False
+        # only where the two differ in nothing else (its weight's format, above all; reduce_amax,
+        # which blockwise scaling ignores, aside)
+        same = dataclasses.replace(nxt, name=recipe.name, wgrad_group=recipe.wgrad_group,
+                                   reduce_amax=recipe.reduce_amax)
+        return nxt if same == recipe else False
     return recipe.activation == nxt.activation
 
 
@@ -167,14 +172,19 @@ def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next:
     tensors = (block.qkv, block.o, block.gate_up, block.down, g_attn, g_mlp)
     train = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *tensors))
     record = train and x.shape[0] > 0        # an empty batch is no step: it has no amaxes
+    # Where the ranks reduce their amaxes together (nn/fp8/amax_reduce.py) every training forward is
+    # a step, an empty batch's too (it records nothing): every rank folds and reduces alike
+    steps = train if path.reduces_amax() else record
     # A checkpoint's recompute (torch.utils.checkpoint) runs inside the backward and must see the
     # scales its first pass saw: it starts no step; its amaxes are recorded (again, for the
     # non-reentrant form: the same values) and folded when its own backward ends (the reentrant
     # form's first pass, without autograd, recorded nothing)
-    recompute = record and torch._C._current_graph_task_id() != -1
+    recompute = steps and torch._C._current_graph_task_id() != -1
     with no_autocast(x.device):
-        if record and not recompute:
+        if steps and not recompute:
             path.begin_step(x.device)
+        if train:
+            path.recording(x.device)
         h = path.quantize_input(step, h, record=record)   # from a bf16 block, a caller or another recipe
         if train:
             return Fp8BlockFunction.apply(x, r, *tensors, gn, h, step, path, next_fp8, w, record, recompute)

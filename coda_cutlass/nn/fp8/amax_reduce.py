@@ -1,0 +1,76 @@
+"""The delayed scales' amaxes reduced over the data-parallel ranks (``Fp8Recipe.reduce_amax``), as
+Transformer Engine's DelayedScaling does by default: without it each rank folds only the amaxes of
+its own data, so the ranks' scales drift apart and a distributed checkpoint, which keeps one copy of
+the scale state, resumes every rank on one rank's.
+
+One collective, a MAX all-reduce over the default process group, takes the vectors of several blocks
+(concatenated): at the end of the backward that finishes their step (``at_backward_end``: one for
+all the blocks whose backward ran), or when a step begins with amaxes not yet reduced
+(nn/fp8/delayed.py says when). It runs eagerly, never inside the compiled fold, and reads nothing on
+the host: NCCL reduces device tensors on its own stream; gloo takes CPU tensors (the CPU tests') and
+copies CUDA ones itself.
+
+MAX with NaN is not reliably NaN in NCCL or gloo (a comparison with NaN is false either way round),
+so a NaN becomes +inf before the reduction: both make no scale (delayed._kept_amax), and the history
+then shows inf for the step that met it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+
+def ranks_reduce(reduce_amax: bool) -> bool:
+    """Whether amaxes are reduced now: the recipe asks for it and this process is one of several in an
+    initialised torch.distributed world (one process, or none initialised: nothing to reduce)."""
+    dist = torch.distributed
+    return reduce_amax and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def max_over_ranks(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each 1-dim fp32 vector's elementwise maximum over the ranks (NaN as +inf), in one all-reduce a
+    device (blocks on several devices: one each, in the order they first come, the same on every
+    rank). Every rank must call it with vectors of the same lengths in the same order."""
+    out: list[torch.Tensor | None] = [None] * len(vectors)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, v in enumerate(vectors):
+        by_device.setdefault(v.device, []).append(k)
+    for ks in by_device.values():
+        inf = float("inf")
+        flat = torch.nan_to_num(torch.cat([vectors[k] for k in ks]), nan=inf, posinf=inf, neginf=-inf)
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
+        for k, part in zip(ks, flat.split([vectors[k].numel() for k in ks])):
+            out[k] = part
+    return out  # type: ignore[return-value]
+
+
+# the items each running backward (graph task) waits to reduce at its end
+_WAITING: dict[int, list[Any]] = {}
+_LOCK = threading.Lock()
+
+
+def at_backward_end(item: Any, finish: Callable[[list[Any]], None]) -> None:
+    """``finish(items)`` once, when the backward now running ends, with every item handed in during
+    it (in the order they came: the blocks' backward order, the same on every rank); outside a
+    backward at once. A block's backward hands its scales in, so one collective serves all the blocks
+    of a backward (a reentrant checkpoint's recompute runs a backward of its own, which ends first).
+    Should the backward fail, nothing is reduced: the scales stay unreduced and the next step's
+    begin reduces them."""
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        finish([item])
+        return
+    with _LOCK:
+        waiting = _WAITING.get(task)
+        if waiting is None:
+            waiting = _WAITING[task] = []
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: finish(_take(task)))
+        waiting.append(item)
+
+
+def _take(task: int) -> list[Any]:
+    with _LOCK:
+        return _WAITING.pop(task, [])
