@@ -30,15 +30,13 @@
 #             copies cost less device time but 30 ms of host time a step against 18, the step is host-bound)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
-# A 30-minute device session (32nd session's plan for the next; it had four minutes of an H100 after 78 minutes
-# of failed starts), calls each under 10 minutes, back to back (a machine idle 30 s is given back; a warm machine
-# runs a 3B + 8B model comparison in 100 s): 1. on an H200, MODEL_CONFIGS=1b,3b,8b MODEL_VARIANTS=liger,compile,coda
-# modelcompile (3B: 1.039-1.049x Liger on the H100, 1.046x on the H200 in the 30th); 2. fp8tests with
-# TESTS_LIMIT=560 (the 31st session's six new tests passed in the 32nd; the rest and the in-sequence tuning test
-# have not run on this code); 3. fp8block + stepprofile --variants coda,liger,coda-fp8-tensorwise; 4. copies (8
-# blocks' copies to a call against 1, then with the folds together; what wins at 1B and 8B becomes the default,
-# then bench/model.py's FP8 rows). The attention probe's compiled rows time a wrong backward (torch 2.11, 32nd
-# session: docs/results/session32/compile_gradients.md); its eager rows repeat.
+# A 30-minute device session (33rd session's plan for the next; it had nine minutes of an H100 after 47 minutes
+# of failed starts), calls each under 10 minutes, back to back (a machine idle 30 s is given back): 1. on an H200,
+# MODEL_CONFIGS=1b,3b,8b MODEL_VARIANTS=liger,compile,coda modelcompile (3B: 1.031-1.049x Liger on H100s, 1.046x on
+# the H200 in the 30th; compile does not fit beside the others on an H100); 2. fp8block, then BENCH_ARGS for 70B
+# (--widths 70b; the 30th session's H200 figures stand); 3. a 2-GPU NCCL check of Fp8Recipe.reduce_amax (33rd
+# session, gloo-tested only) on nvidia-h100-x2 if lent. The whole fp8tests run passed on the 33rd session's code
+# (65 in 358 s on an H100); the copies timing is settled (no gain at 1B or 8B: the step is kernel-bound).
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
