@@ -72,3 +72,43 @@ def test_fsdp2_bf16_policy_runs_the_kernels_and_matches_the_unsharded_model(nccl
         assert g.dtype == torch.float32, name
         assert rel(g, p2.grad) < 1e-2, name
 
+
+
+def _launch_two_ranks(out, device: str) -> None:
+    """tests/gpu/amax_ranks_worker.py on two ranks; fails with their output when one fails or hangs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).resolve().parent / "amax_ranks_worker.py"
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    procs = [subprocess.Popen([sys.executable, str(worker), str(out), device], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=400)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("the two ranks ran past 400 s (a collective one rank never joined?)")
+    if any(p.returncode for p in procs):
+        pytest.fail("\n".join(f"--- rank {r} (exit {p.returncode}):\n{log[-3000:]}"
+                              for r, (p, log) in enumerate(zip(procs, logs))))
+
+
+def test_fp8_ranks_reduce_their_amaxes_with_the_kernels(tmp_path):
+    """Fp8Recipe.reduce_amax with the real kernels: two ranks under DDP on their own tokens (one GPU
+    each over NCCL where there are two, else both on cuda:0 over gloo, which reduces the device
+    tensors through the host) keep the same histories, amaxes and scales; without the reduction
+    they differ. The CPU tests (tests/test_distributed.py) check the same through the interpreter."""
+    _launch_two_ranks(tmp_path, "cuda")
+    for reduce in (True, False):
+        a, b = (torch.load(tmp_path / f"rank{r}-{reduce}.pt") for r in range(2))
+        assert all(v == v and abs(v) < 1e4 for v in a["losses"] + b["losses"]), (a["losses"], b["losses"])
+        assert a["losses"] != b["losses"]                 # the ranks saw other tokens
+        same = all(torch.equal(sa[k], sb[k]) for sa, sb in zip(a["states"], b["states"])
+                   for k in ("history", "amax", "scales", "pending"))
+        assert same == reduce, (reduce, a["backend"], a["states"][0]["history"][:, :3], b["states"][0]["history"][:, :3])
+        assert all((s["history"] > 0).any() for s in a["states"])      # amaxes were recorded at all
