@@ -274,6 +274,26 @@ def fp8_empty_batch() -> dict[str, Any]:
     return out
 
 
+def fp8_two_backwards() -> dict[str, Any]:
+    """Two training forwards, then a backward each (the first backward's end reduces the step's
+    amaxes; the second records more), two steps, the blocks folding in their own calls and together:
+    every rank's scale states after each step."""
+    out = {}
+    for together in (False, True):
+        tensorwise.folds_together = together
+        try:
+            model = build_fp8("tensorwise")
+            out[together] = []
+            for s in (0, 1):
+                a, b = (model(*fp8_batch(dist.get_rank(), 2 * s + k)) for k in (0, 1))
+                a.backward()
+                b.backward()
+                out[together].append(scale_states(model))
+        finally:
+            tensorwise.folds_together = False
+    return out
+
+
 def fp8_tensor_on_one_rank() -> dict[str, Any]:
     """One block's scales directly: rank 0 records tensor a (3.0), rank 1 tensor b (NaN), no rank c."""
     cpu = torch.device("cpu")
@@ -322,7 +342,8 @@ def fp8_dcp_resume() -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     f.__name__: f for f in (fsdp, fsdp_bf16, fsdp_shard_dim1, fsdp_checkpointed, fsdp_whole, accumulation, ddp,
                             ddp_checkpointed, refuse_unregistered, refuse_cast_inputs, dcp_save, dcp_load,
-                            fp8_reduced_scales, fp8_empty_batch, fp8_tensor_on_one_rank, fp8_dcp_resume)}
+                            fp8_reduced_scales, fp8_empty_batch, fp8_two_backwards, fp8_tensor_on_one_rank,
+                            fp8_dcp_resume)}
 
 
 def main(out: Path, names: list[str]) -> None:

@@ -40,7 +40,8 @@ BF16 = torch.bfloat16
 FP32_TOL = 4e-6
 BOTH = ["fsdp", "fsdp_bf16", "fsdp_checkpointed", "accumulation", "ddp"]
 ONLY_2 = ["fsdp_shard_dim1", "fsdp_whole", "ddp_checkpointed", "refuse_unregistered", "refuse_cast_inputs", "dcp_save",
-          "fp8_reduced_scales", "fp8_empty_batch", "fp8_tensor_on_one_rank", "fp8_dcp_resume"]
+          "fp8_reduced_scales", "fp8_empty_batch", "fp8_two_backwards", "fp8_tensor_on_one_rank",
+          "fp8_dcp_resume"]
 ONLY_4 = ["dcp_load"]
 TIMEOUT_S = 300
 
@@ -376,6 +377,19 @@ def test_fp8_a_rank_with_an_empty_batch_still_reduces_with_the_others(run2):
             assert state["steps"] == 2 and state["history"][:, 1].max() > 0
     for a, b in zip(res[False][0], res[True][0]):
         assert _same_state(a, b)
+
+
+def test_fp8_a_second_backward_of_a_step_is_reduced_too(run2):
+    """Two training forwards, then a backward each: the first backward's end reduces the step's
+    amaxes, the second's reduces what it recorded since with them. The second's stayed this rank's
+    own, so the ranks' histories parted for good at the next fold."""
+    res = result(run2, "fp8_two_backwards")
+    for together in (False, True):
+        first, second = res[together]
+        for a, b in zip(*first):        # the first step's scales are each rank's calibration
+            assert all(_same(a, b, k) for k in SCALE_STATE if k != "scales"), together
+        _assert_ranks_agree(second)
+        assert second[0][0]["steps"] == 3
 
 
 def test_fp8_a_tensor_recorded_on_one_rank_only_is_folded_on_every_rank(run2):

@@ -617,6 +617,29 @@ def test_amaxes_reduced_over_ranks_take_one_collective_a_backward_and_fold_as_be
         assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
+def test_a_second_backward_of_a_step_reduces_again_and_folds_as_without(monkeypatch):
+    """Two training forwards, then a backward each: the first backward's end reduces the step's
+    amaxes, the second's reduces again what it recorded since, with them (it reduced nothing: its
+    amaxes stayed this rank's own, tests/test_distributed.py). Over one rank the histories and the
+    not-yet-folded amaxes are those of a model that does not reduce, bit for bit."""
+    states = {}
+    for reduce in (False, True):
+        counter = _AllReduceCounter(monkeypatch)
+        m = _model(dataclasses.replace(RECIPES["tensorwise"], reduce_amax=reduce), dtype=torch.float32,
+                   compute_dtype=BF16)
+        per_step = []
+        for s in range(2):
+            a, b = (m(t, t) for t in (_tokens(2 * s), _tokens(2 * s + 1)))
+            before = len(counter.calls)
+            a.backward()
+            b.backward()
+            per_step.append(len(counter.calls) - before)
+        states[reduce] = [b.fp8_path().scales.state() for b in m.blocks]
+        assert per_step == ([0, 0] if not reduce else [2, 2])
+    for a, b in zip(states[True], states[False]):
+        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
 def test_a_model_outside_a_process_group_or_alone_in_one_reduces_nothing(monkeypatch):
     """reduce_amax (the default) in one process, without a process group or in a world of one
     (a gloo group of this process alone): no collective runs, the scales are as without it."""

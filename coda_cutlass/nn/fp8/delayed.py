@@ -28,7 +28,8 @@ Every rank must reduce as often as the others, whatever its batch: the reduction
 training forwards, which every rank runs alike (an empty batch's too), not the amaxes recorded. A
 training forward opens the block's step (``recording``); the end of the backward that follows closes
 it with the reduction (``reduce_after_backward``: one collective for all the blocks of that backward),
-so the amaxes not yet folded are the same on every rank by the time a checkpoint is taken; a step
+so the amaxes not yet folded are the same on every rank by the time a checkpoint is taken (a
+later backward of the step reduces again what it recorded); a step
 that begins with its predecessor still open (a forward without a backward; a checkpoint's recompute,
 whose fold ends its own backward) reduces first. In one process, or with ``reduce_amax=False``,
 nothing of this runs.
@@ -289,7 +290,11 @@ class DelayedScales:
     def reduce_after_backward(self) -> None:
         """The block's backward is done (every rank runs it, empty batch or not): its step's amaxes
         are reduced over the ranks when the whole backward ends, with the other blocks' of that
-        backward in one collective (amax_reduce.at_backward_end)."""
+        backward in one collective (amax_reduce.at_backward_end). A later backward of the same step
+        (two forwards, then a backward each) recorded amaxes of this rank's own after that reduction:
+        they are reduced again, with it (every rank alike: ``_reduced`` follows the reductions)."""
+        if self._reduced is not None:
+            self._unreduced = True
         if self._unreduced:
             at_backward_end(self, DelayedScales.reduce_together)
 
@@ -304,23 +309,35 @@ class DelayedScales:
         for sc, vec in zip(todo, max_over_ranks([sc._local_amaxes() for sc in todo])):
             sc._take_reduced(vec)
 
+    def _since_reduced(self) -> int:
+        """How many leading parts of each pending tensor an earlier reduction of this step made (one,
+        ``_take_reduced``'s, which ``_reduced`` holds with its -1s): the rest are this rank's own."""
+        return 0 if self._reduced is None else 1
+
     def _local_amaxes(self) -> torch.Tensor:
         """(names,) fp32: each tensor's amax this step on this rank (NaN as it came), -1 where none;
-        a launch or two (a tensor of one part takes its maximum as it is)."""
-        _, parts, owners = self._fold_inputs()
+        a launch or two (a tensor of one part takes its maximum as it is). After an earlier reduction
+        of this step, its amaxes (-1 kept: a tensor no rank recorded stays unrecorded) joined by those
+        recorded since."""
+        skip = self._since_reduced()
+        owners = [i for i in sorted(self._pending) for _ in self._pending[i][skip:]]
+        parts = [p for i in sorted(self._pending) for p in self._pending[i][skip:]]
         none = torch.full((), -1.0, dtype=torch.float32, device=self._device)
         per: list[list[torch.Tensor]] = [[] for _ in self.names]
         for p, i in zip(_maxes(parts), owners):
             per[i].append(p)
-        return torch.stack([none if not v else v[0].float() if len(v) == 1 and v[0].dim() == 0 else amax_of(v)
-                            for v in per])
+        vec = torch.stack([none if not v else v[0].float() if len(v) == 1 and v[0].dim() == 0 else amax_of(v)
+                           for v in per])
+        return vec if self._reduced is None else torch.maximum(vec, self._reduced)
 
     def _take_reduced(self, vec: torch.Tensor) -> None:
         """The step's amaxes over every rank (``vec``: -1 where no rank recorded one) as this step's,
         one part per tensor: a tensor no rank recorded gets 0, as the fold gives a tensor without
         parts. The host's ``_filled`` learns only this rank's (it steers launches, never numbers)."""
-        for i in self._pending:
-            self._filled[i] = True
+        skip = self._since_reduced()
+        for i, v in self._pending.items():
+            if len(v) > skip:
+                self._filled[i] = True
         self._reduced = vec
         amaxes = vec.clamp(min=0)
         self._pending = {i: [amaxes[i]] for i in range(len(self.names))}
