@@ -309,19 +309,12 @@ class DelayedScales:
         for sc, vec in zip(todo, max_over_ranks([sc._local_amaxes() for sc in todo])):
             sc._take_reduced(vec)
 
-    def _since_reduced(self) -> int:
-        """How many leading parts of each pending tensor an earlier reduction of this step made (one,
-        ``_take_reduced``'s, which ``_reduced`` holds with its -1s): the rest are this rank's own."""
-        return 0 if self._reduced is None else 1
-
     def _local_amaxes(self) -> torch.Tensor:
         """(names,) fp32: each tensor's amax this step on this rank (NaN as it came), -1 where none;
         a launch or two (a tensor of one part takes its maximum as it is). After an earlier reduction
         of this step, its amaxes (-1 kept: a tensor no rank recorded stays unrecorded) joined by those
         recorded since."""
-        skip = self._since_reduced()
-        owners = [i for i in sorted(self._pending) for _ in self._pending[i][skip:]]
-        parts = [p for i in sorted(self._pending) for p in self._pending[i][skip:]]
+        _, parts, owners = self._fold_inputs(skip=int(self._reduced is not None))
         none = torch.full((), -1.0, dtype=torch.float32, device=self._device)
         per: list[list[torch.Tensor]] = [[] for _ in self.names]
         for p, i in zip(_maxes(parts), owners):
@@ -334,7 +327,7 @@ class DelayedScales:
         """The step's amaxes over every rank (``vec``: -1 where no rank recorded one) as this step's,
         one part per tensor: a tensor no rank recorded gets 0, as the fold gives a tensor without
         parts. The host's ``_filled`` learns only this rank's (it steers launches, never numbers)."""
-        skip = self._since_reduced()
+        skip = int(self._reduced is not None)      # an earlier reduction's part leads each pending tensor's
         for i, v in self._pending.items():
             if len(v) > skip:
                 self._filled[i] = True
@@ -362,10 +355,13 @@ class DelayedScales:
                 else partial(_fold, pow2=False))
         self._folded(idx, fold(self._history, self._amax, self._slots[self._slot], self._fmax_t, parts, owners))
 
-    def _fold_inputs(self) -> tuple[list[int], list[torch.Tensor], tuple[int, ...]]:
-        """(the tensors with amaxes this step, their parts, each part's tensor)."""
+    def _fold_inputs(self, skip: int = 0) -> tuple[list[int], list[torch.Tensor], tuple[int, ...]]:
+        """(the tensors with amaxes this step, their parts, each part's tensor); ``skip``: leave out
+        each tensor's first parts (1 after an earlier reduction of this step: its reduced amax, which
+        ``_reduced`` holds with its -1s; the rest are this rank's own)."""
         idx = sorted(self._pending)
-        return idx, [p for i in idx for p in self._pending[i]], tuple(i for i in idx for _ in self._pending[i])
+        return (idx, [p for i in idx for p in self._pending[i][skip:]],
+                tuple(i for i in idx for _ in self._pending[i][skip:]))
 
     def _folded(self, idx: list[int], made: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         """The fold's results in place, the step's bookkeeping done."""

@@ -54,7 +54,7 @@ class Path:
         return False
 
     def recording(self, device: torch.device) -> None:
-        """A training forward runs through the block (reducing amaxes over ranks)."""
+        """A training forward runs through the block, where ``reduces_amax``."""
 
     def backward_done(self) -> None:
         """The block's backward of a training forward is done."""
@@ -147,8 +147,7 @@ class TensorwisePath(Path):
         return self.scales.reduces()
 
     def recording(self, device):
-        if self.scales.reduces():
-            self.scales.recording(device)
+        self.scales.recording(device)
 
     def backward_done(self):
         self.scales.reduce_after_backward()

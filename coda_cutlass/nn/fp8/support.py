@@ -174,7 +174,8 @@ def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next:
     record = train and x.shape[0] > 0        # an empty batch is no step: it has no amaxes
     # Where the ranks reduce their amaxes together (nn/fp8/amax_reduce.py) every training forward is
     # a step, an empty batch's too (it records nothing): every rank folds and reduces alike
-    steps = train if path.reduces_amax() else record
+    reduces = train and path.reduces_amax()
+    steps = train if reduces else record
     # A checkpoint's recompute (torch.utils.checkpoint) runs inside the backward and must see the
     # scales its first pass saw: it starts no step; its amaxes are recorded (again, for the
     # non-reentrant form: the same values) and folded when its own backward ends (the reentrant
@@ -183,7 +184,7 @@ def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next:
     with no_autocast(x.device):
         if steps and not recompute:
             path.begin_step(x.device)
-        if train:
+        if reduces:
             path.recording(x.device)
         h = path.quantize_input(step, h, record=record)   # from a bf16 block, a caller or another recipe
         if train:
