@@ -640,6 +640,31 @@ def test_a_second_backward_of_a_step_reduces_again_and_folds_as_without(monkeypa
         assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
+def test_a_backward_that_raises_leaves_its_amaxes_to_the_next_step_and_nothing_waiting(monkeypatch):
+    """A backward that raises after the blocks' backwards (here a hook on the embedding's gradient)
+    never reaches its end, so its reduction does not run and its waiting entry is not taken: the next
+    training step's begin drops that entry and reduces the amaxes before folding them."""
+    from coda_cutlass.nn.fp8 import amax_reduce
+    counter = _AllReduceCounter(monkeypatch)
+    m = _model(dataclasses.replace(RECIPES["tensorwise"], reduce_amax=True), dtype=torch.float32,
+               compute_dtype=BF16)
+    m(_tokens(0), _tokens(0)).backward()
+    assert len(counter.calls) == 1 and not amax_reduce._WAITING
+
+    def fail(grad):
+        raise RuntimeError("a failing gradient hook")
+    hook = m.embed.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a failing gradient hook"):
+        m(_tokens(1), _tokens(1)).backward()
+    hook.remove()
+    assert len(counter.calls) == 1 and len(amax_reduce._WAITING) == 1
+    m(_tokens(2), _tokens(2)).backward()
+    assert not amax_reduce._WAITING
+    # the failed step's amaxes at this begin (a block each: the blocks begin their own steps), this
+    # step's at its end (both blocks in one)
+    assert [shape for shape, _ in counter.calls[1:]] == [(10,), (10,), (20,)]
+
+
 def test_a_model_outside_a_process_group_or_alone_in_one_reduces_nothing(monkeypatch):
     """reduce_amax (the default) in one process, without a process group or in a world of one
     (a gloo group of this process alone): no collective runs, the scales are as without it."""

@@ -58,7 +58,7 @@ def at_backward_end(item: Any, finish: Callable[[list[Any]], None]) -> None:
     backward at once. A block's backward hands its scales in, so one collective serves all the blocks
     of a backward (a reentrant checkpoint's recompute runs a backward of its own, which ends first).
     Should the backward fail, nothing is reduced: the scales stay unreduced and the next step's
-    begin reduces them."""
+    begin reduces them (and ``drop_failed_backwards`` forgets its items)."""
     task = torch._C._current_graph_task_id()
     if task == -1:
         finish([item])
@@ -74,3 +74,14 @@ def at_backward_end(item: Any, finish: Callable[[list[Any]], None]) -> None:
 def _take(task: int) -> list[Any]:
     with _LOCK:
         return _WAITING.pop(task, [])
+
+
+def drop_failed_backwards() -> None:
+    """Forget the items of backwards that raised (their end never came, so nothing took them). Called
+    where a training step begins outside any backward: in this thread none is running then, so every
+    entry left is a failed one's. Their scales are still marked unreduced, so that begin reduces them;
+    dropping another thread's running backward's entry (threads training one model apart) would only
+    move its reduction to that begin too."""
+    if _WAITING and torch._C._current_graph_task_id() == -1:
+        with _LOCK:
+            _WAITING.clear()

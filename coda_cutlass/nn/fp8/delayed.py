@@ -45,7 +45,7 @@ import torch
 
 from ...dtypes import FP8_MAX, as_dtype
 from ...errors import ConfigError
-from .amax_reduce import at_backward_end, max_over_ranks, ranks_reduce
+from .amax_reduce import at_backward_end, drop_failed_backwards, max_over_ranks, ranks_reduce
 from .compiled import on_device
 from .recipe import Fp8Recipe
 
@@ -342,6 +342,7 @@ class DelayedScales:
         reduced over the ranks are reduced first (``recording``)."""
         self._ensure(device)
         if self._unreduced:
+            drop_failed_backwards()
             DelayedScales.reduce_together([self])
         if not self._pending:
             return
@@ -384,6 +385,7 @@ class DelayedScales:
         Amaxes not yet reduced over the ranks are reduced first, all blocks' in one collective."""
         for sc in scales:
             sc._ensure(device)
+        drop_failed_backwards()
         DelayedScales.reduce_together(scales)
         ready = [(sc, *sc._fold_inputs()) for sc in scales if sc._pending and sc.recipe.pow2]
         if not ready:
