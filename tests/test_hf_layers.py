@@ -222,6 +222,23 @@ def test_gemma3_ignores_attn_logit_softcapping_as_transformers():
     assert check_layer(cfg, S=10).attention.softcap is None
 
 
+YARN_UNTRUNCATED = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                    "truncate": False}
+
+
+def test_yarn_truncate_is_read_where_transformers_reads_it():
+    """transformers' yarn reads truncate from the top level of rope_parameters: a flat dict's
+    truncate=False changes the frequencies, a layer type's own (Gemma 3's nested dict) is ignored."""
+    flat = check_layer(config(head_dim=64, max_position_embeddings=32, rope_parameters=dict(YARN_UNTRUNCATED)), S=12)
+    assert flat.rope.params["truncate"] is False
+    nested = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+              "full_attention": dict(YARN_UNTRUNCATED)}
+    cfg = config("gemma3_text", head_dim=64, layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                 max_position_embeddings=32, rope_parameters=nested)
+    block = check_layer(cfg, S=12, layer_idx=1)
+    assert "truncate" not in block.rope.params
+
+
 def test_gemma_activation_is_hidden_act_as_in_transformers_5():
     block = check_layer(config("gemma", hidden_act="relu", hidden_activation="gelu_pytorch_tanh"), S=10)
     assert block.mlp.name == "relu"

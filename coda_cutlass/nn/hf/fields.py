@@ -90,8 +90,13 @@ def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any
             if layer_type is None or params.get(layer_type) is None:
                 raise UnsupportedConfig(f"config.rope_parameters is given per layer type ({sorted(params)}); "
                                         f"this layer's type {layer_type!r} has none")
-            params = params[layer_type]
-        p = dict(params)
+            p = dict(params[layer_type])
+            # transformers' yarn reads `truncate` from the top level of rope_parameters, never from a
+            # layer type's own dict (modeling_rope_utils._compute_yarn_parameters, transformers 5): a
+            # layer type's truncate=False is ignored there and the correction range truncated, so coda drops it too
+            p.pop("truncate", None)
+        else:
+            p = dict(params)
     else:
         theta = getattr(config, "rope_theta", None)
         if theta is None:
