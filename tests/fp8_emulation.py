@@ -120,3 +120,31 @@ def emulated_block(x: torch.Tensor, w: dict[str, torch.Tensor], dims: Any, inv_f
     z = _rstd(x1, dims.eps) * Fp8Linear.apply(x1 * w["mlp_norm"], w_gu, fmt, recipe)
     gate, up = z[..., 0::2], z[..., 1::2]
     return x1 + Fp8Linear.apply(F.silu(gate) * up, w["down"], fmt, recipe)
+
+
+def emulated_layer(x: torch.Tensor, w: dict[str, torch.Tensor], block: Any, fmt: tuple | None,
+                   recipe: str | None) -> torch.Tensor:
+    """``emulated_block`` with the settings a converted transformers layer brings (nn.hf): its
+    norms' (offset + weight) gains (Gemma), its softmax scale (yarn / longrope fold their cos / sin
+    factor into it), its sliding window and its RoPE frequencies at this length, all read from the
+    coda ``block``; ``recipe`` None: the same layer in exact fp32 (no quantisation)."""
+    B, S, D = x.shape
+    d = block.dims
+    hd, H, KV = d.head_dim, d.n_heads, d.n_kv_heads
+    lin = (lambda a, wt: a @ wt.t()) if recipe is None else (lambda a, wt: Fp8Linear.apply(a, wt, fmt, recipe))
+    off = block.norm_offset
+    qkv = _rstd(x, d.eps) * lin(x * (w["attn_norm"] + off), torch.cat([w["q"], w["k"], w["v"]]))
+    q, k, v = qkv.split((H * hd, KV * hd, KV * hd), dim=-1)
+    q, k, v = (t.reshape(B, S, -1, hd).transpose(1, 2) for t in (q, k, v))
+    theta = torch.arange(S, dtype=torch.float32)[:, None] * block.rope.inv_freq(S).float()[None]
+    emb = torch.cat((theta, theta), dim=-1)
+    q, k = q * emb.cos() + rotate_half(q) * emb.sin(), k * emb.cos() + rotate_half(k) * emb.sin()
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None]
+    allowed = j <= i
+    if block.attention.window is not None:
+        allowed = allowed & (j > i - block.attention.window)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=block.attention.scale, enable_gqa=H != KV)
+    x1 = x + lin(o.transpose(1, 2).reshape(B, S, H * hd), w["o"])
+    w_gu = torch.stack([w["gate"], w["up"]], dim=1).reshape(-1, w["gate"].shape[1])
+    z = _rstd(x1, d.eps) * lin(x1 * (w["mlp_norm"] + off), w_gu)
+    return x1 + lin(F.silu(z[..., 0::2]) * z[..., 1::2], w["down"])
