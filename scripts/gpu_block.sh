@@ -30,13 +30,14 @@
 #             copies cost less device time but 30 ms of host time a step against 18, the step is host-bound)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
-# A 30-minute device session (33rd session's plan for the next; it had nine minutes of an H100 after 47 minutes
-# of failed starts), calls each under 10 minutes, back to back (a machine idle 30 s is given back): 1. on an H200,
-# MODEL_CONFIGS=1b,3b,8b MODEL_VARIANTS=liger,compile,coda modelcompile (3B: 1.031-1.049x Liger on H100s, 1.046x on
-# the H200 in the 30th; compile does not fit beside the others on an H100); 2. fp8block, then BENCH_ARGS for 70B
-# (--widths 70b; the 30th session's H200 figures stand); 3. a 2-GPU NCCL check of Fp8Recipe.reduce_amax (33rd
-# session, gloo-tested only) on nvidia-h100-x2 if lent. The whole fp8tests run passed on the 33rd session's code
-# (65 in 358 s on an H100); the copies timing is settled (no gain at 1B or 8B: the step is kernel-bound).
+# A 30-minute device session (34th session's plan for the next; it had an H100 for four calls after 40 minutes of
+# failed starts, and no H200), calls each under 10 minutes, back to back (a machine idle 30 s is given back): 1. on an
+# H200, MODEL_CONFIGS=1b,3b,8b MODEL_VARIANTS=liger,compile,coda modelcompile (3B: 1.031-1.049x Liger on H100s, 1.046x
+# on the H200 in the 30th; compile does not fit beside the others on an H100); 2. on the H200, BENCH_ARGS for 70B
+# (--widths 70b --fp8 tensorwise blockwise_g16 ...: on an H100 in the 34th "tensorwise" took 45.7 ms against 39.9 on
+# the H200 in the 30th with no kernel source changed; an H200 run says whether the H200 still gives 39.9); on an H100,
+# the same after block.tune() at 70B widths says whether the H200 plans or the card's clocks cost it; 3. the two-rank
+# amax test over NCCL on two GPUs if a 2-GPU kind is lent (it passed over gloo on one H100 in the 34th).
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
