@@ -294,6 +294,22 @@ def fp8_two_backwards() -> dict[str, Any]:
     return out
 
 
+def fp8_validation_on_one_rank() -> dict[str, Any]:
+    """DDP, and between the first and second training steps a forward with autograd on rank 0 alone
+    (a validation loss through ``ddp.module`` without ``torch.no_grad()``): no collective mismatch
+    (before, its amaxes were reduced at the next step's begin, a collective only rank 0 joined, and
+    gloo aborted), and every rank keeps the same scale state."""
+    from torch.nn.parallel import DistributedDataParallel
+    model = DistributedDataParallel(build_fp8("tensorwise"))
+    opt = optimizer(model.parameters())
+    losses = [_fp8_train(model, opt, [0])]
+    if dist.get_rank() == 0:
+        validation = model.module(*fp8_batch(0, 100))
+        assert validation.requires_grad
+    losses.append(_fp8_train(model, opt, [1, 2]))
+    return {"states": scale_states(model.module), "losses": torch.cat(losses, dim=1)}
+
+
 def fp8_tensor_on_one_rank() -> dict[str, Any]:
     """One block's scales directly: rank 0 records tensor a (3.0), rank 1 tensor b (NaN), no rank c."""
     cpu = torch.device("cpu")
@@ -342,7 +358,8 @@ def fp8_dcp_resume() -> dict[str, Any]:
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     f.__name__: f for f in (fsdp, fsdp_bf16, fsdp_shard_dim1, fsdp_checkpointed, fsdp_whole, accumulation, ddp,
                             ddp_checkpointed, refuse_unregistered, refuse_cast_inputs, dcp_save, dcp_load,
-                            fp8_reduced_scales, fp8_empty_batch, fp8_two_backwards, fp8_tensor_on_one_rank,
+                            fp8_reduced_scales, fp8_empty_batch, fp8_two_backwards, fp8_validation_on_one_rank,
+                            fp8_tensor_on_one_rank,
                             fp8_dcp_resume)}
 
 

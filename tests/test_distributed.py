@@ -40,7 +40,8 @@ BF16 = torch.bfloat16
 FP32_TOL = 4e-6
 BOTH = ["fsdp", "fsdp_bf16", "fsdp_checkpointed", "accumulation", "ddp"]
 ONLY_2 = ["fsdp_shard_dim1", "fsdp_whole", "ddp_checkpointed", "refuse_unregistered", "refuse_cast_inputs", "dcp_save",
-          "fp8_reduced_scales", "fp8_empty_batch", "fp8_two_backwards", "fp8_tensor_on_one_rank",
+          "fp8_reduced_scales", "fp8_empty_batch", "fp8_two_backwards", "fp8_validation_on_one_rank",
+          "fp8_tensor_on_one_rank",
           "fp8_dcp_resume"]
 ONLY_4 = ["dcp_load"]
 TIMEOUT_S = 300
@@ -389,7 +390,16 @@ def test_fp8_a_second_backward_of_a_step_is_reduced_too(run2):
         for a, b in zip(*first):        # the first step's scales are each rank's calibration
             assert all(_same(a, b, k) for k in SCALE_STATE if k != "scales"), together
         _assert_ranks_agree(second)
-        assert second[0][0]["steps"] == 3
+        assert second[0][0]["steps"] == 1      # a step's second forward folds nothing (delayed.py)
+
+
+def test_fp8_a_forward_with_autograd_on_one_rank_alone_keeps_the_ranks_in_step(run2):
+    """A validation loss with autograd on rank 0 alone between training steps takes no collective
+    (its amaxes join the next backward's reduction): training goes on, every rank with the same
+    scale state."""
+    res = result(run2, "fp8_validation_on_one_rank")
+    _assert_ranks_agree(res["states"])
+    assert res["losses"].shape == (2, 3) and torch.isfinite(res["losses"]).all()
 
 
 def test_fp8_a_tensor_recorded_on_one_rank_only_is_folded_on_every_rank(run2):

@@ -573,15 +573,17 @@ class _AllReduceCounter:
 def test_amaxes_reduced_over_ranks_take_one_collective_a_backward_and_fold_as_before(monkeypatch, how):
     """A step's amaxes are reduced once its backward ends, every block's in one all-reduce (MAX) of
     one amax a tensor; a reentrant checkpoint's recompute folds at the end of its own backward, so
-    each checkpointed block reduces there, with its fold. A forward without a backward leaves its
-    amaxes to the next step's begin, which reduces them first. Reduced over one rank, the histories,
+    each checkpointed block reduces there, with its fold. Reduced over one rank, the histories,
     scales and losses are those of a model that does not reduce, bit for bit (the reduced amaxes
-    fold as one part a tensor)."""
+    fold as one part a tensor). A training forward without a backward (which may run on one rank
+    alone) takes no collective: its amaxes join the next backward's reduction and so count into the
+    next step, where one process folds them as a step of their own (a reentrant checkpoint's first
+    pass records nothing)."""
     from coda_cutlass.nn.fp8 import tensorwise
     from coda_cutlass.nn.parallel import checkpoint_blocks
     monkeypatch.setattr(tensorwise, "folds_together", how == "folds_together")
     batches = [_tokens(seed) for seed in range(3)]
-    runs = {}
+    runs, steps_after = {}, {}
     for reduce in (False, True):
         counter = _AllReduceCounter(monkeypatch)
         m = _model(dataclasses.replace(RECIPES["tensorwise"], reduce_amax=reduce), dtype=torch.float32,
@@ -594,56 +596,64 @@ def test_amaxes_reduced_over_ranks_take_one_collective_a_backward_and_fold_as_be
             before = len(counter.calls)
             losses += _train(m, opt, [t])
             per_step.append(len(counter.calls) - before)
-        m(batches[0], batches[0])            # a training forward, no backward: its amaxes stay unreduced
+        runs[reduce] = (losses, m.fp8_stats(), [b.fp8_path().scales.state() for b in m.blocks])
         before = len(counter.calls)
+        m(batches[0], batches[0])            # a training forward, no backward
+        without_backward = len(counter.calls) - before
         m(batches[1], batches[1]).backward()
         begin_and_backward = len(counter.calls) - before
-        runs[reduce] = (losses, m.fp8_stats(), [b.fp8_path().scales.state() for b in m.blocks])
+        steps_after[reduce] = [b.fp8_path().scales.steps for b in m.blocks]
         if not reduce:
             assert counter.calls == []
             continue
         n = len(m.blocks[0].fp8_path().scales.names)
+        assert without_backward == 0
         if how == "checkpointed":        # a block's recompute, then its reduction and fold: one each
             assert per_step == [2, 2, 2] and begin_and_backward == 2
             assert counter.calls[0] == ((n,), torch.distributed.ReduceOp.MAX)
         else:                             # every block's amaxes in one, at the backward's end
             assert per_step == [1, 1, 1] and counter.calls[0] == ((2 * n,), torch.distributed.ReduceOp.MAX)
-            # the forward without a backward's amaxes at the next begin: a block each in its own
-            # call, all blocks in one where the model folds them together
-            assert begin_and_backward == (2 if how == "folds_together" else 3)
+            assert begin_and_backward == 1
     assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
     for a, b in zip(runs[True][2], runs[False][2]):
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+    # one process folded the forward without a backward as a step; reducing, it joined the next
+    merged = 0 if how == "checkpointed" else 1
+    assert [s + merged for s in steps_after[True]] == steps_after[False]
 
 
-def test_a_second_backward_of_a_step_reduces_again_and_folds_as_without(monkeypatch):
+def test_a_second_backward_of_a_step_reduces_again_and_the_second_forward_folds_nothing(monkeypatch):
     """Two training forwards, then a backward each: the first backward's end reduces the step's
     amaxes, the second's reduces again what it recorded since, with them (it reduced nothing: its
-    amaxes stayed this rank's own, tests/test_distributed.py). Over one rank the histories and the
-    not-yet-folded amaxes are those of a model that does not reduce, bit for bit."""
-    states = {}
+    amaxes stayed this rank's own, tests/test_distributed.py). The second forward's begin takes no
+    collective and folds nothing (the first forward's backward had not ended): reducing, each pair
+    of forwards is one step, where one process folds at each forward."""
+    steps = {}
     for reduce in (False, True):
         counter = _AllReduceCounter(monkeypatch)
         m = _model(dataclasses.replace(RECIPES["tensorwise"], reduce_amax=reduce), dtype=torch.float32,
                    compute_dtype=BF16)
-        per_step = []
+        per_step, forwards = [], []
         for s in range(2):
-            a, b = (m(t, t) for t in (_tokens(2 * s), _tokens(2 * s + 1)))
             before = len(counter.calls)
+            a, b = (m(t, t) for t in (_tokens(2 * s), _tokens(2 * s + 1)))
+            forwards.append(len(counter.calls) - before)
             a.backward()
             b.backward()
             per_step.append(len(counter.calls) - before)
-        states[reduce] = [b.fp8_path().scales.state() for b in m.blocks]
-        assert per_step == ([0, 0] if not reduce else [2, 2])
-    for a, b in zip(states[True], states[False]):
-        assert all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+        steps[reduce] = [b.fp8_path().scales.steps for b in m.blocks]
+        assert forwards == [0, 0] and per_step == ([0, 0] if not reduce else [2, 2])
+        for b in m.blocks:               # the folds took amaxes, all finite
+            h = b.fp8_path().scales.state()["history"]
+            assert torch.isfinite(h).all() and (h > 0).sum() >= len(h) // 2
+    assert steps == {False: [3, 3], True: [1, 1]}
 
 
 def test_a_backward_that_raises_leaves_its_amaxes_to_the_next_step_and_nothing_waiting(monkeypatch):
     """A backward that raises after the blocks' backwards (here a hook on the embedding's gradient)
     never reaches its end, so its reduction does not run and its waiting entry is not taken: the next
-    training step's begin drops that entry and reduces the amaxes before folding them."""
+    training step's begin drops that entry, and the amaxes join that step's reduction."""
     from coda_cutlass.nn.fp8 import amax_reduce
     counter = _AllReduceCounter(monkeypatch)
     m = _model(dataclasses.replace(RECIPES["tensorwise"], reduce_amax=True), dtype=torch.float32,
@@ -660,9 +670,8 @@ def test_a_backward_that_raises_leaves_its_amaxes_to_the_next_step_and_nothing_w
     assert len(counter.calls) == 1 and len(amax_reduce._WAITING) == 1
     m(_tokens(2), _tokens(2)).backward()
     assert not amax_reduce._WAITING
-    # the failed step's amaxes at this begin (a block each: the blocks begin their own steps), this
-    # step's at its end (both blocks in one)
-    assert [shape for shape, _ in counter.calls[1:]] == [(10,), (10,), (20,)]
+    # the failed step's amaxes joined this step's, reduced at its end (both blocks in one)
+    assert [shape for shape, _ in counter.calls[1:]] == [(20,)]
 
 
 def test_a_model_outside_a_process_group_or_alone_in_one_reduces_nothing(monkeypatch):

@@ -5,8 +5,8 @@ the scale state, resumes every rank on one rank's.
 
 One collective, a MAX all-reduce over the default process group, takes the vectors of several blocks
 (concatenated): at the end of the backward that finishes their step (``at_backward_end``: one for
-all the blocks whose backward ran), or when a step begins with amaxes not yet reduced
-(nn/fp8/delayed.py says when). It runs eagerly, never inside the compiled fold, and reads nothing on
+all the blocks whose backward ran; a checkpoint's recompute, whose fold ends its own backward,
+reduces there). The collectives follow the backwards, never a forward alone (nn/fp8/delayed.py). It runs eagerly, never inside the compiled fold, and reads nothing on
 the host: NCCL reduces device tensors on its own stream; gloo takes CPU tensors (the CPU tests') and
 copies CUDA ones itself.
 
@@ -57,8 +57,8 @@ def at_backward_end(item: Any, finish: Callable[[list[Any]], None]) -> None:
     it (in the order they came: the blocks' backward order, the same on every rank); outside a
     backward at once. A block's backward hands its scales in, so one collective serves all the blocks
     of a backward (a reentrant checkpoint's recompute runs a backward of its own, which ends first).
-    Should the backward fail, nothing is reduced: the scales stay unreduced and the next step's
-    begin reduces them (and ``drop_failed_backwards`` forgets its items)."""
+    Should the backward fail, nothing is reduced: the scales stay unreduced, their amaxes join the
+    next backward's reduction, and the next step's begin forgets the items (``drop_failed_backwards``)."""
     task = torch._C._current_graph_task_id()
     if task == -1:
         finish([item])
@@ -79,9 +79,9 @@ def _take(task: int) -> list[Any]:
 def drop_failed_backwards() -> None:
     """Forget the items of backwards that raised (their end never came, so nothing took them). Called
     where a training step begins outside any backward: in this thread none is running then, so every
-    entry left is a failed one's. Their scales are still marked unreduced, so that begin reduces them;
-    dropping another thread's running backward's entry (threads training one model apart) would only
-    move its reduction to that begin too."""
+    entry left is a failed one's. Their scales are still marked unreduced, so the next backward's end
+    reduces their amaxes. (Dropping another thread's running backward's entry, threads training one
+    model apart, would leave its amaxes to the next backward the same way.)"""
     if _WAITING and torch._C._current_graph_task_id() == -1:
         with _LOCK:
             _WAITING.clear()

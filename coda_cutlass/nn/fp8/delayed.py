@@ -29,10 +29,14 @@ training forwards, which every rank runs alike (an empty batch's too), not the a
 training forward opens the block's step (``recording``); the end of the backward that follows closes
 it with the reduction (``reduce_after_backward``: one collective for all the blocks of that backward),
 so the amaxes not yet folded are the same on every rank by the time a checkpoint is taken (a
-later backward of the step reduces again what it recorded); a step
-that begins with its predecessor still open (a forward without a backward; a checkpoint's recompute,
-whose fold ends its own backward) reduces first. In one process, or with ``reduce_amax=False``,
-nothing of this runs.
+later backward of the step reduces again what it recorded). So the collectives follow the
+backwards, which every rank runs alike (DDP and FSDP need it anyway), never the forwards alone: a
+step that begins with amaxes its predecessor left unreduced (a forward without a backward, perhaps
+on one rank only, such as a validation loss with autograd; the first of two forwards) folds what
+was reduced and sets those aside to join the next backward's reduction, so that forward counts into
+the next step, where one process would fold it as a step of its own. A checkpoint's recompute,
+whose fold ends its own backward, reduces there, as every rank runs that backward. In one process,
+or with ``reduce_amax=False``, nothing of this runs.
 """
 
 from __future__ import annotations
@@ -281,9 +285,9 @@ class DelayedScales:
         return ranks_reduce(self.recipe.reduce_amax)
 
     def recording(self, device: torch.device) -> None:
-        """A training forward through the block (its step's first, or a checkpoint's recompute), on
-        every rank alike, empty batch or not, where the amaxes are reduced: the step's amaxes now
-        differ between ranks until ``reduce_after_backward`` or the next ``begin_step`` reduces them."""
+        """A training forward through the block (its step's first, or a checkpoint's recompute),
+        empty batch or not, where the amaxes are reduced: the step's amaxes now differ between ranks
+        until the backward's end reduces them (``reduce_after_backward``)."""
         self._ensure(device)
         self._unreduced = True
 
@@ -338,12 +342,44 @@ class DelayedScales:
 
     def begin_step(self, device: torch.device) -> None:
         """Fold the previous step's amaxes into the histories and make this step's scales (a
-        training forward calls it once; the backward uses the forward's scales). Amaxes not yet
-        reduced over the ranks are reduced first (``recording``)."""
+        training forward calls it once; the backward uses the forward's scales). Where the ranks
+        reduce, amaxes not yet reduced join the next reduction (``_set_aside_unreduced``), or, at a
+        checkpoint's recompute, are reduced first."""
         self._ensure(device)
+        aside = self._set_aside_unreduced()
         if self._unreduced:
-            drop_failed_backwards()
             DelayedScales.reduce_together([self])
+        self._fold_pending()
+        self._take_back(aside)
+
+    def _set_aside_unreduced(self) -> dict[int, list[torch.Tensor]] | None:
+        """Where the ranks reduce and a training step begins outside any backward with amaxes
+        recorded since the last reduction, those came from a forward whose backward has not ended (a
+        forward without a backward, a first of two forwards, a backward that raised), and such a
+        forward may have run on this rank alone (a validation loss with autograd on rank 0). So they
+        are not reduced here, a collective the other ranks would not join: they are set aside, each
+        tensor's as one part, to join the next backward's reduction, and only what the ranks reduced
+        (if anything) folds now. Inside a backward (a checkpoint's recompute ending its step) every
+        rank runs the same collectives: None, they are reduced there as they come."""
+        if not self._unreduced or torch._C._current_graph_task_id() != -1:
+            return None
+        drop_failed_backwards()
+        skip = int(self._reduced is not None)      # an earlier reduction's part leads each tensor's
+        aside = {i: [amax_of(v[skip:])] for i, v in self._pending.items() if len(v) > skip}
+        self._pending = {i: v[:1] for i, v in self._pending.items()} if skip else {}
+        self._unreduced = False
+        return aside
+
+    def _take_back(self, aside: dict[int, list[torch.Tensor]] | None) -> None:
+        """The amaxes ``_set_aside_unreduced`` took, pending again (after the reduced part, if it did
+        not fold), to be reduced when the next backward ends."""
+        if aside is None:
+            return
+        for i, parts in aside.items():
+            self._pending.setdefault(i, []).extend(parts)
+        self._unreduced = True
+
+    def _fold_pending(self) -> None:
         if not self._pending:
             return
         idx, parts, owners = self._fold_inputs()
@@ -382,11 +418,17 @@ class DelayedScales:
         multi-tensor max over all their amax parts and one compiled fold: the same histories, amaxes
         and scales as a ``begin_step`` each (a launch and a compiled call a block), whose own calls
         then find nothing to fold. Recipes without power-of-two scales fold eagerly, one by one.
-        Amaxes not yet reduced over the ranks are reduced first, all blocks' in one collective."""
+        Amaxes not yet reduced over the ranks are set aside for the next reduction, as there."""
         for sc in scales:
             sc._ensure(device)
-        drop_failed_backwards()
+        aside = [sc._set_aside_unreduced() for sc in scales]
         DelayedScales.reduce_together(scales)
+        DelayedScales._fold_together(scales)
+        for sc, parts in zip(scales, aside):
+            sc._take_back(parts)
+
+    @staticmethod
+    def _fold_together(scales: list["DelayedScales"]) -> None:
         ready = [(sc, *sc._fold_inputs()) for sc in scales if sc._pending and sc.recipe.pow2]
         if not ready:
             return
