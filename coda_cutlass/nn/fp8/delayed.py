@@ -25,7 +25,7 @@ and keeps the same histories, amaxes and scales: each rank sends a vector of one
 -1 where it recorded none (so the tensors folded are those any rank recorded; a tensor no rank
 recorded gets 0 in its history, as in one process), and folds the result as one part per tensor.
 Every rank must reduce as often as the others, whatever its batch: the reduction follows the
-training forwards, which every rank runs alike (an empty batch's too), not the amaxes recorded. A
+training backwards, which every rank runs alike (an empty batch's too), not the amaxes recorded. A
 training forward opens the block's step (``recording``); the end of the backward that follows closes
 it with the reduction (``reduce_after_backward``: one collective for all the blocks of that backward),
 so the amaxes not yet folded are the same on every rank by the time a checkpoint is taken (a
