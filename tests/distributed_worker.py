@@ -310,6 +310,32 @@ def fp8_validation_on_one_rank() -> dict[str, Any]:
     return {"states": scale_states(model.module), "losses": torch.cat(losses, dim=1)}
 
 
+def fp8_forward_on_one_rank_between_two_backwards() -> dict[str, Any]:
+    """A training step, then two training forwards and a backward each, with a forward with
+    autograd on rank 0 alone between the two backwards (a validation loss): that forward's begin
+    folds, on rank 0 only, what the first backward's end reduced; rank 1 folds it when the second
+    backward ends (before, it merged the second backward's amaxes into it, and the ranks' histories
+    parted for good). Every rank's scale states after the second backward and after one more
+    step, the blocks folding in their own calls and together."""
+    out = {}
+    for together in (False, True):
+        tensorwise.folds_together = together
+        try:
+            model = build_fp8("tensorwise")
+            model(*fp8_batch(dist.get_rank(), 0)).backward()
+            a, b = (model(*fp8_batch(dist.get_rank(), k)) for k in (1, 2))
+            a.backward()
+            if dist.get_rank() == 0:
+                assert model(*fp8_batch(0, 100)).requires_grad
+            b.backward()
+            states = [scale_states(model)]
+            model(*fp8_batch(dist.get_rank(), 3)).backward()
+            out[together] = states + [scale_states(model)]
+        finally:
+            tensorwise.folds_together = False
+    return out
+
+
 def fp8_tensor_on_one_rank() -> dict[str, Any]:
     """One block's scales directly: rank 0 records tensor a (3.0), rank 1 tensor b (NaN), no rank c."""
     cpu = torch.device("cpu")
@@ -359,6 +385,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     f.__name__: f for f in (fsdp, fsdp_bf16, fsdp_shard_dim1, fsdp_checkpointed, fsdp_whole, accumulation, ddp,
                             ddp_checkpointed, refuse_unregistered, refuse_cast_inputs, dcp_save, dcp_load,
                             fp8_reduced_scales, fp8_empty_batch, fp8_two_backwards, fp8_validation_on_one_rank,
+                            fp8_forward_on_one_rank_between_two_backwards,
                             fp8_tensor_on_one_rank,
                             fp8_dcp_resume)}
 

@@ -42,7 +42,7 @@ BOTH = ["fsdp", "fsdp_bf16", "fsdp_checkpointed", "accumulation", "ddp"]
 ONLY_2 = ["fsdp_shard_dim1", "fsdp_whole", "ddp_checkpointed", "refuse_unregistered", "refuse_cast_inputs", "dcp_save",
           "fp8_reduced_scales", "fp8_empty_batch", "fp8_two_backwards", "fp8_validation_on_one_rank",
           "fp8_tensor_on_one_rank",
-          "fp8_dcp_resume"]
+          "fp8_forward_on_one_rank_between_two_backwards", "fp8_dcp_resume"]
 ONLY_4 = ["dcp_load"]
 TIMEOUT_S = 300
 
@@ -400,6 +400,20 @@ def test_fp8_a_forward_with_autograd_on_one_rank_alone_keeps_the_ranks_in_step(r
     res = result(run2, "fp8_validation_on_one_rank")
     _assert_ranks_agree(res["states"])
     assert res["losses"].shape == (2, 3) and torch.isfinite(res["losses"]).all()
+
+
+def test_fp8_a_forward_on_one_rank_between_two_backwards_keeps_the_ranks_in_step(run2):
+    """Two training forwards, a backward each, and between the backwards a forward with autograd on
+    rank 0 alone: rank 0 folds the first backward's reduction at that forward's begin, rank 1 when
+    the second backward ends (the reduction tells it), so the ranks keep one scale state, the
+    histories and step counts included (before, rank 1 merged the second backward's amaxes into
+    that reduction: a step fewer, and the ranks' histories parted for good)."""
+    res = result(run2, "fp8_forward_on_one_rank_between_two_backwards")
+    for together in (False, True):
+        after, following = res[together]
+        _assert_ranks_agree(after)
+        _assert_ranks_agree(following)
+        assert [s["steps"] for s in after[0]] == [2, 2] and [s["steps"] for s in following[0]] == [3, 3]
 
 
 def test_fp8_a_tensor_recorded_on_one_rank_only_is_folded_on_every_rank(run2):

@@ -6,9 +6,10 @@ the scale state, resumes every rank on one rank's.
 One collective, a MAX all-reduce over the default process group, takes the vectors of several blocks
 (concatenated): at the end of the backward that finishes their step (``at_backward_end``: one for
 all the blocks whose backward ran; a checkpoint's recompute, whose fold ends its own backward,
-reduces there). The collectives follow the backwards, never a forward alone (nn/fp8/delayed.py).
-It runs eagerly, never inside the compiled fold, and reads nothing on the host: NCCL reduces device
-tensors on its own stream; gloo takes CPU tensors (the CPU tests') and copies CUDA ones itself.
+reduces there). The collectives follow the backwards, never a forward alone (nn/fp8/delayed.py). It
+runs eagerly, never inside the compiled fold, and reads nothing on the host (but a flag where a
+second backward of a step ends: DelayedScales.reduce_together): NCCL reduces device tensors on its
+own stream; gloo takes CPU tensors (the CPU tests') and copies CUDA ones itself.
 
 MAX with NaN is not reliably NaN in NCCL or gloo (a comparison with NaN is false either way round),
 so a NaN becomes +inf before the reduction: both make no scale (delayed._kept_amax), and the history

@@ -34,7 +34,10 @@ backwards, which every rank runs alike (DDP and FSDP need it anyway), never the 
 step that begins with amaxes its predecessor left unreduced (a forward without a backward, perhaps
 on one rank only, such as a validation loss with autograd; the first of two forwards) folds what
 was reduced and sets those aside to join the next backward's reduction, so that forward counts into
-the next step, where one process would fold it as a step of its own. A checkpoint's recompute,
+the next step, where one process would fold it as a step of its own. Such a forward on one rank
+between the two backwards of a step (two forwards, then a backward each) folds the first backward's
+reduction there alone: the second backward's reduction tells the other ranks (a flag beside each
+block's amaxes), which fold it then, so the ranks' histories stay one. A checkpoint's recompute,
 whose fold ends its own backward, reduces there, as every rank runs that backward. In one process,
 or with ``reduce_amax=False``, nothing of this runs.
 """
@@ -306,18 +309,30 @@ class DelayedScales:
     def reduce_together(scales: list["DelayedScales"]) -> None:
         """The unreduced amaxes of these blocks' scales reduced over the ranks, in one collective (a
         device); every rank calls it alike (the same blocks, unreduced alike: the flag follows the
-        training forwards and backwards, never the amaxes recorded). Nothing waits for the host."""
+        training forwards and backwards, never the amaxes recorded). Nothing waits for the host, but
+        where a second backward of a step ends (below)."""
         todo = list({id(sc): sc for sc in scales if sc._unreduced}.values())
         if not todo:
             return
-        for sc, vec in zip(todo, max_over_ranks([sc._local_amaxes() for sc in todo])):
-            sc._take_reduced(vec)
+        vecs = max_over_ranks([sc._local_amaxes() for sc in todo])
+        # A block still holding an earlier reduction of its step unfolded (a second backward of the
+        # step) learns whether another rank folded that reduction since, at a step it began alone (a
+        # forward with autograd on that rank only, between the two backwards): it then folds it too,
+        # before this reduction, as that rank did; else the ranks' histories part for good. The only
+        # host read of the reduction (a sync on a GPU), and only where a second backward of a step
+        # ends, one for all its blocks.
+        holding = [k for k, sc in enumerate(todo) if sc._reduced is not None]
+        folded = dict(zip(holding, torch.stack([vecs[k][-1] for k in holding]).gt(0).tolist())) if holding else {}
+        for k, (sc, vec) in enumerate(zip(todo, vecs)):
+            sc._take_reduced(vec[:-1], fold_first=folded.get(k, False))
 
     def _local_amaxes(self) -> torch.Tensor:
-        """(names,) fp32: each tensor's amax this step on this rank (NaN as it came), -1 where none;
-        a launch or two (a tensor of one part takes its maximum as it is). After an earlier reduction
-        of this step, its amaxes (-1 kept: a tensor no rank recorded stays unrecorded) joined by those
-        recorded since."""
+        """(names + 1,) fp32: each tensor's amax on this rank since the step's last reduction (all
+        of the step before the first; NaN as it came), -1 where none, a launch or two (a tensor of
+        one part takes its maximum as it is); then 1 where this rank holds no earlier reduction of
+        the step unfolded, 0 where it does (``_reduced``). The earlier reduction itself is not sent:
+        a rank that folded it at a step it began alone no longer holds it (``reduce_together``), and
+        the ranks that do hold the same one, merged after the reduction (``_take_reduced``)."""
         _, parts, owners = self._fold_inputs(skip=int(self._reduced is not None))
         none = torch.full((), -1.0, dtype=torch.float32, device=self._device)
         per: list[list[torch.Tensor]] = [[] for _ in self.names]
@@ -325,16 +340,26 @@ class DelayedScales:
             per[i].append(p)
         vec = torch.stack([none if not v else v[0].float() if len(v) == 1 and v[0].dim() == 0 else amax_of(v)
                            for v in per])
-        return vec if self._reduced is None else torch.maximum(vec, self._reduced)
+        holds_none = torch.full((1,), float(self._reduced is None), dtype=torch.float32, device=self._device)
+        return torch.cat([vec, holds_none])
 
-    def _take_reduced(self, vec: torch.Tensor) -> None:
-        """The step's amaxes over every rank (``vec``: -1 where no rank recorded one) as this step's,
-        one part per tensor: a tensor no rank recorded gets 0, as the fold gives a tensor without
-        parts. The host's ``_filled`` learns only this rank's (it steers launches, never numbers)."""
+    def _take_reduced(self, vec: torch.Tensor, fold_first: bool = False) -> None:
+        """The amaxes recorded since the step's last reduction over every rank (``vec``: -1 where no
+        rank recorded one), with that reduction's (if this rank holds it) as this step's, one part
+        per tensor: a tensor no rank recorded gets 0, as the fold gives a tensor without parts.
+        ``fold_first``: another rank folded the earlier reduction at a step it began alone, so this
+        rank folds it now, as a step of its own as there, and the step's amaxes are ``vec``'s alone.
+        The host's ``_filled`` learns only this rank's (it steers launches, never numbers)."""
         skip = int(self._reduced is not None)      # an earlier reduction's part leads each pending tensor's
         for i, v in self._pending.items():
             if len(v) > skip:
                 self._filled[i] = True
+        if self._reduced is not None:
+            if fold_first:
+                self._pending = {i: v[:1] for i, v in self._pending.items()}
+                self._fold_pending()
+            else:
+                vec = torch.maximum(vec, self._reduced)
         self._reduced = vec
         amaxes = vec.clamp(min=0)
         self._pending = {i: [amaxes[i]] for i in range(len(self.names))}
