@@ -316,21 +316,41 @@ def fp8_forward_on_one_rank_between_two_backwards() -> dict[str, Any]:
     folds, on rank 0 only, what the first backward's end reduced; rank 1 folds it when the second
     backward ends (before, it merged the second backward's amaxes into it, and the ranks' histories
     parted for good). Every rank's scale states after the second backward and after one more
-    step, the blocks folding in their own calls and together."""
+    step, the blocks folding in their own calls and together, and together with rank 0's forward
+    raising in the second block (the model had folded every block's reduction before its first
+    block: the second block, which recorded nothing, still joins the second backward's reduction,
+    as on rank 1, where it holds that reduction; before, the collectives mismatched)."""
+    from coda_cutlass.nn.fp8 import support
     out = {}
-    for together in (False, True):
+    for together, raising in ((False, False), (True, False), (True, True)):
         tensorwise.folds_together = together
         try:
             model = build_fp8("tensorwise")
             model(*fp8_batch(dist.get_rank(), 0)).backward()
             a, b = (model(*fp8_batch(dist.get_rank(), k)) for k in (1, 2))
             a.backward()
-            if dist.get_rank() == 0:
+            if dist.get_rank() == 0 and not raising:
                 assert model(*fp8_batch(0, 100)).requires_grad
+            elif dist.get_rank() == 0:
+                run = support.run
+
+                def fails_in_block_1(block: Any, *args: Any, **kw: Any) -> Any:
+                    if block is model.blocks[1]:
+                        raise RuntimeError("a validation forward failing in block 1")
+                    return run(block, *args, **kw)
+                support.run = fails_in_block_1
+                try:
+                    model(*fp8_batch(0, 100))
+                except RuntimeError as e:
+                    assert "failing in block 1" in str(e)
+                else:
+                    raise AssertionError("the validation forward did not fail")
+                finally:
+                    support.run = run
             b.backward()
             states = [scale_states(model)]
             model(*fp8_batch(dist.get_rank(), 3)).backward()
-            out[together] = states + [scale_states(model)]
+            out["raising" if raising else together] = states + [scale_states(model)]
         finally:
             tensorwise.folds_together = False
     return out

@@ -407,9 +407,12 @@ def test_fp8_a_forward_on_one_rank_between_two_backwards_keeps_the_ranks_in_step
     rank 0 alone: rank 0 folds the first backward's reduction at that forward's begin, rank 1 when
     the second backward ends (the reduction tells it), so the ranks keep one scale state, the
     histories and step counts included (before, rank 1 merged the second backward's amaxes into
-    that reduction: a step fewer, and the ranks' histories parted for good)."""
+    that reduction: a step fewer, and the ranks' histories parted for good). Also where rank 0's
+    forward raises in the second block after the model folded every block's reduction
+    (folds_together): that block joins the second backward's reduction all the same (before, the
+    collectives mismatched and gloo aborted)."""
     res = result(run2, "fp8_forward_on_one_rank_between_two_backwards")
-    for together in (False, True):
+    for together in (False, True, "raising"):
         after, following = res[together]
         _assert_ranks_agree(after)
         _assert_ranks_agree(following)

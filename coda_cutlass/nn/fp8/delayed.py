@@ -157,6 +157,8 @@ class DelayedScales:
     scale (0: none yet) and ``_scales``. On the host: ``_known``, the tensors the host knows to have
     a delayed scale (they skip the calibrating launch; learnt without waiting, ``_learn``)."""
 
+    _folded_reduction = False      # (pickles of scales made before the attribute existed)
+
     def __init__(self, recipe: Fp8Recipe, formats: dict[str, torch.dtype]):
         self.recipe = recipe
         self.names = tuple(formats)
@@ -180,6 +182,9 @@ class DelayedScales:
         # -1 where no rank recorded the tensor (_pending then holds every tensor's amax, one part each)
         self._unreduced = False
         self._reduced: torch.Tensor | None = None
+        # a reduction this rank folded at a step it began outside a backward, none reduced since: the
+        # other ranks may still hold it for a second backward of its step (reduce_after_backward)
+        self._folded_reduction = False
         self._slot = 0
         self.steps = 0
 
@@ -300,7 +305,10 @@ class DelayedScales:
         backward in one collective (amax_reduce.at_backward_end). A later backward of the same step
         (two forwards, then a backward each) recorded amaxes of this rank's own after that reduction:
         they are reduced again, with it (every rank alike: ``_reduced`` follows the reductions)."""
-        if self._reduced is not None:
+        if self._reduced is not None or self._folded_reduction:
+            # a second backward of the step: its amaxes join the reduction; also on a rank that
+            # folded the first backward's reduction already, at a forward that stopped before this
+            # block (folds_together folds every block first), as the others still hold it
             self._unreduced = True
         if self._unreduced:
             at_backward_end(self, DelayedScales.reduce_together)
@@ -363,7 +371,7 @@ class DelayedScales:
         self._reduced = vec
         amaxes = vec.clamp(min=0)
         self._pending = {i: [amaxes[i]] for i in range(len(self.names))}
-        self._unreduced = False
+        self._unreduced = self._folded_reduction = False
 
     def begin_step(self, device: torch.device) -> None:
         """Fold the previous step's amaxes into the histories and make this step's scales (a
@@ -432,6 +440,8 @@ class DelayedScales:
         if self._reduced is None:       # (reduced: this rank's were marked by _take_reduced)
             for i in idx:
                 self._filled[i] = True
+        else:
+            self._folded_reduction = torch._C._current_graph_task_id() == -1
         self._pending.clear()
         self._reduced = None
         self.steps += 1
