@@ -141,8 +141,8 @@ def compile_many(programs: Sequence[Any], dtype: Any = torch.bfloat16, *, jobs: 
     """Compile several kernels in parallel (nvcc runs concurrently; results in input order).
 
     Each item is a program, or a ``(program, options_dict)`` pair (tuple or list) overriding the
-    shared keyword options. ``jobs`` defaults to the number of CPU cores (nvcc uses one core per kernel), capped by
-    memory.
+    shared keyword options. ``jobs`` defaults to the number of CPU cores (nvcc uses one core per
+    kernel), capped by memory.
     A failed build raises ``BuildError`` once all builds finish, unless ``skip_failed`` (then its
     entry is None).
     """

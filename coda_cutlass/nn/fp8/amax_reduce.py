@@ -53,6 +53,12 @@ _WAITING: dict[int, list[Any]] = {}
 _LOCK = threading.Lock()
 
 
+def in_backward() -> bool:
+    """Whether this thread runs inside an autograd backward now (a checkpoint's recompute, a
+    backward hook, the end-of-backward callbacks): torch's graph task id, -1 outside one."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def at_backward_end(item: Any, finish: Callable[[list[Any]], None]) -> None:
     """``finish(items)`` once, when the backward now running ends, with every item handed in during
     it (in the order they came: the blocks' backward order, the same on every rank); outside a
@@ -83,6 +89,6 @@ def drop_failed_backwards() -> None:
     entry left is a failed one's. Their scales are still marked unreduced, so the next backward's end
     reduces their amaxes. (Dropping another thread's running backward's entry, threads training one
     model apart, would leave its amaxes to the next backward the same way.)"""
-    if _WAITING and torch._C._current_graph_task_id() == -1:
+    if _WAITING and not in_backward():
         with _LOCK:
             _WAITING.clear()

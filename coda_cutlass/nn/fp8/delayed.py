@@ -24,17 +24,17 @@ amaxes are reduced (MAX) over the ranks before they are folded, so every rank fo
 and keeps the same histories, amaxes and scales: each rank sends a vector of one amax per tensor,
 -1 where it recorded none (so the tensors folded are those any rank recorded; a tensor no rank
 recorded gets 0 in its history, as in one process), and folds the result as one part per tensor.
-Every rank must reduce as often as the others, whatever its batch: the reduction follows the
-training backwards, which every rank runs alike (an empty batch's too), not the amaxes recorded. A
-training forward opens the block's step (``recording``); the end of the backward that follows closes
-it with the reduction (``reduce_after_backward``: one collective for all the blocks of that backward),
-so the amaxes not yet folded are the same on every rank by the time a checkpoint is taken (a
-later backward of the step reduces again what it recorded). So the collectives follow the
-backwards, which every rank runs alike (DDP and FSDP need it anyway), never the forwards alone: a
-step that begins with amaxes its predecessor left unreduced (a forward without a backward, perhaps
-on one rank only, such as a validation loss with autograd; the first of two forwards) folds what
-was reduced and sets those aside to join the next backward's reduction, so that forward counts into
-the next step, where one process would fold it as a step of its own. Such a forward on one rank
+Every rank must reduce as often as the others, whatever its batch: the collectives follow the
+training backwards, which every rank runs alike (an empty batch's too; DDP and FSDP need it anyway),
+never the forwards alone nor the amaxes recorded. A training forward opens the block's step
+(``recording``); the end of the backward that follows closes it with the reduction
+(``reduce_after_backward``: one collective for all the blocks of that backward), so the amaxes not
+yet folded are the same on every rank by the time a checkpoint is taken (a later backward of the
+step reduces again what it recorded). A step that begins with amaxes its predecessor left
+unreduced (a forward without a backward, perhaps on one rank only, such as a validation loss with
+autograd; the first of two forwards) folds what was reduced and sets those aside to join the
+next backward's reduction, so that forward counts into the next step, where one process would fold
+it as a step of its own. Such a forward on one rank
 between the two backwards of a step (two forwards, then a backward each) folds the first backward's
 reduction there alone: the second backward's reduction tells the other ranks (a flag beside each
 block's amaxes), which fold it then, so the ranks' histories stay one. A checkpoint's recompute,
@@ -52,7 +52,7 @@ import torch
 
 from ...dtypes import FP8_MAX, as_dtype
 from ...errors import ConfigError
-from .amax_reduce import at_backward_end, drop_failed_backwards, max_over_ranks, ranks_reduce
+from .amax_reduce import at_backward_end, drop_failed_backwards, in_backward, max_over_ranks, ranks_reduce
 from .compiled import on_device
 from .recipe import Fp8Recipe
 
@@ -317,8 +317,8 @@ class DelayedScales:
     def reduce_together(scales: list["DelayedScales"]) -> None:
         """The unreduced amaxes of these blocks' scales reduced over the ranks, in one collective (a
         device); every rank calls it alike (the same blocks, unreduced alike: the flag follows the
-        training forwards and backwards, never the amaxes recorded). Nothing waits for the host, but
-        where a second backward of a step ends (below)."""
+        training backwards, never the amaxes recorded). Nothing waits for the host, but where a
+        second backward of a step ends (below)."""
         todo = list({id(sc): sc for sc in scales if sc._unreduced}.values())
         if not todo:
             return
@@ -364,7 +364,7 @@ class DelayedScales:
                 self._filled[i] = True
         if self._reduced is not None:
             if fold_first:
-                self._pending = {i: v[:1] for i, v in self._pending.items()}
+                self._pending = self._reduced_parts()
                 self._fold_pending()
             else:
                 vec = torch.maximum(vec, self._reduced)
@@ -394,14 +394,19 @@ class DelayedScales:
         tensor's as one part, to join the next backward's reduction, and only what the ranks reduced
         (if anything) folds now. Inside a backward (a checkpoint's recompute ending its step) every
         rank runs the same collectives: None, they are reduced there as they come."""
-        if not self._unreduced or torch._C._current_graph_task_id() != -1:
+        if not self._unreduced or in_backward():
             return None
         drop_failed_backwards()
         skip = int(self._reduced is not None)      # an earlier reduction's part leads each tensor's
         aside = {i: [amax_of(v[skip:])] for i, v in self._pending.items() if len(v) > skip}
-        self._pending = {i: v[:1] for i, v in self._pending.items()} if skip else {}
+        self._pending = self._reduced_parts() if skip else {}
         self._unreduced = False
         return aside
+
+    def _reduced_parts(self) -> dict[int, list[torch.Tensor]]:
+        """The pending amaxes of the step's last reduction alone (each tensor's first part while
+        ``_reduced`` is held), without this rank's own recorded since."""
+        return {i: v[:1] for i, v in self._pending.items()}
 
     def _take_back(self, aside: dict[int, list[torch.Tensor]] | None) -> None:
         """The amaxes ``_set_aside_unreduced`` took, pending again (after the reduced part, if it did
@@ -441,7 +446,7 @@ class DelayedScales:
             for i in idx:
                 self._filled[i] = True
         else:
-            self._folded_reduction = torch._C._current_graph_task_id() == -1
+            self._folded_reduction = not in_backward()
         self._pending.clear()
         self._reduced = None
         self.steps += 1

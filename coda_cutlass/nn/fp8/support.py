@@ -14,6 +14,7 @@ from ..functional import BlockWeights, first_norm
 from ..precision import cast, no_autocast
 from ..sharding import is_dtensor
 from . import functional as blockwise
+from .amax_reduce import in_backward
 from .autograd import Fp8BlockFunction
 from .functional import check_tokens
 from .paths import BlockwisePath, Path, TensorwisePath
@@ -54,7 +55,7 @@ def begin_fp8_steps(blocks: Iterable[Any], x: torch.Tensor) -> None:
     own calls, as before. Where the ranks reduce their amaxes (nn/fp8/amax_reduce.py) an empty batch
     folds too, as the blocks' own calls then do."""
     tensorwise = _unique([b for b in blocks if b.fp8 is not None and b.fp8.scaling == "tensor"])
-    if not tensorwise or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+    if not tensorwise or not torch.is_grad_enabled() or in_backward():
         return          # (a bf16 model stops at the first test)
     if not folding_together():
         return
@@ -180,7 +181,7 @@ def run(block: Any, step: Any, x: torch.Tensor, h: Any, r: torch.Tensor, g_next:
     # scales its first pass saw: it starts no step; its amaxes are recorded (again, for the
     # non-reentrant form: the same values) and folded when its own backward ends (the reentrant
     # form's first pass, without autograd, recorded nothing)
-    recompute = steps and torch._C._current_graph_task_id() != -1
+    recompute = steps and in_backward()
     with no_autocast(x.device):
         if steps and not recompute:
             path.begin_step(x.device)
