@@ -5,8 +5,13 @@ and against a bandwidth reference (torch's own cast to FP8: reads 2 bytes, write
 calls interleaved in one process. Checks that both builds write the same bytes. Prints a table and
 writes map_speed.json.
 
+With --before DIR, each kernel is also built from DIR/NAME.cu (the source an earlier version of the
+library generated, saved with ``cc.emit_map``) and timed in the same rounds as "NAME (before)": a
+change to the map kernel template judged against the code it replaces, outputs bit for bit the same.
+
     python bench/probes/map_quant_speed.py --out /tmp/map            # on the GPU
     python bench/probes/map_quant_speed.py --build-only               # build both variants (no GPU)
+    python bench/probes/map_quant_speed.py --before .probe/map_before --out /tmp/map
 """
 
 from __future__ import annotations
@@ -44,13 +49,28 @@ def unstaged() -> Iterator[None]:
         lower_map.MapGraph.stage_offsets = prop
 
 
-def builds() -> dict[str, tuple[Any, Any, bool, int]]:
+def earlier(program: Any, source_file: Path) -> Any:
+    """The map kernel built from a source an earlier library version generated for ``program``."""
+    from coda_cutlass.build.builder import build
+    from coda_cutlass.pipeline import Options, typed_ir
+    from coda_cutlass.runtime.map_kernel import CompiledMap
+    opts = Options.make(torch.bfloat16)
+    graph = lower_map.lower_map(typed_ir(program, opts), opts.dtype)
+    # the one helper call the template no longer emits (all groups of staged rows landed)
+    source = source_file.read_text().replace("coda::map::stage_wait();", "coda::map::stage_wait_pending(0);")
+    return CompiledMap(graph, source, build(source, program.name + "_before", verbose=False))
+
+
+def builds(before: Path | None) -> dict[str, tuple[Any, Any, bool, int, str]]:
     out = {}
     for name, program, gain, moved in KERNELS:
         staged = cc.compile_map(program, torch.bfloat16, verbose=False)
-        with unstaged():
-            plain = cc.compile_map(program, torch.bfloat16, verbose=False)
-        out[name] = (staged, plain, gain, moved)
+        if before is not None:
+            other, label = earlier(program, before / f"{name}.cu"), "before"
+        else:
+            with unstaged():
+                other, label = cc.compile_map(program, torch.bfloat16, verbose=False), "unstaged"
+        out[name] = (staged, other, gain, moved, label)
     return out
 
 
@@ -58,8 +78,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--before", type=Path, default=None, help="a folder of NAME.cu sources of an earlier version")
     args = ap.parse_args()
-    kernels = builds()
+    kernels = builds(args.before)
     if args.build_only:
         print(f"built {2 * len(kernels)} map kernels")
         return
@@ -69,16 +90,16 @@ def main() -> None:
         g = torch.rand(N, device="cuda").to(torch.bfloat16) + 0.5
         fns: dict[str, Any] = {"torch cast to e4m3": lambda x: x.to(torch.float8_e4m3fn)}
         moved = {"torch cast to e4m3": 3}
-        for name, (staged, plain, gain, nbytes) in kernels.items():
+        for name, (staged, plain, gain, nbytes, label) in kernels.items():
             extra = {"g": g} if gain else {}
             a, b = staged(xs[0], **extra), plain(xs[0], **extra)
             same = all(torch.equal(a[k].view(torch.uint8) if a[k].element_size() == 1 else a[k],
                                    b[k].view(torch.uint8) if b[k].element_size() == 1 else b[k]) for k in a)
             if not same:
-                raise SystemExit(f"{name} {M}x{N}: the staged and unstaged kernels disagree")
+                raise SystemExit(f"{name} {M}x{N}: the library's and the {label} kernels disagree")
             fns[f"{name}"] = lambda x, k=staged, e=extra: k(x, **e)
-            fns[f"{name} (unstaged)"] = lambda x, k=plain, e=extra: k(x, **e)
-            moved[name] = moved[f"{name} (unstaged)"] = nbytes
+            fns[f"{name} ({label})"] = lambda x, k=plain, e=extra: k(x, **e)
+            moved[name] = moved[f"{name} ({label})"] = nbytes
         times = interleaved(fns, xs, rounds=5, reps=10)
         for name, t in times.items():
             rows.append({"tensor": what, "M": M, "N": N, "kernel": name, "us": t,
