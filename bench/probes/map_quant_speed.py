@@ -49,8 +49,9 @@ def unstaged() -> Iterator[None]:
         lower_map.MapGraph.stage_offsets = prop
 
 
-def earlier(program: Any, source_file: Path) -> Any:
-    """The map kernel built from a source an earlier library version generated for ``program``."""
+def from_source(program: Any, source_file: Path, label: str) -> Any:
+    """The map kernel built from a saved source for ``program`` (an earlier library version's, or a
+    hand-written probe variant with the same host ABI)."""
     from coda_cutlass.build.builder import build
     from coda_cutlass.pipeline import Options, typed_ir
     from coda_cutlass.runtime.map_kernel import CompiledMap
@@ -58,19 +59,19 @@ def earlier(program: Any, source_file: Path) -> Any:
     graph = lower_map.lower_map(typed_ir(program, opts), opts.dtype)
     # the one helper call the template no longer emits (all groups of staged rows landed)
     source = source_file.read_text().replace("coda::map::stage_wait();", "coda::map::stage_wait_pending(0);")
-    return CompiledMap(graph, source, build(source, program.name + "_before", verbose=False))
+    return CompiledMap(graph, source, build(source, f"{program.name}_{label}", verbose=False))
 
 
-def builds(before: Path | None) -> dict[str, tuple[Any, Any, bool, int, str]]:
+def builds(variants: dict[str, Path]) -> dict[str, tuple[Any, dict[str, Any], bool, int]]:
+    """name -> (the library's kernel, {label: other kernel}, takes g, bytes moved per element)."""
     out = {}
     for name, program, gain, moved in KERNELS:
-        staged = cc.compile_map(program, torch.bfloat16, verbose=False)
-        if before is not None:
-            other, label = earlier(program, before / f"{name}.cu"), "before"
-        else:
+        others = {label: from_source(program, d / f"{name}.cu", label)
+                  for label, d in variants.items() if (d / f"{name}.cu").exists()}
+        if not variants:
             with unstaged():
-                other, label = cc.compile_map(program, torch.bfloat16, verbose=False), "unstaged"
-        out[name] = (staged, other, gain, moved, label)
+                others["unstaged"] = cc.compile_map(program, torch.bfloat16, verbose=False)
+        out[name] = (cc.compile_map(program, torch.bfloat16, verbose=False), others, gain, moved)
     return out
 
 
@@ -79,10 +80,12 @@ def main() -> None:
     ap.add_argument("--build-only", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--before", type=Path, default=None, help="a folder of NAME.cu sources of an earlier version")
+    ap.add_argument("--alt", type=Path, default=None, help="a folder of NAME.cu probe variants (same host ABI)")
     args = ap.parse_args()
-    kernels = builds(args.before)
+    variants = {label: d for label, d in (("before", args.before), ("alt", args.alt)) if d is not None}
+    kernels = builds(variants)
     if args.build_only:
-        print(f"built {2 * len(kernels)} map kernels")
+        print(f"built {sum(1 + len(k[1]) for k in kernels.values())} map kernels")
         return
     rows: list[dict[str, Any]] = []
     for M, N, what in SHAPES:
@@ -90,16 +93,19 @@ def main() -> None:
         g = torch.rand(N, device="cuda").to(torch.bfloat16) + 0.5
         fns: dict[str, Any] = {"torch cast to e4m3": lambda x: x.to(torch.float8_e4m3fn)}
         moved = {"torch cast to e4m3": 3}
-        for name, (staged, plain, gain, nbytes, label) in kernels.items():
+        for name, (staged, others, gain, nbytes) in kernels.items():
             extra = {"g": g} if gain else {}
-            a, b = staged(xs[0], **extra), plain(xs[0], **extra)
-            same = all(torch.equal(a[k].view(torch.uint8) if a[k].element_size() == 1 else a[k],
-                                   b[k].view(torch.uint8) if b[k].element_size() == 1 else b[k]) for k in a)
-            if not same:
-                raise SystemExit(f"{name} {M}x{N}: the library's and the {label} kernels disagree")
+            a = staged(xs[0], **extra)
             fns[f"{name}"] = lambda x, k=staged, e=extra: k(x, **e)
-            fns[f"{name} ({label})"] = lambda x, k=plain, e=extra: k(x, **e)
-            moved[name] = moved[f"{name} ({label})"] = nbytes
+            moved[name] = nbytes
+            for label, other in others.items():
+                b = other(xs[0], **extra)
+                same = all(torch.equal(a[k].view(torch.uint8) if a[k].element_size() == 1 else a[k],
+                                       b[k].view(torch.uint8) if b[k].element_size() == 1 else b[k]) for k in a)
+                if not same:
+                    raise SystemExit(f"{name} {M}x{N}: the library's and the {label} kernels disagree")
+                fns[f"{name} ({label})"] = lambda x, k=other, e=extra: k(x, **e)
+                moved[f"{name} ({label})"] = nbytes
         times = interleaved(fns, xs, rounds=5, reps=10)
         for name, t in times.items():
             rows.append({"tensor": what, "M": M, "N": N, "kernel": name, "us": t,
