@@ -240,7 +240,6 @@ def test_block_scaled_transposed_outputs_take_two_passes_over_128_rows():
     assert first < second and "cs1.finish(cmax1" in src[first:second]
     assert src[first:].count("const int64_t m = m_first + kRowsPerWarp * warp + j;") == 2
     assert "out[i] = v0[i] * tinv1[i];" in src[second:] and "tq1[j] = coda::map::pack8<cutlass::float_e4m3_t>(out);" in src
-    assert "tq1[j]" not in src[first:second]
     assert "coda::map::write_transposed16(p.tensors[1], p.views[1].stride_m, n0," in src[second:]
     assert "one per 128 x 1 run of each column of X" in src
 
@@ -259,11 +258,7 @@ def test_two_pass_kernels_stage_their_16_bit_inputs_once_in_shared_memory():
     src = cc.emit_map(_transposed_blocks)
     assert "kStageBytes = 65536;" in src and "coda::map::stage8<cutlass::bfloat16_t>(stage0," in src
     first, second = src.index("// First pass"), src.index("// Second pass")
-    # the copies go out in 4 committed groups of a warp's rows; the first pass waits for each group
-    # just before its rows, the second finds them all landed
-    assert src.index("coda::map::stage_commit();") < first and "kStageGroups = 4;" in src
-    assert "coda::map::stage_wait_pending(kStageGroups - 1 - j / kRowsPerGroup);" in src[first:second]
-    assert "stage_wait" not in src[second:]
+    assert src.index("coda::map::stage_wait();") < first
     assert src[first:].count("load8<cutlass::bfloat16_t>(stage0, int(m - m_first)") == 2
     assert "p.tensors[0], row0" not in src[first:]          # X is never read from global in the passes
     assert STAGE_BYTES == 128 * 256 * 2                     # one bf16 tile: two blocks of ~108 KB per SM
@@ -271,10 +266,6 @@ def test_two_pass_kernels_stage_their_16_bit_inputs_once_in_shared_memory():
     assert "stage8<cutlass::bfloat16_t>(stage0," in sum_src and "stage1" not in sum_src   # t would pass the budget
     assert "load8<cutlass::bfloat16_t>(p.tensors[1], row1 + col1" in sum_src
     assert "load8<float>(p.tensors[2], row2 + col2" in sum_src
-    # the 1 x 128 row codes leave in the first pass, as their rows land; the second computes only y for y^T
-    f2, s2 = sum_src.index("// First pass"), sum_src.index("// Second pass")
-    assert "shuffle_max(a, 15)" in sum_src[f2:s2] and "shuffle_max" not in sum_src[s2:]
-    assert "store8<cutlass::float_e4m3_t>" in sum_src[f2:s2] and "store8" not in sum_src[s2:]
     plain = cc.emit_map(_transposed)
     assert "kStageBytes = 0;" in plain and "stage8" not in plain.split("namespace coda_generated")[1]
 

@@ -58,7 +58,7 @@ def from_source(program: Any, source_file: Path, label: str) -> Any:
     opts = Options.make(torch.bfloat16)
     graph = lower_map.lower_map(typed_ir(program, opts), opts.dtype)
     # the one helper call the template no longer emits (all groups of staged rows landed)
-    source = source_file.read_text().replace("coda::map::stage_wait();", "coda::map::stage_wait_pending(0);")
+    source = source_file.read_text().replace("coda::map::stage_wait();", "coda::map::stage_commit(); coda::map::stage_wait_pending(0);")
     return CompiledMap(graph, source, build(source, f"{program.name}_{label}", verbose=False))
 
 

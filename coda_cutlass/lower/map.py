@@ -21,15 +21,13 @@ reductions (sum, max, min, gather) and total sums as per-(row, 256-column tile) 
 
 A transposed output with 128 x 1 block scales (``cc.quantize(..., block=128, transpose=True)``: the
 weight-gradient operand of the blockwise recipe) makes each block walk 128 rows, one run of each of
-its 256 columns, in two passes, warp w over rows 16w .. 16w + 15: the first evaluates the whole
-program but that output (the other outputs are stored there) and reduces each column's amax of the
-value it quantises (registers, then the 8 warps in shared memory); the second evaluates only what
-that output needs, with the column scales known, and keeps the transposed codes in registers, 8
-bytes a row, which byte permutes transpose into 16-byte runs of the output's rows (no shared-memory
-tile: reading one back took an instruction per byte). The block's tile inputs (up to STAGE_BYTES of
-them, X first) are copied once into shared memory before the first pass (cp.async, every row in
-flight at once, in four groups of a warp's rows that the first pass waits for one by one, so it
-starts on the first rows while the rest arrive) and both passes read them there, not L2 again. One such output per
+its 256 columns, in two passes, warp w over rows 16w .. 16w + 15: the first evaluates only what that
+output needs and reduces each column's amax (registers, then the 8 warps in shared memory); the
+second evaluates the whole program with the column scales known and keeps the transposed codes in
+registers, 8 bytes a row, which byte permutes transpose into 16-byte runs of the output's rows (no
+shared-memory tile: reading one back took an instruction per byte). The block's tile inputs (up to
+STAGE_BYTES of them, X first) are copied once into shared memory before the first pass (cp.async,
+every row in flight at once) and both passes read them there, not L2 again. One such output per
 kernel, and no other transposed output beside it (that one would need a 128-row staging tile).
 
 Refused with an error naming the node: packed pairs, log-sum-exp, segment sums, column reductions,

@@ -254,19 +254,8 @@ CUTLASS_DEVICE void stage8(T* smem, int offset, void const* base, int64_t g_offs
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(g) : "memory");
 }
 
-// The cp.async copies this thread issued since its last commit form one group.
-CUTLASS_DEVICE void stage_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-// All but the newest ``pending`` (0 to 3) of this thread's groups have landed (and are visible to it).
-// ``pending`` is a constant where the caller's loop is unrolled, so the switch folds to one wait.
-CUTLASS_DEVICE void stage_wait_pending(int pending) {
-  switch (pending) {
-    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
-  }
-}
+// Every cp.async of this thread has landed (and is visible to it).
+CUTLASS_DEVICE void stage_wait() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // One element of a per-row or per-column vector (any dtype: index vectors are read as fp32).
 template <class T>
