@@ -44,9 +44,9 @@ def global_batch(world: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]
 FP8_VOCAB, FP8_SEQ = 256, 128
 
 
-def build_fp8(recipe: Any, seed: int = 0) -> LlamaModel:
+def build_fp8(recipe: Any, seed: int = 0, layers: int = 2) -> LlamaModel:
     torch.manual_seed(seed)
-    return LlamaModel(FP8_VOCAB, 128, 2, 1, 1, 128, head_dim=128, fp8=recipe, dtype=torch.float32,
+    return LlamaModel(FP8_VOCAB, 128, layers, 1, 1, 128, head_dim=128, fp8=recipe, dtype=torch.float32,
                       compute_dtype=torch.bfloat16)
 
 

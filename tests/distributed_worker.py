@@ -401,13 +401,35 @@ def fp8_dcp_resume() -> dict[str, Any]:
     return out
 
 
+def fp8_amax_subgroups() -> dict[str, Any]:
+    """Two groups of two ranks that hold different FP8 blocks, as two pipeline stages' data-parallel
+    replicas do (ranks 0, 1: a 2-block model; ranks 2, 3: a 3-block one, so the groups' collectives
+    differ in size): each group reduces its amaxes over itself (``set_amax_group``) and trains under
+    DDP over itself. Also what naming a group this rank is not in, or no group object, raises."""
+    from torch.nn.parallel import DistributedDataParallel
+    from coda_cutlass.nn.fp8 import amax_group, set_amax_group
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    stage = dist.get_rank() // 2
+    refused = {"other": _error_of(lambda: set_amax_group(groups[1 - stage])), "type": _error_of(lambda: set_amax_group(1))}
+    previous = set_amax_group(groups[stage])
+    try:
+        model = build_fp8("tensorwise", layers=2 + stage)
+        ddp = DistributedDataParallel(model, process_group=groups[stage])
+        losses = _fp8_train(ddp, optimizer(model.parameters()), [0, 1, 2])
+        kept = amax_group() is groups[stage]
+    finally:
+        set_amax_group(previous)
+    return {"states": scale_states(model), "losses": losses, "refused": refused, "kept": kept,
+            "restored": amax_group() is None}
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     f.__name__: f for f in (fsdp, fsdp_bf16, fsdp_shard_dim1, fsdp_checkpointed, fsdp_whole, accumulation, ddp,
                             ddp_checkpointed, refuse_unregistered, refuse_cast_inputs, dcp_save, dcp_load,
                             fp8_reduced_scales, fp8_empty_batch, fp8_two_backwards, fp8_validation_on_one_rank,
                             fp8_forward_on_one_rank_between_two_backwards,
                             fp8_tensor_on_one_rank,
-                            fp8_dcp_resume)}
+                            fp8_dcp_resume, fp8_amax_subgroups)}
 
 
 def main(out: Path, names: list[str]) -> None:

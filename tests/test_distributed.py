@@ -43,7 +43,7 @@ ONLY_2 = ["fsdp_shard_dim1", "fsdp_whole", "ddp_checkpointed", "refuse_unregiste
           "fp8_reduced_scales", "fp8_empty_batch", "fp8_two_backwards", "fp8_validation_on_one_rank",
           "fp8_tensor_on_one_rank",
           "fp8_forward_on_one_rank_between_two_backwards", "fp8_dcp_resume"]
-ONLY_4 = ["dcp_load"]
+ONLY_4 = ["dcp_load", "fp8_amax_subgroups"]
 TIMEOUT_S = 300
 
 
@@ -623,3 +623,25 @@ def test_a_sharded_from_hf_model_loads_a_transformers_state_dict(world_of_one, f
     got = sharded.hf_state_dict()
     for k, v in want.items():
         assert torch.equal(got[k], part.get(k, v)), k
+
+
+def test_fp8_amaxes_reduce_over_the_group_set_for_them(run4):
+    """4 ranks as two pipeline stages of two data-parallel replicas each, the stages holding different
+    blocks (2 and 3): with ``nn.fp8.set_amax_group(its stage's group)`` each stage reduces its amaxes
+    over its own two ranks, which keep one scale state, each step's history column the largest of
+    those two ranks' amaxes alone (the first step's: one process's on each rank's batch); over the
+    default group the stages' collectives would differ in size. A group the rank is not in, and
+    anything but a process group, are refused by name."""
+    res = result(run4, "fp8_amax_subgroups")
+    states = res["states"]
+    for a, b in ((0, 1), (2, 3)):
+        _assert_ranks_agree([states[a], states[b]])
+    assert len(states[0]) == 2 and len(states[2]) == 3
+    for block, state in enumerate(states[0]):
+        assert torch.equal(state["history"][:, 0], torch.maximum(_first_step_amaxes(0)[block],
+                                                                 _first_step_amaxes(1)[block])), block
+    assert not torch.equal(states[0][0]["history"], states[2][0]["history"])
+    assert torch.isfinite(res["losses"]).all()
+    assert res["kept"] and res["restored"]
+    assert "is not a member of this group" in res["refused"]["other"]["error"]
+    assert "expected a torch.distributed ProcessGroup" in res["refused"]["type"]["error"]

@@ -3,7 +3,8 @@ Transformer Engine's DelayedScaling does by default: without it each rank folds 
 its own data, so the ranks' scales drift apart and a distributed checkpoint, which keeps one copy of
 the scale state, resumes every rank on one rank's.
 
-One collective, a MAX all-reduce over the default process group, takes the vectors of several blocks
+One collective, a MAX all-reduce over the default process group (or the one ``set_amax_group`` names:
+the ranks that hold the same blocks, e.g. one pipeline stage's data-parallel replicas), takes the vectors of several blocks
 (concatenated): at the end of the backward that finishes their step (``at_backward_end``: one for
 all the blocks whose backward ran; a checkpoint's recompute, whose fold ends its own backward,
 reduces there). The collectives follow the backwards, never a forward alone (nn/fp8/delayed.py). It
@@ -23,12 +24,52 @@ from typing import Any, Callable
 
 import torch
 
+from ...errors import ConfigError
+
+# the process group the amaxes are reduced over (None: the default group)
+_GROUP: Any = None
+
+
+def set_amax_group(group: Any) -> Any:
+    """Reduce the FP8 "tensorwise" amaxes of this process's blocks over ``group`` (a
+    ``torch.distributed`` process group this rank belongs to; None: the default group, the
+    default) and return the group set before. Every rank of the group must hold the same FP8 blocks
+    and run their training backwards alike, as DDP or FSDP replicas of them do: with pipeline
+    parallelism, the data-parallel group of this rank's stage (over the default group, stages
+    holding different blocks would send collectives of different sizes, and gloo aborts or NCCL
+    hangs). Set it on every rank of the group before the first training step, the same on all."""
+    global _GROUP
+    dist = torch.distributed
+    if group is not None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("set_amax_group: torch.distributed is not initialised (call "
+                              "init_process_group first, then make the group with new_group)")
+        outside = f"set_amax_group: rank {dist.get_rank()} is not a member of this group"
+        if group is dist.GroupMember.NON_GROUP_MEMBER:      # what new_group returns on the other ranks
+            raise ConfigError(f"{outside} (new_group gave it the non-member marker): each rank names the "
+                              "group it belongs to")
+        if not isinstance(group, dist.ProcessGroup):
+            raise ConfigError(f"set_amax_group: expected a torch.distributed ProcessGroup or None, got "
+                              f"{type(group).__name__}")
+        if dist.get_rank(group) < 0:
+            raise ConfigError(f"{outside} (its ranks: {dist.get_process_group_ranks(group)}): each rank "
+                              "names the group it belongs to")
+    previous, _GROUP = _GROUP, group
+    return previous
+
+
+def amax_group() -> Any:
+    """The process group the amaxes are reduced over (None: the default group)."""
+    return _GROUP
+
 
 def ranks_reduce(reduce_amax: bool) -> bool:
     """Whether amaxes are reduced now: the recipe asks for it and this process is one of several in an
-    initialised torch.distributed world (one process, or none initialised: nothing to reduce)."""
+    initialised torch.distributed world, and of its amax group (one process, or none initialised:
+    nothing to reduce)."""
     dist = torch.distributed
-    return reduce_amax and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return (reduce_amax and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size(_GROUP) > 1)
 
 
 def max_over_ranks(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -42,7 +83,7 @@ def max_over_ranks(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
     for ks in by_device.values():
         inf = float("inf")
         flat = torch.nan_to_num(torch.cat([vectors[k] for k in ks]), nan=inf, posinf=inf, neginf=-inf)
-        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=_GROUP)
         for k, part in zip(ks, flat.split([vectors[k].numel() for k in ks])):
             out[k] = part
     return out  # type: ignore[return-value]
