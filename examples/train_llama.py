@@ -13,7 +13,8 @@ the coda model with that FP8 recipe, plus (on a GPU, when torchao imports) the t
 float8 tensorwise training, the peer's curve beside coda's (``--no-torchao`` leaves it out). The
 coda curve passes when its mean distance to fp32 is within twice eager bf16's (plus 0.01); an FP8
 recipe passes within 1.25x of eager bf16's (torchao's curve is reported, not judged). Writes
-loss.json (and loss.png when matplotlib is installed) into the folder given with --out.
+loss.json (and loss.png when matplotlib is installed) into the folder given with --out; a folder
+that holds an earlier run's loss.json or loss.png is refused unless --overwrite is given.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int) -> 
 
 PEER = "torchao fp8 tensorwise"
 MIN_JUDGED_STEPS = 200      # FP8 recipes are held to the 1.25x bar on runs this long or longer
+RESULT_FILES = ("loss.json", "loss.png")    # what a run writes into --out
 
 
 def torchao_twin(model: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module | None:
@@ -106,6 +108,8 @@ def main() -> int:
                     help=f"also train the coda model with this FP8 recipe: {', '.join(sorted(RECIPES))} "
                          "(coda_cutlass.nn.fp8.RECIPES; repeatable); its PASS bar "
                          "(1.25x eager bf16's distance to fp32) is for runs of 200 steps or more")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace the loss.json / loss.png of an earlier run in --out (refused otherwise)")
     ap.add_argument("--no-torchao", dest="torchao", action="store_false",
                     help="leave out the torchao float8 tensorwise twin (trained by default with --fp8 on a GPU)")
     args = ap.parse_args()
@@ -130,6 +134,10 @@ def main() -> int:
                  f"128-token blocks), got {args.batch} x {args.seq} = {args.batch * args.seq}")
     if args.out.exists() and not args.out.is_dir():
         ap.error(f"--out {args.out} exists and is not a folder")
+    earlier = [n for n in RESULT_FILES if (args.out / n).exists()]
+    if earlier and not args.overwrite:      # e.g. a run committed under docs/results/
+        ap.error(f"--out {args.out} already holds {', '.join(earlier)} of an earlier run; name another folder, "
+                 "or pass --overwrite to replace them")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: this torch has no CUDA device (use --device cpu)")
     args.out.mkdir(parents=True, exist_ok=True)      # before training: a bad folder must not cost the run
@@ -176,7 +184,10 @@ def main() -> int:
                "seconds": seconds, "fp8_pass": fp8_ok, "all_finite": finite, "pass": ok, "curves": curves}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "loss.json").write_text(json.dumps(summary, indent=1))
-    wrote = ["loss.json"] + (["loss.png"] if plot(curves, args.out / "loss.png", summary) else [])
+    plotted = plot(curves, args.out / "loss.png", summary)
+    if not plotted:                         # (--overwrite) no earlier run's plot beside this run's figures
+        (args.out / "loss.png").unlink(missing_ok=True)
+    wrote = ["loss.json"] + (["loss.png"] if plotted else [])
     fp8_text = "".join(f", {n} {dist[n]:.4f} ("
                        + (("ok" if fp8_ok[n] else "over") + " 1.25x eager bf16" if judged
                           else f"not judged under {MIN_JUDGED_STEPS} steps") + ")" for n in fp8_ok)

@@ -82,3 +82,23 @@ def test_train_llama_short_fp8_runs_are_not_judged(tmp_path):
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "not judged under 200 steps" in run.stdout and (tmp_path / "loss.json").is_file()
+
+
+def test_train_llama_does_not_overwrite_an_earlier_runs_results(tmp_path):
+    # --out naming a folder of earlier results (the committed docs/results/.../train_1000 runs) had
+    # its loss.json replaced without a word, and without matplotlib next to the old run's loss.png
+    out = tmp_path / "earlier"
+    out.mkdir()
+    (out / "loss.json").write_text("{}")
+    (out / "loss.png").write_bytes(b"png")
+    cmd = [sys.executable, str(REPO / "examples" / "train_llama.py"), "--device", "cpu", "--steps", "1", "--batch",
+           "2", "--seq", "64", "--out", str(out)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 2 and "already holds loss.json, loss.png" in run.stderr, run.stderr[-1000:]
+    assert (out / "loss.json").read_text() == "{}" and (out / "loss.png").read_bytes() == b"png"
+    run = subprocess.run(cmd + ["--overwrite"], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert (out / "loss.json").read_text() != "{}"
+    # the plot is this run's or none: never the earlier run's beside this run's figures
+    assert not (out / "loss.png").exists() or (out / "loss.png").read_bytes() != b"png"
