@@ -542,8 +542,9 @@ def from_hf(hf_model: Any, *, attention: str = "sdpa", ignore_fields: Iterable[s
     """A coda model with the weights of a transformers causal LM (Llama, Mistral, Phi-3); the
     transformers model is left unchanged. Fields that change the math and are not implemented are
     refused by name (``ignore_fields``: fields you know are inert). ``fp8``: a recipe name
-    ("tensorwise", "blockwise") or an nn.fp8.Fp8Recipe for the decoder layers' GEMMs, or a list with
-    one per layer."""
+    ("tensorwise", "blockwise", "blockwise_g16") or an nn.fp8.Fp8Recipe for the decoder layers' GEMMs,
+    or a list with one per layer (None: a bf16 layer); FP8 layers need widths that are multiples of 128
+    (docs/FP8.md)."""
     coda, family, tied = build_coda_model(hf_model, attention=attention, ignore_fields=ignore_fields,
                                           compute_dtype=compute_dtype, fp8=fp8)
     model = coda_class()(copy.deepcopy(hf_model.config), coda, family, tied, type(hf_model))
