@@ -184,3 +184,11 @@ def test_a_gpu_without_plans_takes_those_tuned_on_another_gpu_of_its_architectur
         assert r.plan["o"] == d and "NVIDIA H200|sm90|cuda12.8" in r.plan_source
     err = capsys.readouterr().err
     assert err.count("using the one tuned on NVIDIA H200|sm90|cuda12.8") == 1, err
+    assert ("no in-sequence plan tuned on this GPU (NVIDIA H100 80GB HBM3|sm90|cuda12.8) at M = 16384 tokens for "
+            "llama:w: using the one tuned on NVIDIA H200|sm90|cuda12.8 at M = 8192") in err, err
+    # this GPU's own plan of another M bucket: said once too (its weight gradients' K is the token count)
+    for _ in range(2):
+        KernelRunner(torch.bfloat16, cache_dir=tmp_path, verbose=True).prepare("llama:w", 8192, device=h100)
+    err = capsys.readouterr().err
+    assert err.count("no in-sequence plan tuned at M = 8192 tokens for llama:w: using the one tuned at M = 32768 "
+                     "(model.tune()") == 1, err

@@ -145,6 +145,12 @@ def tuned_on(key: str) -> str:
     return "|".join(p for p in (gpu, arch, cuda) if p)
 
 
+def tuned_at(key: str) -> int | None:
+    """The M bucket of a plan key (tokens), None if it has none of ``plan_key``'s form."""
+    bucket = key.rpartition("|M")[2]
+    return int(bucket) if _BUCKET.fullmatch(bucket) else None
+
+
 def load_plan(context: str, dtype: torch.dtype, M: int, cache_dir: Any = None,
               device: str | None = None, nearest: bool = True) -> dict[str, Choice] | None:
     """The stored plan for this model context and M bucket (or the nearest bucket's, see

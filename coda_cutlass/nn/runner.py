@@ -24,13 +24,13 @@ from ..pipeline import Options, lower_program, typed_ir
 from ..timing import elapsed_us, medians_us, timed_call
 from ..tuning.store import m_bucket
 from .kernels import PLAN_FALLBACK
-from .plan_store import Choice, find_plan, plan_key, tuned_on
+from .plan_store import Choice, find_plan, plan_key, tuned_at, tuned_on
 
 # An FP8 GEMM's (operand dtype or (A, W) dtypes, scaling[, fast accumulation]); None: a 16-bit GEMM
 # in the runner's dtype.
 Fp8Options = tuple[Any, str] | tuple[Any, str, bool] | None
 
-_BORROWED: set[tuple[str, str]] = set()    # (this GPU's plan key, the other GPU's) already announced
+_BORROWED: set[tuple[str, str]] = set()    # (this GPU's and M's plan key, the one used instead) announced
 
 
 def fp8_parts(fp8: tuple) -> tuple[Any, str, bool]:
@@ -177,14 +177,21 @@ class KernelRunner(Runner):
         self._prepared = key
 
     def _say_if_borrowed(self, context: str, M: int, device: str | None, key: str) -> None:
-        """Say once per plan when it was tuned on another GPU than this one (find_plan's fallback)."""
+        """Say once per plan when it was tuned on another GPU than this one, or at another M bucket
+        (find_plan's fallbacks): the sites whose K is the token count (the weight gradients) can run
+        1.4-1.7x cuBLAS on the M = 8192 plan at M = 16384 (docs/RESULTS.md, thirty-fifth session)."""
         if device is None and not torch.cuda.is_available():
             return                                  # no GPU to name (a test's stand-in plan)
         own = plan_key(context, self.dtype, M, device)
-        if tuned_on(key) != tuned_on(own) and (own, key) not in _BORROWED:
+        other_gpu, other_m = tuned_on(key) != tuned_on(own), tuned_at(key) != tuned_at(own)
+        if (other_gpu or other_m) and (own, key) not in _BORROWED:
             _BORROWED.add((own, key))
-            say(f"no in-sequence plan tuned on this GPU ({tuned_on(own)}) for {context}: using the one tuned on "
-                f"{tuned_on(key)} (model.tune() / block.tune() tunes one for this GPU)", self.verbose)
+            where = f"on this GPU ({tuned_on(own)})" if other_gpu else ""
+            at = f"at M = {tuned_at(own)} tokens" if other_m else ""
+            used = " ".join(x for x in ((f"on {tuned_on(key)}" if other_gpu else ""),
+                                        (f"at M = {tuned_at(key)}" if other_m else "")) if x)
+            say(f"no in-sequence plan tuned {' '.join(x for x in (where, at) if x)} for {context}: using the one "
+                f"tuned {used} (model.tune() / block.tune() tunes one for this GPU and M)", self.verbose)
 
     def bound(self, context: str, M: int) -> "KernelRunner":
         """This runner with the plan of another model context and M (a block of another FP8 recipe
