@@ -30,14 +30,13 @@
 #             copies cost less device time but 30 ms of host time a step against 18, the step is host-bound)
 #   hostprofile  stepprofile's figures for coda bf16 and "tensorwise" with cProfile's 45 functions of most host time
 #                (27th session: the 1B "tensorwise" step is host-bound, 137 ms wall against 109 of kernels)
-# A 30-minute device session (34th session's plan for the next; it had an H100 for four calls after 40 minutes of
-# failed starts, and no H200), calls each under 10 minutes, back to back (a machine idle 30 s is given back): 1. on an
-# H200, MODEL_CONFIGS=1b,3b,8b MODEL_VARIANTS=liger,compile,coda modelcompile (3B: 1.031-1.049x Liger on H100s, 1.046x
-# on the H200 in the 30th; compile does not fit beside the others on an H100); 2. on the H200, BENCH_ARGS for 70B
-# (--widths 70b --fp8 tensorwise blockwise_g16 ...: on an H100 in the 34th "tensorwise" took 45.7 ms against 39.9 on
-# the H200 in the 30th with no kernel source changed; an H200 run says whether the H200 still gives 39.9); on an H100,
-# the same after block.tune() at 70B widths says whether the H200 plans or the card's clocks cost it; 3. the two-rank
-# amax test over NCCL on two GPUs if a 2-GPU kind is lent (it passed over gloo on one H100 in the 34th).
+# A 30-minute device session (35th session's plan for the next; the 35th had an H100 for five calls after ten
+# failed or refused ones, no H200), calls each under 10 minutes, back to back (a machine idle 30 s is given back):
+# 1. on the H200, fp8block (8B, M = 8192: the H200's last 8B FP8 figures are the 30th session's) and the GPU tests
+# not run since the 33rd/34th sessions on an H200; 2. on the H200, BENCH_ARGS "--widths 8b --tokens 16384 --fp8
+# tensorwise blockwise_g16 --tune ..." (M = 16384 runs the 8192 plans: weight gradients up to 1.67x cuBLAS on an
+# H100 in the 35th) and ship the plans it stores (coda_cutlass/nn/plans/h200.json); 3. 70B blockwise_g16 + torchao
+# rowwise at M = 8192 on the H200; 4. the two-rank amax test over NCCL if a 2-GPU kind is lent.
 # the GPU catalogue's cases whose kernels hold a per-row partial reduction (coda::ColumnCheckedRowReduction,
 # 28th session), at its partial-tile shapes (M = 1000, N = 776; 129 x 136) among others
 ROW_REDUCE_CASES="residual_norm_stats or row_max_min or total_sum or total_max_min or many_reductions or reductions_only \
