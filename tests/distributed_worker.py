@@ -410,7 +410,8 @@ def fp8_amax_subgroups() -> dict[str, Any]:
     from coda_cutlass.nn.fp8 import amax_group, set_amax_group
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     stage = dist.get_rank() // 2
-    refused = {"other": _error_of(lambda: set_amax_group(groups[1 - stage])), "type": _error_of(lambda: set_amax_group(1))}
+    refused = {"other": _error_of(lambda: set_amax_group(groups[1 - stage])),
+               "type": _error_of(lambda: set_amax_group(1))}
     previous = set_amax_group(groups[stage])
     try:
         model = build_fp8("tensorwise", layers=2 + stage)

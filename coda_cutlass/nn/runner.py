@@ -186,12 +186,10 @@ class KernelRunner(Runner):
         other_gpu, other_m = tuned_on(key) != tuned_on(own), tuned_at(key) != tuned_at(own)
         if (other_gpu or other_m) and (own, key) not in _BORROWED:
             _BORROWED.add((own, key))
-            where = f"on this GPU ({tuned_on(own)})" if other_gpu else ""
-            at = f"at M = {tuned_at(own)} tokens" if other_m else ""
-            used = " ".join(x for x in ((f"on {tuned_on(key)}" if other_gpu else ""),
-                                        (f"at M = {tuned_at(key)}" if other_m else "")) if x)
-            say(f"no in-sequence plan tuned {' '.join(x for x in (where, at) if x)} for {context}: using the one "
-                f"tuned {used} (model.tune() / block.tune() tunes one for this GPU and M)", self.verbose)
+            mine = [f"on this GPU ({tuned_on(own)})"] * other_gpu + [f"at M = {tuned_at(own)} tokens"] * other_m
+            used = [f"on {tuned_on(key)}"] * other_gpu + [f"at M = {tuned_at(key)}"] * other_m
+            say(f"no in-sequence plan tuned {' '.join(mine)} for {context}: using the one tuned {' '.join(used)} "
+                "(model.tune() / block.tune() tunes one for this GPU and M)", self.verbose)
 
     def bound(self, context: str, M: int) -> "KernelRunner":
         """This runner with the plan of another model context and M (a block of another FP8 recipe

@@ -3,11 +3,11 @@ Transformer Engine's DelayedScaling does by default: without it each rank folds 
 its own data, so the ranks' scales drift apart and a distributed checkpoint, which keeps one copy of
 the scale state, resumes every rank on one rank's.
 
-One collective, a MAX all-reduce over the default process group (or the one ``set_amax_group`` names:
-the ranks that hold the same blocks, e.g. one pipeline stage's data-parallel replicas), takes the vectors of several blocks
-(concatenated): at the end of the backward that finishes their step (``at_backward_end``: one for
-all the blocks whose backward ran; a checkpoint's recompute, whose fold ends its own backward,
-reduces there). The collectives follow the backwards, never a forward alone (nn/fp8/delayed.py). It
+One collective, a MAX all-reduce over the default process group (or the one ``set_amax_group``
+names: the ranks that hold the same blocks, e.g. one pipeline stage's data-parallel replicas), takes
+the vectors of several blocks (concatenated): at the end of the backward that finishes their step
+(``at_backward_end``: one for all the blocks whose backward ran; a checkpoint's recompute, whose
+fold ends its own backward, reduces there). The collectives follow the backwards, never a forward alone (nn/fp8/delayed.py). It
 runs eagerly, never inside the compiled fold, and reads nothing on the host (but a flag where a
 second backward of a step ends: DelayedScales.reduce_together): NCCL reduces device tensors on its
 own stream; gloo takes CPU tensors (the CPU tests') and copies CUDA ones itself.
