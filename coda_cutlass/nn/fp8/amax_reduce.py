@@ -36,8 +36,8 @@ def set_amax_group(group: Any) -> Any:
     default) and return the group set before. Every rank of the group must hold the same FP8 blocks
     and run their training backwards alike, as DDP or FSDP replicas of them do: with pipeline
     parallelism, the data-parallel group of this rank's stage (over the default group, stages
-    holding different blocks would send collectives of different sizes, and gloo aborts or NCCL
-    hangs). Set it on every rank of the group before the first training step, the same on all; it
+    holding different blocks would send collectives of different sizes, and gloo aborts, NCCL
+    may hang). Set it on every rank of the group before the first training step, the same on all; it
     outlives ``destroy_process_group``, so a process that makes a new world sets it again (or None)."""
     global _GROUP
     dist = torch.distributed
