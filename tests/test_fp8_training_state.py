@@ -566,7 +566,7 @@ class _AllReduceCounter:
         self.calls = []
         monkeypatch.setattr(delayed, "ranks_reduce", lambda reduce_amax: reduce_amax)
         monkeypatch.setattr(torch.distributed, "all_reduce",
-                            lambda t, op=None: self.calls.append((tuple(t.shape), op)))
+                            lambda t, op=None, group=None: self.calls.append((tuple(t.shape), op)))
 
 
 @pytest.mark.parametrize("how", ["own folds", "folds_together", "checkpointed"])
