@@ -424,13 +424,38 @@ def fp8_amax_subgroups() -> dict[str, Any]:
             "restored": amax_group() is None}
 
 
+def fp8_amax_group_destroyed() -> dict[str, Any]:
+    """The amax group destroyed (``destroy_process_group(group)``; a whole world's destroyed with
+    it) while ``set_amax_group`` still names it: the next training forward refuses it by name on
+    every rank (before, the reductions went on over the destroyed group: on gloo its connections
+    still served, with a world made again in the process too, and a world of one after a world of
+    two crashed in gloo, neither naming set_amax_group). ``set_amax_group(None)`` then trains over
+    the default group: one scale state."""
+    from torch.nn.parallel import DistributedDataParallel
+    from coda_cutlass.nn.fp8 import amax_group, set_amax_group
+    group = dist.new_group([0, 1])
+    previous = set_amax_group(group)
+    try:
+        model = DistributedDataParallel(build_fp8("tensorwise"))
+        opt = optimizer(model.parameters())
+        _fp8_train(model, opt, [0])
+        dist.destroy_process_group(group)
+        refused = _error_of(lambda: _fp8_train(model, opt, [1]))
+        kept = amax_group() is group
+        set_amax_group(None)
+        losses = _fp8_train(model, opt, [2, 3])
+    finally:
+        set_amax_group(previous)
+    return {"refused": refused, "kept": kept, "states": scale_states(model.module), "losses": losses}
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     f.__name__: f for f in (fsdp, fsdp_bf16, fsdp_shard_dim1, fsdp_checkpointed, fsdp_whole, accumulation, ddp,
                             ddp_checkpointed, refuse_unregistered, refuse_cast_inputs, dcp_save, dcp_load,
                             fp8_reduced_scales, fp8_empty_batch, fp8_two_backwards, fp8_validation_on_one_rank,
                             fp8_forward_on_one_rank_between_two_backwards,
                             fp8_tensor_on_one_rank,
-                            fp8_dcp_resume, fp8_amax_subgroups)}
+                            fp8_dcp_resume, fp8_amax_subgroups, fp8_amax_group_destroyed)}
 
 
 def main(out: Path, names: list[str]) -> None:

@@ -42,7 +42,7 @@ BOTH = ["fsdp", "fsdp_bf16", "fsdp_checkpointed", "accumulation", "ddp"]
 ONLY_2 = ["fsdp_shard_dim1", "fsdp_whole", "ddp_checkpointed", "refuse_unregistered", "refuse_cast_inputs", "dcp_save",
           "fp8_reduced_scales", "fp8_empty_batch", "fp8_two_backwards", "fp8_validation_on_one_rank",
           "fp8_tensor_on_one_rank",
-          "fp8_forward_on_one_rank_between_two_backwards", "fp8_dcp_resume"]
+          "fp8_forward_on_one_rank_between_two_backwards", "fp8_dcp_resume", "fp8_amax_group_destroyed"]
 ONLY_4 = ["dcp_load", "fp8_amax_subgroups"]
 TIMEOUT_S = 300
 
@@ -645,3 +645,16 @@ def test_fp8_amaxes_reduce_over_the_group_set_for_them(run4):
     assert res["kept"] and res["restored"]
     assert "is not a member of this group" in res["refused"]["other"]["error"]
     assert "expected a torch.distributed ProcessGroup" in res["refused"]["type"]["error"]
+
+
+def test_fp8_an_amax_group_destroyed_since_is_refused_by_name(run2):
+    """``set_amax_group(g)``, a step, then ``destroy_process_group(g)``: the next training forward
+    refuses the group by name on both ranks, before any collective (before, the reductions went on
+    over the destroyed group's connections, or crashed in gloo without naming set_amax_group);
+    ``set_amax_group(None)`` then trains over the default group, the ranks keeping one state."""
+    res = result(run2, "fp8_amax_group_destroyed")
+    assert "ConfigError" in res["refused"]["error"] and "set_amax_group" in res["refused"]["error"], res["refused"]
+    assert "destroyed" in res["refused"]["error"]
+    assert res["kept"]
+    _assert_ranks_agree(res["states"])
+    assert torch.isfinite(res["losses"]).all()

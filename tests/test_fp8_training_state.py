@@ -693,6 +693,33 @@ def test_a_model_outside_a_process_group_or_alone_in_one_reduces_nothing(monkeyp
         dist.destroy_process_group()
 
 
+def test_an_amax_group_of_a_destroyed_world_is_refused_by_name():
+    """set_amax_group's group outlives destroy_process_group: in the world made next, the training
+    forward refuses it by name (gloo's connections outlive the group, so the reductions went on over
+    the old world's ranks, or crashed in gloo); set_amax_group(None) takes the default group again."""
+    import torch.distributed as dist
+    from coda_cutlass.nn.fp8 import set_amax_group
+    from coda_cutlass.nn.fp8.amax_reduce import ranks_reduce
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        stale = dist.new_group([0])
+        previous = set_amax_group(stale)
+        dist.destroy_process_group()
+        assert not ranks_reduce(True)           # no world: nothing to reduce, nothing to refuse
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        with pytest.raises(ConfigError, match="set_amax_group was destroyed since"):
+            ranks_reduce(True)
+        assert not ranks_reduce(False)
+        with pytest.raises(ConfigError, match="this group was destroyed"):
+            set_amax_group(stale)
+        set_amax_group(None)
+        assert not ranks_reduce(True)
+    finally:
+        set_amax_group(previous)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_a_fresh_blocks_scale_state_has_the_structure_of_a_trained_ones():
     """A distributed checkpoint (torch.distributed.checkpoint) loads into the state dict's structure
     as it stands: a block before its first step reported {"history": None} and the load failed with

@@ -36,9 +36,12 @@ def set_amax_group(group: Any) -> Any:
     default) and return the group set before. Every rank of the group must hold the same FP8 blocks
     and run their training backwards alike, as DDP or FSDP replicas of them do: with pipeline
     parallelism, the data-parallel group of this rank's stage (over the default group, stages
-    holding different blocks would send collectives of different sizes, and gloo aborts, NCCL
-    may hang). Set it on every rank of the group before the first training step, the same on all; it
-    outlives ``destroy_process_group``, so a process that makes a new world sets it again (or None)."""
+    holding different blocks would send collectives of different sizes, and gloo aborts, NCCL may
+    hang; stages of as many blocks mix their amaxes, or hang where a stage waits on another's
+    gradients). Set it on every rank of the group before the first training step, the same on all
+    (a rank naming another group, or none, waits in its reduction until the process group's
+    timeout). It outlives ``destroy_process_group``, so a process that makes a new world sets it
+    again (or None): until then a training forward refuses the destroyed group by name."""
     global _GROUP
     dist = torch.distributed
     if group is not None:
@@ -50,8 +53,13 @@ def set_amax_group(group: Any) -> Any:
             raise ConfigError(f"{outside} (new_group gave it the non-member marker): each rank names the "
                               "group it belongs to")
         if not isinstance(group, dist.ProcessGroup):
+            mesh = (" (of a DeviceMesh, name a dimension's group: mesh.get_group(dim))"
+                    if hasattr(group, "get_group") else "")
             raise ConfigError(f"set_amax_group: expected a torch.distributed ProcessGroup or None, got "
-                              f"{type(group).__name__}")
+                              f"{type(group).__name__}{mesh}")
+        if not _registered(group):
+            raise ConfigError("set_amax_group: this group was destroyed (destroy_process_group, of it or of "
+                              "its world): name a group of the process group now initialised")
         if dist.get_rank(group) < 0:
             raise ConfigError(f"{outside} (its ranks: {dist.get_process_group_ranks(group)}): each rank "
                               "names the group it belongs to")
@@ -64,13 +72,30 @@ def amax_group() -> Any:
     return _GROUP
 
 
+def _registered(group: Any) -> bool:
+    """Whether ``group`` is a group of the process group now initialised (destroy_process_group
+    unregisters it, but a group object kept works on: gloo's connections outlive it)."""
+    try:
+        torch.distributed.get_rank(group)
+    except ValueError:          # torch: "Group ... is not registered"
+        return False
+    return True
+
+
 def ranks_reduce(reduce_amax: bool) -> bool:
     """Whether amaxes are reduced now: the recipe asks for it and this process is one of several in an
     initialised torch.distributed world, and of its amax group (one process, or none initialised:
-    nothing to reduce)."""
+    nothing to reduce). A group ``set_amax_group`` named that was destroyed since (by
+    ``destroy_process_group``, of it or of its world) is refused, before any collective: gloo's
+    connections outlive it, so the reductions went on over the old world's ranks."""
     dist = torch.distributed
-    return (reduce_amax and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size(_GROUP) > 1)
+    if not (reduce_amax and dist.is_available() and dist.is_initialized()):
+        return False
+    if _GROUP is not None and not _registered(_GROUP):
+        raise ConfigError("the FP8 amax group set by set_amax_group was destroyed since "
+                          "(destroy_process_group): name a group of the process group now initialised "
+                          "with set_amax_group, or None for the default group")
+    return dist.get_world_size(_GROUP) > 1
 
 
 def max_over_ranks(vectors: list[torch.Tensor]) -> list[torch.Tensor]:
