@@ -9,7 +9,7 @@
 # Neither folder survives a fresh checkout (the thirty-second session rebuilt both this way).
 # .ab4/prebuilt2.tar.xz (35th session): the kernels of the 70B plans (--widths 70b --fp8 tensorwise blockwise_g16
 # --bf16) and every 8B "tensorwise" tuning candidate (--widths 8b --fp8 tensorwise --candidates), built the same way
-# with prebuilt1's kernels on CODA_CUTLASS_PREBUILT_PATH (only the missing ones built: 70 kernels, ~30 min).
+# with prebuilt1's kernels on CODA_CUTLASS_PREBUILT_PATH (only the missing ones built: 72 kernels, ~30 min on 2 cores).
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1 || return 1
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p /tmp/prebuilt && for a in .ab4/prebuilt*.tar.xz; do [ -e "$a" ] && tar -xJf "$a" -C /tmp/prebuilt; done
