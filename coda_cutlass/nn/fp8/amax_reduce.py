@@ -57,10 +57,11 @@ def set_amax_group(group: Any) -> Any:
                     if hasattr(group, "get_group") else "")
             raise ConfigError(f"set_amax_group: expected a torch.distributed ProcessGroup or None, got "
                               f"{type(group).__name__}{mesh}")
-        if not _registered(group):
+        rank = _rank_in(group)
+        if rank is None:
             raise ConfigError("set_amax_group: this group was destroyed (destroy_process_group, of it or of "
                               "its world): name a group of the process group now initialised")
-        if dist.get_rank(group) < 0:
+        if rank < 0:
             raise ConfigError(f"{outside} (its ranks: {dist.get_process_group_ranks(group)}): each rank "
                               "names the group it belongs to")
     previous, _GROUP = _GROUP, group
@@ -72,14 +73,14 @@ def amax_group() -> Any:
     return _GROUP
 
 
-def _registered(group: Any) -> bool:
-    """Whether ``group`` is a group of the process group now initialised (destroy_process_group
-    unregisters it, but a group object kept works on: gloo's connections outlive it)."""
+def _rank_in(group: Any) -> int | None:
+    """This process's rank in ``group`` (-1: not a member), None where it is no group of the process
+    group now initialised (destroy_process_group unregisters it, but a group object kept works on:
+    gloo's connections outlive it)."""
     try:
-        torch.distributed.get_rank(group)
+        return torch.distributed.get_rank(group)
     except ValueError:          # torch: "Group ... is not registered"
-        return False
-    return True
+        return None
 
 
 def ranks_reduce(reduce_amax: bool) -> bool:
@@ -91,7 +92,7 @@ def ranks_reduce(reduce_amax: bool) -> bool:
     dist = torch.distributed
     if not (reduce_amax and dist.is_available() and dist.is_initialized()):
         return False
-    if _GROUP is not None and not _registered(_GROUP):
+    if _GROUP is not None and _rank_in(_GROUP) is None:
         raise ConfigError("the FP8 amax group set by set_amax_group was destroyed since "
                           "(destroy_process_group): name a group of the process group now initialised "
                           "with set_amax_group, or None for the default group")
